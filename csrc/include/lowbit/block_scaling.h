@@ -1,0 +1,102 @@
+// NVFP4 pieces shared by the CPU and CUDA kernels: block scales, stochastic rounding and the
+// 16-point Hadamard transform, exactly as docs/numerics.md specifies them.
+#pragma once
+
+#include <cstdint>
+
+#include "lowbit/formats.h"
+
+namespace lowbit {
+
+// NVFP4 tensor scale S = scale_from_amax(A, 448 * 6).
+LOWBIT_HD float nvfp4_tensor_scale(float amax) { return scale_from_amax(amax, kE4M3Max * kE2M1Max); }
+
+// E4M3 block scale code for a block with amax `a` under tensor scale S.
+LOWBIT_HD uint32_t nvfp4_block_scale_code(float a, float S) {
+  return encode_rne((a / kE2M1Max) * S, kE4M3);
+}
+
+// Encode factor f = S / decode(sb), 0 when the block scale underflowed to 0.
+LOWBIT_HD float nvfp4_encode_factor(uint32_t sb_code, float S) {
+  const float d = decode(sb_code, kE4M3);
+  return d != 0.0f ? S / d : 0.0f;
+}
+
+LOWBIT_HD uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+
+// 24 random bits for element `i` of a copy under seed (s0, s1).
+LOWBIT_HD uint32_t sr_bits(uint64_t i, uint32_t s0, uint32_t s1) {
+  uint32_t h = fmix32((uint32_t(i) * 0x9E3779B1u) ^ s0);
+  h = fmix32(h ^ s1 ^ uint32_t(i >> 32));
+  return h >> 8;
+}
+
+// The seed's first word for the colwise copy, so its random bits differ from the rowwise copy's.
+constexpr uint32_t kColwiseSeedXor = 0x9E3779B9u;
+
+// E2M1 with stochastic rounding: round |w| up to the next grid point with probability equal to
+// its distance from the lower one, using 24 random bits `u`.
+LOWBIT_HD uint32_t encode_e2m1_stochastic(float w, uint32_t u) {
+  const uint32_t wb = float_bits(w);
+  if (is_nan_bits(wb)) return encode_rne(w, kE2M1);
+  const uint32_t sign = (wb >> 31) << 3;
+  const float a = bits_float(wb & 0x7fffffffu);
+  if (a >= kE2M1Max) return sign | kE2M1.max_bits;
+  // Grid: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7); spacing 0.5 below 2, then 1, then 2.
+  uint32_t lo_code;
+  float lo, step;
+  if (a < 2.0f) {
+    lo_code = uint32_t(a * 2.0f);  // truncation: a < 2 so 0..3
+    lo = float(lo_code) * 0.5f;
+    step = 0.5f;
+  } else if (a < 4.0f) {
+    lo_code = a < 3.0f ? 4u : 5u;
+    lo = a < 3.0f ? 2.0f : 3.0f;
+    step = 1.0f;
+  } else {
+    lo_code = 6u;
+    lo = 4.0f;
+    step = 2.0f;
+  }
+  const float p = (a - lo) / step;  // exact: step is a power of two, a - lo exact (Sterbenz)
+  const bool up = float(u) < p * 16777216.0f;
+  return sign | (lo_code + (up ? 1u : 0u));
+}
+
+// In-place 16-point random Hadamard transform: signs, butterflies h = 1, 2, 4, 8, times 1/4.
+LOWBIT_HD void hadamard16_forward(float* v, uint32_t sign_mask) {
+  for (int j = 0; j < 16; ++j)
+    if ((sign_mask >> j) & 1u) v[j] = -v[j];
+  for (int h = 1; h < 16; h <<= 1)
+    for (int j = 0; j < 16; ++j)
+      if ((j & h) == 0) {
+        const float a = v[j], b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
+      }
+  for (int j = 0; j < 16; ++j) v[j] *= 0.25f;
+}
+
+// Inverse: butterflies, times 1/4, then the signs.
+LOWBIT_HD void hadamard16_inverse(float* v, uint32_t sign_mask) {
+  for (int h = 1; h < 16; h <<= 1)
+    for (int j = 0; j < 16; ++j)
+      if ((j & h) == 0) {
+        const float a = v[j], b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
+      }
+  for (int j = 0; j < 16; ++j) {
+    v[j] *= 0.25f;
+    if ((sign_mask >> j) & 1u) v[j] = -v[j];
+  }
+}
+
+}  // namespace lowbit

@@ -1,0 +1,42 @@
+// Plain descriptions of the tensors kernels see: no XLA types below the FFI layer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lowbit {
+
+// Element types kernels read or write. Values are part of the Python <-> C++ contract
+// (src/lowbit/_types.py mirrors them).
+enum class DType : int32_t {
+  kF32 = 0,
+  kBF16 = 1,
+  kF16 = 2,
+  kE4M3 = 3,
+  kE5M2 = 4,
+  kE2M1 = 5,  // stored packed, two codes per byte
+  kE8M0 = 6,
+};
+
+// Scaling modes; values mirror lowbit.ScalingMode.
+enum class ScalingMode : int32_t {
+  kNoScaling = 0,
+  kDelayedTensor = 1,
+  kCurrentTensor = 2,
+  kMxfp8_1d = 3,
+  kNvfp4_1d = 4,
+  kNvfp4_2d = 5,
+};
+
+inline bool is_tensor_scaling(ScalingMode m) {
+  return m == ScalingMode::kDelayedTensor || m == ScalingMode::kCurrentTensor;
+}
+inline bool is_nvfp4(ScalingMode m) {
+  return m == ScalingMode::kNvfp4_1d || m == ScalingMode::kNvfp4_2d;
+}
+// Elements per block along the copy's last axis (1 for tensor scaling).
+inline int block_size(ScalingMode m) {
+  return m == ScalingMode::kMxfp8_1d ? 32 : (is_nvfp4(m) ? 16 : 1);
+}
+
+}  // namespace lowbit

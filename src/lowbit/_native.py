@@ -1,0 +1,115 @@
+"""Loads lowbit's shared libraries and registers their XLA FFI handlers, once per platform.
+
+``liblowbit_cpu.so`` is always there; ``liblowbit_cuda.so`` exists when the package was built
+with nvcc and is loaded only when JAX has a CUDA backend. Handler symbols are named
+``lowbit_<op>_<platform>`` and registered as the target ``lowbit_<op>``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+
+import jax
+
+_OPS = ("quantize", "dequantize", "grouped_quantize")
+_EXTRA_OPS_CUDA: tuple[str, ...] = ()
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _lib_dir() -> str:
+    return os.environ.get("LOWBIT_LIBRARY_DIR", os.path.dirname(os.path.abspath(__file__)))
+
+
+def _find(name: str) -> str | None:
+    path = os.path.join(_lib_dir(), name)
+    return path if os.path.exists(path) else None
+
+
+def _has_cuda_backend() -> bool:
+    try:
+        return len(jax.devices("cuda")) > 0
+    except RuntimeError:
+        return False
+
+
+def _preload_cublaslt() -> None:
+    """Makes libcublasLt loadable from the NVIDIA wheels that jax[cuda] installs."""
+    try:
+        import nvidia  # type: ignore
+    except ImportError:
+        return
+    for root in getattr(nvidia, "__path__", []):
+        for pattern in ("cu13/lib/libcublasLt.so*", "cublas/lib/libcublasLt.so*", "*/lib/libcublasLt.so*"):
+            for path in sorted(glob.glob(os.path.join(root, pattern))):
+                try:
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                    return
+                except OSError:
+                    continue
+
+
+def _load_cuda():
+    path = _find("liblowbit_cuda.so")
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(path)
+    except OSError:
+        _preload_cublaslt()
+        return ctypes.CDLL(path)
+
+
+def _register(lib, platform: str, suffix: str, ops) -> None:
+    for op in ops:
+        fn = getattr(lib, f"lowbit_{op}_{suffix}", None)
+        if fn is None:
+            continue
+        jax.ffi.register_ffi_target(f"lowbit_{op}", jax.ffi.pycapsule(fn), platform=platform)
+
+
+def ensure_loaded() -> dict:
+    """Loads and registers once; returns {'cpu': lib, 'cuda': lib or None}."""
+    if _state:
+        return _state
+    with _lock:
+        if _state:
+            return _state
+        cpu_path = _find("liblowbit_cpu.so")
+        if cpu_path is None:
+            raise ImportError(
+                f"lowbit's native library was not found in {_lib_dir()}; install the package with "
+                "`pip install -e .` (or set LOWBIT_LIBRARY_DIR to the folder holding liblowbit_cpu.so)"
+            )
+        cpu = ctypes.CDLL(cpu_path)
+        _register(cpu, "cpu", "cpu", _OPS + _EXTRA_OPS_CUDA)
+        cuda = _load_cuda() if _has_cuda_backend() else None
+        if cuda is not None:
+            _register(cuda, "CUDA", "cuda", _OPS + _EXTRA_OPS_CUDA)
+            for fn_name in ("lowbit_quantize_workspace_bytes", "lowbit_grouped_quantize_workspace_bytes"):
+                fn = getattr(cuda, fn_name)
+                fn.restype = ctypes.c_int64
+        _state.update(cpu=cpu, cuda=cuda)
+        return _state
+
+
+def register_ops(*ops: str) -> None:
+    """Lets other op families (gemm, norm, ...) add their handler names before first use."""
+    global _EXTRA_OPS_CUDA
+    _EXTRA_OPS_CUDA = tuple(dict.fromkeys(_EXTRA_OPS_CUDA + ops))
+
+
+def cuda_library():
+    return ensure_loaded()["cuda"]
+
+
+def workspace_bytes(fn_name: str, *args: int) -> int:
+    """Asks the CUDA library for a kernel's scratch size (0 without CUDA)."""
+    lib = cuda_library()
+    if lib is None:
+        return 0
+    fn = getattr(lib, fn_name)
+    return int(fn(*[ctypes.c_int64(a) if i >= 4 else ctypes.c_int32(a) for i, a in enumerate(args)]))

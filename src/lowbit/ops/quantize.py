@@ -1,0 +1,385 @@
+"""quantize / dequantize / grouped_quantize: argument checks, then one XLA FFI call each."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit import _native
+from lowbit.quantize.scaling_modes import (
+    DEFAULT_RHT_SIGN_MASK,
+    FLAG_COLWISE,
+    FLAG_DBIAS,
+    FLAG_RHT,
+    FLAG_ROWWISE,
+    FLAG_STOCHASTIC,
+    FP8_DTYPES,
+    INPUT_DTYPES,
+    ScalingMode,
+    dtype_code,
+)
+from lowbit.quantize.tensor import ScaledTensor, _prod, fp4_pack, fp4_unpack
+
+_LAYOUTS = {"rowwise": FLAG_ROWWISE, "colwise": FLAG_COLWISE, "both": FLAG_ROWWISE | FLAG_COLWISE}
+_EMPTY_F32 = np.zeros((0,), np.float32)
+_EMPTY_U32 = np.zeros((0,), np.uint32)
+
+
+def _check_input(x, name: str = "x") -> jax.Array:
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        x = jnp.asarray(x)
+    if np.dtype(x.dtype) not in INPUT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {np.dtype(x.dtype).name}")
+    return x
+
+
+def _check_mode(scaling_mode) -> ScalingMode:
+    try:
+        return ScalingMode(scaling_mode)
+    except ValueError:
+        raise ValueError(
+            f"scaling_mode must be a lowbit.ScalingMode, got {scaling_mode!r}; "
+            f"choose one of {[m.name for m in ScalingMode]}"
+        ) from None
+
+
+def _check_q_dtype(mode: ScalingMode, q_dtype, x_dtype):
+    if mode == ScalingMode.NO_SCALING:
+        return np.dtype(x_dtype)
+    q = np.dtype(q_dtype if q_dtype is not None else mode.default_q_dtype)
+    if mode.is_nvfp4:
+        if q != np.dtype(jnp.float4_e2m1fn):
+            raise TypeError(f"q_dtype must be float4_e2m1fn for {mode.name}, got {q.name}")
+    elif q not in FP8_DTYPES:
+        raise TypeError(f"q_dtype must be float8_e4m3fn or float8_e5m2 for {mode.name}, got {q.name}")
+    return q
+
+
+def _check_flatten_axis(flatten_axis: int, ndim: int) -> int:
+    if ndim < 1:
+        raise ValueError("x must have at least one dimension")
+    axis = flatten_axis + ndim if flatten_axis < 0 else flatten_axis
+    if not 0 <= axis < ndim:
+        raise ValueError(f"flatten_axis={flatten_axis} is out of range for an array of rank {ndim}")
+    return axis
+
+
+def _check_block_multiple(mode: ScalingMode, shape, axis: int, rowwise: bool, colwise: bool) -> None:
+    b = mode.block_size
+    rows, cols = _prod(shape[:axis]), _prod(shape[axis:])
+    if rowwise and cols % b:
+        raise ValueError(
+            f"x: the contraction axis (dims {tuple(range(axis, len(shape)))} of shape {tuple(shape)}, "
+            f"size {cols}) must be a multiple of {b} for {mode.name}"
+        )
+    if (colwise or mode == ScalingMode.NVFP4_2D_SCALING) and rows % (16 if mode.is_nvfp4 else b):
+        raise ValueError(
+            f"x: the leading axes (dims {tuple(range(axis))} of shape {tuple(shape)}, size {rows}) "
+            f"must be a multiple of {16 if mode.is_nvfp4 else b} for the colwise copy of {mode.name}"
+        )
+    if mode == ScalingMode.NVFP4_2D_SCALING and cols % 16:
+        raise ValueError(f"x: size {cols} of the contraction axis must be a multiple of 16 for NVFP4_2D_SCALING")
+
+
+def quantize(
+    x,
+    scaling_mode,
+    q_dtype=None,
+    *,
+    scale: Optional[jax.Array] = None,
+    layout: str = "rowwise",
+    flatten_axis: int = -1,
+    rng_key: Optional[jax.Array] = None,
+    rht: bool = False,
+    rht_sign_mask: int = DEFAULT_RHT_SIGN_MASK,
+) -> ScaledTensor:
+    """Quantizes ``x`` in one pass; see docs/numerics.md for the exact numerics.
+
+    Args:
+      x: float32/bfloat16/float16 array of any rank.
+      scaling_mode: a :class:`lowbit.ScalingMode`.
+      q_dtype: float8_e4m3fn or float8_e5m2 (FP8 modes), float4_e2m1fn (NVFP4); default E4M3/E2M1.
+      scale: delayed scaling only, the float32 encode scale, shape ``()`` or ``(1,)``.
+      layout: "rowwise", "colwise" or "both".
+      flatten_axis: ``x`` is viewed as 2-D (prod(shape[:axis]), prod(shape[axis:])).
+      rng_key: NVFP4 only: enables stochastic rounding.
+      rht: NVFP4 1-D only: random Hadamard transform of the colwise copy.
+    """
+    qt, _ = _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht,
+                           rht_sign_mask, dbias=False)
+    return qt
+
+
+def quantize_dbias(x, scaling_mode, q_dtype=None, **kwargs):
+    """Fused quantize + bias gradient: returns (ScaledTensor, column sums of the 2-D view)."""
+    return _quantize_impl(
+        x, scaling_mode, q_dtype, kwargs.pop("scale", None), kwargs.pop("layout", "rowwise"),
+        kwargs.pop("flatten_axis", -1), kwargs.pop("rng_key", None), kwargs.pop("rht", False),
+        kwargs.pop("rht_sign_mask", DEFAULT_RHT_SIGN_MASK), dbias=True, **kwargs)
+
+
+def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht,
+                   rht_sign_mask, dbias):
+    x = _check_input(x)
+    mode = _check_mode(scaling_mode)
+    q = _check_q_dtype(mode, q_dtype, x.dtype)
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+    flags = _LAYOUTS[layout]
+    rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
+    shape = tuple(x.shape)
+    axis = _check_flatten_axis(flatten_axis, x.ndim)
+    _check_block_multiple(mode, shape, axis, rowwise, colwise)
+    rows, cols = _prod(shape[:axis]), _prod(shape[axis:])
+
+    if mode == ScalingMode.DELAYED_TENSOR_SCALING:
+        if scale is None:
+            raise ValueError("scale is required for DELAYED_TENSOR_SCALING (a float32 scalar)")
+        scale = jnp.asarray(scale)
+        if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
+            raise TypeError(f"scale must be a float32 scalar or shape (1,), got {scale.dtype} {scale.shape}")
+        scale = scale.reshape(1)
+    elif scale is not None:
+        raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
+    else:
+        scale = _EMPTY_F32
+
+    if rng_key is not None:
+        if not mode.is_nvfp4:
+            raise ValueError(f"rng_key (stochastic rounding) is only used with NVFP4 modes, not {mode.name}")
+        seed = jax.random.bits(rng_key, (2,), jnp.uint32)
+        flags |= FLAG_STOCHASTIC
+    else:
+        seed = _EMPTY_U32
+    if rht:
+        if mode != ScalingMode.NVFP4_1D_SCALING:
+            raise ValueError(f"rht (random Hadamard transform) needs NVFP4_1D_SCALING, not {mode.name}")
+        flags |= FLAG_RHT
+    if dbias:
+        flags |= FLAG_DBIAS
+
+    f32 = jnp.float32
+    u8 = jnp.uint8
+    if mode == ScalingMode.NO_SCALING:
+        data_dt, s_shape, s_dt = x.dtype, None, None
+    elif mode.is_tensor_scaling:
+        data_dt, s_shape, s_dt = q, lambda r, c: (1,), f32
+    elif mode == ScalingMode.MXFP8_1D_SCALING:
+        data_dt, s_shape, s_dt = q, lambda r, c: (r, c // 32), jnp.float8_e8m0fnu
+    else:
+        data_dt, s_shape, s_dt = u8, lambda r, c: (r, c // 16), jnp.float8_e4m3fn
+    packed = mode.is_nvfp4
+
+    def copy_shapes(r, c, wanted):
+        if not wanted:
+            return jax.ShapeDtypeStruct((0,), u8), jax.ShapeDtypeStruct((0,), f32)
+        d = jax.ShapeDtypeStruct((r, c // 2) if packed else (r, c), data_dt)
+        s = jax.ShapeDtypeStruct(s_shape(r, c) if s_shape else (0,), s_dt if s_dt else f32)
+        return d, s
+
+    row_d, row_s = copy_shapes(rows, cols, rowwise)
+    col_d, col_s = copy_shapes(cols, rows, colwise)
+    ws = _native.workspace_bytes(
+        "lowbit_quantize_workspace_bytes", int(mode), dtype_code(q), flags, dtype_code(x.dtype), rows, cols)
+    _native.ensure_loaded()
+    out_types = (
+        row_d, row_s, col_d, col_s,
+        jax.ShapeDtypeStruct((1,), f32),
+        jax.ShapeDtypeStruct((2,) if mode.is_nvfp4 else (0,), f32),
+        jax.ShapeDtypeStruct((cols,) if dbias else (0,), x.dtype),
+        jax.ShapeDtypeStruct((ws,), u8),
+    )
+    call = jax.ffi.ffi_call("lowbit_quantize", out_types, vmap_method="sequential")
+    data, s_inv, cw_data, cw_s_inv, amax, gsi, db, _ = call(
+        x.reshape(rows, cols), scale, seed,
+        mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)), flags=np.int32(flags),
+        rht_sign_mask=np.int32(rht_sign_mask & 0xFFFF))
+
+    cw_shape = shape[axis:] + shape[:axis]
+    if rowwise:
+        data = fp4_unpack(data, shape) if packed else data.reshape(shape)
+    if colwise:
+        cw_data = fp4_unpack(cw_data, cw_shape) if packed else cw_data.reshape(cw_shape)
+    no_scale = mode == ScalingMode.NO_SCALING
+    qt = ScaledTensor(
+        data=data if rowwise else None,
+        scale_inv=s_inv if rowwise and not no_scale else None,
+        colwise_data=cw_data if colwise else None,
+        colwise_scale_inv=cw_s_inv if colwise and not no_scale else None,
+        amax=amax,
+        global_scale_inv=gsi if mode.is_nvfp4 else None,
+        scaling_mode=mode,
+        q_dtype=q,
+        dq_dtype=np.dtype(x.dtype),
+        shape=shape,
+        flatten_axis=axis,
+        rht=bool(rht),
+        rht_sign_mask=int(rht_sign_mask & 0xFFFF) if rht else 0,
+    )
+    return qt, (db if dbias else None)
+
+
+def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype=None) -> jax.Array:
+    """Decodes one copy of ``qt`` back to its original shape (and dtype unless ``dtype`` is given)."""
+    if not isinstance(qt, ScaledTensor):
+        raise TypeError(f"qt must be a lowbit.ScaledTensor, got {type(qt).__name__}")
+    if layout not in ("rowwise", "colwise"):
+        raise ValueError(f"layout must be 'rowwise' or 'colwise', got {layout!r}")
+    out_dtype = np.dtype(dtype if dtype is not None else qt.dq_dtype)
+    if out_dtype not in INPUT_DTYPES:
+        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
+    colwise = layout == "colwise"
+    data = qt.colwise_data if colwise else qt.data
+    s_inv = qt.colwise_scale_inv if colwise else qt.scale_inv
+    if data is None:
+        raise ValueError(f"qt has no {layout} copy; quantize with layout='{layout}' or 'both'")
+    mode = qt.scaling_mode
+    if mode == ScalingMode.NO_SCALING:
+        out = data.astype(out_dtype)
+        return _untranspose(out, qt) if colwise else out
+    r, c = (qt.cols, qt.rows) if colwise else (qt.rows, qt.cols)
+    return _dequantize_vjp(data, s_inv, qt.global_scale_inv, mode, np.dtype(qt.q_dtype), out_dtype,
+                           r, c, colwise, qt.rht and colwise, qt.rht_sign_mask, qt.shape, qt.flatten_axis)
+
+
+def _untranspose(out2d_like, qt: ScaledTensor):
+    """Colwise result (shape[axis:] + shape[:axis]) -> original layout."""
+    r, c = qt.rows, qt.cols
+    return out2d_like.reshape(c, r).T.reshape(qt.shape)
+
+
+def _dequantize_ffi(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask):
+    _native.ensure_loaded()
+    d = fp4_pack(data, r, c) if mode.is_nvfp4 else data.reshape(r, c)
+    g = gsi[1:2] if (mode.is_nvfp4 and colwise) else (gsi[0:1] if mode.is_nvfp4 else _EMPTY_F32)
+    call = jax.ffi.ffi_call("lowbit_dequantize", jax.ShapeDtypeStruct((r, c), out_dtype),
+                            vmap_method="sequential")
+    return call(d, s_inv, g, mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)),
+                flags=np.int32(FLAG_RHT if rht else 0), rht_sign_mask=np.int32(mask))
+
+
+def _dequantize_vjp(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask, shape, axis):
+    # Decoding is linear in the data and, for tensor scaling, in scale_inv: those gradients are
+    # defined. Block scales (E8M0/E4M3 codes) get zero gradients.
+    def finish(out2d):
+        if colwise:
+            return out2d.T.reshape(shape)
+        return out2d.reshape(shape)
+
+    @jax.custom_vjp
+    def f(data, s_inv, gsi):
+        return finish(_dequantize_ffi(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask))
+
+    def fwd(data, s_inv, gsi):
+        return f(data, s_inv, gsi), (data, s_inv, gsi)
+
+    def bwd(res, g):
+        data, s_inv, gsi = res
+        g2 = g.reshape(_prod(shape[:axis]), _prod(shape[axis:])).astype(jnp.float32)
+        g2 = g2.T if colwise else g2
+        if mode.is_tensor_scaling:
+            dec = data.reshape(r, c).astype(jnp.float32)
+            d_data = (g2 * s_inv[0]).astype(data.dtype).reshape(data.shape)
+            d_s = jnp.sum(g2 * dec).reshape(s_inv.shape).astype(s_inv.dtype)
+            return d_data, d_s, _zeros_or_none(gsi)
+        return _zeros_or_none(data), _zeros_or_none(s_inv), _zeros_or_none(gsi)
+
+    f.defvjp(fwd, bwd)
+    return f(data, s_inv, gsi)
+
+
+def _zeros_or_none(a):
+    return None if a is None else jnp.zeros_like(a)
+
+
+def grouped_dequantize(qt: ScaledTensor, group_sizes, layout: str = "rowwise", dtype=None) -> jax.Array:
+    """Decodes a grouped_quantize result to (M, K); rows in no group decode to zero."""
+    out_dtype = np.dtype(dtype if dtype is not None else qt.dq_dtype)
+    M, K = qt.shape
+    if qt.scaling_mode == ScalingMode.MXFP8_1D_SCALING:
+        return dequantize(qt, layout, dtype=out_dtype)
+    # Group id of every row (G for rows in no group), computed on the device.
+    ends = jnp.cumsum(jnp.maximum(jnp.asarray(group_sizes, jnp.int32), 0))
+    gid = jnp.searchsorted(ends, jnp.arange(M, dtype=jnp.int32), side="right")
+    if layout == "rowwise":
+        data, s_inv = qt.data, qt.scale_inv
+    else:
+        data, s_inv = qt.colwise_data.T, qt.colwise_scale_inv
+    row_scale = jnp.concatenate([s_inv, jnp.zeros((1,), jnp.float32)])[gid]
+    return (data.astype(jnp.float32) * row_scale[:, None]).astype(out_dtype)
+
+
+def grouped_quantize(x, group_sizes, scaling_mode, q_dtype=None, *, scale=None, layout="rowwise"):
+    """Quantizes the row groups of ``x`` (M, K) as separate tensors; ``group_sizes`` int32 (G,)
+    stays on the device. Returns a ScaledTensor whose scales and amax have one entry per group
+    (tensor modes) and whose colwise copy is the (K, M) transpose."""
+    x = _check_input(x)
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.ndim != 1 or np.dtype(group_sizes.dtype) != np.int32:
+        raise TypeError(f"group_sizes must be int32 of shape (G,), got {group_sizes.dtype} {group_sizes.shape}")
+    if group_sizes.shape[0] < 1:
+        raise ValueError("group_sizes must have at least one group")
+    mode = _check_mode(scaling_mode)
+    if not (mode.is_tensor_scaling or mode == ScalingMode.MXFP8_1D_SCALING):
+        raise ValueError(f"grouped_quantize supports DELAYED/CURRENT_TENSOR_SCALING and MXFP8_1D_SCALING, not {mode.name}")
+    q = _check_q_dtype(mode, q_dtype, x.dtype)
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+    flags = _LAYOUTS[layout]
+    rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
+    M, K = x.shape
+    G = group_sizes.shape[0]
+    if mode == ScalingMode.MXFP8_1D_SCALING:
+        if colwise:
+            raise ValueError("grouped MXFP8 quantization is rowwise only (colwise blocks would straddle groups)")
+        if K % 32:
+            raise ValueError(f"x: size {K} of the contraction axis (1) must be a multiple of 32 for MXFP8_1D_SCALING")
+    if mode == ScalingMode.DELAYED_TENSOR_SCALING:
+        if scale is None:
+            raise ValueError("scale (float32, shape (G,)) is required for DELAYED_TENSOR_SCALING")
+        scale = jnp.asarray(scale)
+        if scale.shape != (G,) or np.dtype(scale.dtype) != np.float32:
+            raise TypeError(f"scale must be float32 of shape ({G},), got {scale.dtype} {scale.shape}")
+    elif scale is not None:
+        raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
+    else:
+        scale = _EMPTY_F32
+
+    f32, u8 = jnp.float32, jnp.uint8
+    empty = jax.ShapeDtypeStruct((0,), u8)
+    if mode == ScalingMode.MXFP8_1D_SCALING:
+        row_s = jax.ShapeDtypeStruct((M, K // 32), jnp.float8_e8m0fnu)
+    else:
+        row_s = jax.ShapeDtypeStruct((G,), f32)
+    ws = _native.workspace_bytes("lowbit_grouped_quantize_workspace_bytes", int(mode), dtype_code(q),
+                                 flags, dtype_code(x.dtype), M, K, G)
+    _native.ensure_loaded()
+    out_types = (
+        jax.ShapeDtypeStruct((M, K), q) if rowwise else empty,
+        row_s if rowwise else jax.ShapeDtypeStruct((0,), f32),
+        jax.ShapeDtypeStruct((K, M), q) if colwise else empty,
+        jax.ShapeDtypeStruct((G,), f32) if colwise else jax.ShapeDtypeStruct((0,), f32),
+        jax.ShapeDtypeStruct((G,), f32),
+        jax.ShapeDtypeStruct((ws,), u8),
+    )
+    call = jax.ffi.ffi_call("lowbit_grouped_quantize", out_types, vmap_method="sequential")
+    data, s_inv, cw, cw_s, amax, _ = call(x, group_sizes, scale, mode=np.int32(int(mode)),
+                                          q_dtype=np.int32(dtype_code(q)), flags=np.int32(flags))
+    return ScaledTensor(
+        data=data if rowwise else None,
+        scale_inv=s_inv if rowwise else None,
+        colwise_data=cw if colwise else None,
+        colwise_scale_inv=cw_s if colwise else None,
+        amax=amax,
+        global_scale_inv=None,
+        scaling_mode=mode,
+        q_dtype=q,
+        dq_dtype=np.dtype(x.dtype),
+        shape=(M, K),
+        flatten_axis=1,
+    )

@@ -1,0 +1,70 @@
+"""Scaling modes and the dtype codes shared with the C++ kernels (csrc/include/lowbit/tensor.h)."""
+
+from __future__ import annotations
+
+import enum
+
+import jax.numpy as jnp
+import numpy as np
+
+
+class ScalingMode(enum.IntEnum):
+    """How a quantized tensor's scales are chosen and laid out (docs/numerics.md)."""
+
+    NO_SCALING = 0
+    DELAYED_TENSOR_SCALING = 1
+    CURRENT_TENSOR_SCALING = 2
+    MXFP8_1D_SCALING = 3
+    NVFP4_1D_SCALING = 4
+    NVFP4_2D_SCALING = 5
+
+    @property
+    def is_tensor_scaling(self) -> bool:
+        return self in (ScalingMode.DELAYED_TENSOR_SCALING, ScalingMode.CURRENT_TENSOR_SCALING)
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self in (ScalingMode.NVFP4_1D_SCALING, ScalingMode.NVFP4_2D_SCALING)
+
+    @property
+    def block_size(self) -> int:
+        """Elements per scale along a copy's last axis (1 for tensor scaling)."""
+        if self == ScalingMode.MXFP8_1D_SCALING:
+            return 32
+        if self.is_nvfp4:
+            return 16
+        return 1
+
+    @property
+    def default_q_dtype(self):
+        if self.is_nvfp4:
+            return jnp.float4_e2m1fn
+        return jnp.float8_e4m3fn
+
+
+# DType codes of csrc/include/lowbit/tensor.h.
+_DTYPE_CODES = {
+    np.dtype(jnp.float32): 0,
+    np.dtype(jnp.bfloat16): 1,
+    np.dtype(jnp.float16): 2,
+    np.dtype(jnp.float8_e4m3fn): 3,
+    np.dtype(jnp.float8_e5m2): 4,
+    np.dtype(jnp.float4_e2m1fn): 5,
+    np.dtype(jnp.float8_e8m0fnu): 6,
+}
+
+INPUT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+
+
+def dtype_code(dtype) -> int:
+    return _DTYPE_CODES[np.dtype(dtype)]
+
+
+def fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+# Flag bits of the FFI `flags` attribute (csrc/ffi/quantize.cc).
+FLAG_ROWWISE, FLAG_COLWISE, FLAG_DBIAS, FLAG_STOCHASTIC, FLAG_RHT = 1, 2, 4, 8, 16
+DEFAULT_RHT_SIGN_MASK = 0xA759
