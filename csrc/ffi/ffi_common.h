@@ -49,3 +49,19 @@ inline T* ptr_or_null(ffi::Result<ffi::AnyBuffer>& r) {
 }
 
 }  // namespace lowbit::ffi_util
+
+// Handler definitions shared by the op-family files. Each family file is compiled once for the
+// CPU library and once (LOWBIT_WITH_CUDA) for the CUDA library; these macros pick the platform:
+// symbol lowbit_<op>_cpu / lowbit_<op>_cuda, the stream context, and the command-buffer trait
+// (CUDA handlers never synchronise, so XLA may capture them in CUDA graphs).
+#define LOWBIT_EXPORT extern "C" __attribute__((visibility("default")))
+#if LOWBIT_WITH_CUDA
+#define LOWBIT_SYMBOL(n) n##_cuda
+#define LOWBIT_BIND() ::xla::ffi::Ffi::Bind().Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()
+#define LOWBIT_DEFINE_HANDLER(sym, impl, binding) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(sym, impl, binding, {::xla::ffi::Traits::kCmdBufferCompatible})
+#else
+#define LOWBIT_SYMBOL(n) n##_cpu
+#define LOWBIT_BIND() ::xla::ffi::Ffi::Bind()
+#define LOWBIT_DEFINE_HANDLER(sym, impl, binding) XLA_FFI_DEFINE_HANDLER_SYMBOL(sym, impl, binding)
+#endif

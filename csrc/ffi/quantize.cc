@@ -140,8 +140,6 @@ ffi::Error GroupedQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x,
   return to_error(grouped_quantize_cuda(p, stream));
 }
 
-#define LOWBIT_PLATFORM_CTX .Ctx<ffi::PlatformStream<cudaStream_t>>()
-#define LOWBIT_TRAITS , {ffi::Traits::kCmdBufferCompatible}
 #define LOWBIT_NAME(n) n##Cuda
 
 #else  // CPU
@@ -183,28 +181,17 @@ ffi::Error GroupedQuantizeCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> group_size
   return to_error(grouped_quantize_cpu(p));
 }
 
-#define LOWBIT_PLATFORM_CTX
-#define LOWBIT_TRAITS
 #define LOWBIT_NAME(n) n##Cpu
 
 #endif
 
 }  // namespace
 
-#define LOWBIT_EXPORT extern "C" __attribute__((visibility("default")))
-
-// Handler symbols: lowbit_<op>_<platform>. src/lowbit/_native.py registers them.
-#if LOWBIT_WITH_CUDA
-#define LOWBIT_SYMBOL(n) n##_cuda
-#else
-#define LOWBIT_SYMBOL(n) n##_cpu
-#endif
-
 // The handler symbols must be visible although the library builds with -fvisibility=hidden.
 #pragma GCC visibility push(default)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LOWBIT_SYMBOL(lowbit_quantize), LOWBIT_NAME(Quantize),
-                              ffi::Ffi::Bind() LOWBIT_PLATFORM_CTX
+LOWBIT_DEFINE_HANDLER(LOWBIT_SYMBOL(lowbit_quantize), LOWBIT_NAME(Quantize),
+                              LOWBIT_BIND()
                                   .Arg<ffi::AnyBuffer>()   // x (R, C)
                                   .Arg<ffi::AnyBuffer>()   // scale (1,) f32 or (0,)
                                   .Arg<ffi::AnyBuffer>()   // sr seed (2,) u32 or (0,)
@@ -219,10 +206,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LOWBIT_SYMBOL(lowbit_quantize), LOWBIT_NAME(Quanti
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("q_dtype")
                                   .Attr<int32_t>("flags")
-                                  .Attr<int32_t>("rht_sign_mask") LOWBIT_TRAITS);
+                                  .Attr<int32_t>("rht_sign_mask"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LOWBIT_SYMBOL(lowbit_dequantize), LOWBIT_NAME(Dequantize),
-                              ffi::Ffi::Bind() LOWBIT_PLATFORM_CTX
+LOWBIT_DEFINE_HANDLER(LOWBIT_SYMBOL(lowbit_dequantize), LOWBIT_NAME(Dequantize),
+                              LOWBIT_BIND()
                                   .Arg<ffi::AnyBuffer>()   // data
                                   .Arg<ffi::AnyBuffer>()   // scale_inv
                                   .Arg<ffi::AnyBuffer>()   // global scale_inv (1,) or (0,)
@@ -230,10 +217,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LOWBIT_SYMBOL(lowbit_dequantize), LOWBIT_NAME(Dequ
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("q_dtype")
                                   .Attr<int32_t>("flags")
-                                  .Attr<int32_t>("rht_sign_mask") LOWBIT_TRAITS);
+                                  .Attr<int32_t>("rht_sign_mask"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LOWBIT_SYMBOL(lowbit_grouped_quantize), LOWBIT_NAME(GroupedQuantize),
-                              ffi::Ffi::Bind() LOWBIT_PLATFORM_CTX
+LOWBIT_DEFINE_HANDLER(LOWBIT_SYMBOL(lowbit_grouped_quantize), LOWBIT_NAME(GroupedQuantize),
+                              LOWBIT_BIND()
                                   .Arg<ffi::AnyBuffer>()          // x (M, K)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // group sizes (G,)
                                   .Arg<ffi::AnyBuffer>()          // scale (G,) or (0,)
@@ -245,7 +232,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LOWBIT_SYMBOL(lowbit_grouped_quantize), LOWBIT_NAM
                                   .Ret<ffi::AnyBuffer>()          // workspace
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("q_dtype")
-                                  .Attr<int32_t>("flags") LOWBIT_TRAITS);
+                                  .Attr<int32_t>("flags"));
 
 #pragma GCC visibility pop
 

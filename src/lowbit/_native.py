@@ -20,13 +20,21 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
-def _lib_dir() -> str:
-    return os.environ.get("LOWBIT_LIBRARY_DIR", os.path.dirname(os.path.abspath(__file__)))
+def _lib_dirs() -> list[str]:
+    """Where the libraries may be: $LOWBIT_LIBRARY_DIR, then every folder of the package (an
+    editable install keeps the sources and the built libraries in different folders)."""
+    import lowbit
+
+    dirs = [os.environ["LOWBIT_LIBRARY_DIR"]] if os.environ.get("LOWBIT_LIBRARY_DIR") else []
+    return dirs + [os.path.abspath(d) for d in getattr(lowbit, "__path__", [])]
 
 
 def _find(name: str) -> str | None:
-    path = os.path.join(_lib_dir(), name)
-    return path if os.path.exists(path) else None
+    for d in _lib_dirs():
+        path = os.path.join(d, name)
+        if os.path.exists(path):
+            return path
+    return None
 
 
 def _has_cuda_backend() -> bool:
@@ -81,7 +89,7 @@ def ensure_loaded() -> dict:
         cpu_path = _find("liblowbit_cpu.so")
         if cpu_path is None:
             raise ImportError(
-                f"lowbit's native library was not found in {_lib_dir()}; install the package with "
+                f"lowbit's native library was not found in {_lib_dirs()}; install the package with "
                 "`pip install -e .` (or set LOWBIT_LIBRARY_DIR to the folder holding liblowbit_cpu.so)"
             )
         cpu = ctypes.CDLL(cpu_path)

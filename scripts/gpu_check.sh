@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The whole GPU check in one device call: build the CUDA library with all cores, run the
+# standalone kernel checks (plain and under compute-sanitizer memcheck), `pytest -m gpu`, and the
+# benchmark. Logs and results go under $OUT (default ./gpu_out).
+#   scripts/gpu_check.sh [build] [check] [sanitize] [pytest] [bench] [bench-quantize] ...
+# With no stage named, all run. Works from a plain checkout: no pip install needed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+STAGES=${*:-build check sanitize pytest bench}
+BUILD=build/gpu
+CUTLASS_INC=${LOWBIT_CUTLASS_INCLUDE:-$PWD/.carry/cutlass/include}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$PWD/$BUILD PYTHONUNBUFFERED=1
+status=0
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+step() { echo; echo "=== $1 ($(date +%T))"; }
+
+step "device"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
+
+if has build; then
+  step "build"
+  cmake -S . -B "$BUILD" -G Ninja -DLOWBIT_CUDA=ON -DPython_EXECUTABLE="$(command -v "$PY")" \
+    -DLOWBIT_CUTLASS_INCLUDE="$CUTLASS_INC" -DLOWBIT_BUILD_CHECKS=ON >"$OUT/build.log" 2>&1 &&
+    ninja -C "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1
+  rc=$?; tail -5 "$OUT/build.log"; [ $rc -eq 0 ] || { echo "BUILD FAILED"; grep -m 20 -B2 -A8 "error" "$OUT/build.log"; exit 1; }
+fi
+
+if has check; then
+  step "kernel checks"
+  for exe in "$BUILD"/lowbit_check_*; do
+    [ -x "$exe" ] || continue
+    echo "--- $exe"; "$exe" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
+  done
+fi
+
+if has sanitize; then
+  step "compute-sanitizer memcheck"
+  for exe in "$BUILD"/lowbit_check_*; do
+    [ -x "$exe" ] || continue
+    compute-sanitizer --tool memcheck --error-exitcode 9 "$exe" --quick >>"$OUT/check.log" 2>&1
+    rc=$?; echo "memcheck $exe: rc=$rc"; [ $rc -eq 0 ] || status=1
+  done
+  grep -E "ERROR SUMMARY" "$OUT/check.log" | tail -5
+fi
+
+if has pytest; then
+  step "pytest -m gpu"
+  "$PY" -m pytest tests -m gpu -q -x --timeout=900 -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -30
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+for s in $STAGES; do
+  case $s in
+    bench) suite=all ;;
+    bench-*) suite=${s#bench-} ;;
+    *) continue ;;
+  esac
+  step "benchmark $suite"
+  "$PY" -m lowbit.bench "$suite" --full --out "$OUT/bench" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s" | tail -60
+done
+[ -d "$OUT/bench" ] && tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
+
+step "done: status $status"
+exit $status

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m lowbit.bench [quantize|dense|grouped|all]``."""

@@ -1,0 +1,86 @@
+"""``python -m lowbit.bench [quantize|dense|grouped|all] [--small|--full] [--out DIR]``
+
+Times lowbit next to plain Flax/XLA in one process, prints tables, writes JSON (with the device
+name and versions) and PNG charts under benchmarks/results/ (or --out). Small shapes on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from lowbit.bench.common import bar_chart, environment, on_gpu, print_table, write_json
+
+SUITES = {
+    "quantize": ("lowbit.bench.quantize", ["shape", "case", "ms", "GBps", "frac_of_copy"]),
+    "dense": ("lowbit.bench.dense", None),
+    "grouped": ("lowbit.bench.grouped", None),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lowbit.bench", description=__doc__)
+    ap.add_argument("suite", nargs="?", default="all", choices=["all", *SUITES])
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--small", action="store_true", help="small shapes (default without a GPU)")
+    size.add_argument("--full", action="store_true", help="the seed shapes (default on a GPU)")
+    ap.add_argument("--out", default=os.environ.get("LOWBIT_BENCH_OUT", "benchmarks/results"))
+    args = ap.parse_args(argv)
+    small = args.small or (not args.full and not on_gpu())
+
+    env = environment()
+    print(f"lowbit benchmark on {env['device']} (jax {env['jax']}, {'small' if small else 'full'} shapes)")
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+    suffix = "small" if small else "full"
+    for name in names:
+        module_name, columns = SUITES[name]
+        try:
+            mod = importlib.import_module(module_name)
+        except ImportError as e:
+            if args.suite == "all":
+                print(f"(skipping {name}: {e})")
+                continue
+            raise
+        total = mod.count(small) if hasattr(mod, "count") else None
+        bar = _progress(name, total)
+        rows = mod.run(small, progress=bar.update if bar else None) if total else mod.run(small)
+        if bar:
+            bar.close()
+        cols = columns or list(rows[0].keys()) if rows else []
+        print_table(f"{name} ({env['device']})", rows, columns or cols)
+        path = write_json(f"{name}-{suffix}", {"env": env, "rows": rows}, args.out)
+        print(f"wrote {path}")
+        chart = _chart(name, rows, args.out, suffix, env)
+        if chart:
+            print(f"wrote {chart}")
+    return 0
+
+
+def _progress(name, total):
+    if not total:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=name, file=sys.stderr, leave=False)
+
+
+def _chart(name, rows, out, suffix, env):
+    if name == "quantize":
+        labels = [f"{r['shape']} {r['case']}" for r in rows if not r["case"].startswith("copy")]
+        vals = [r["frac_of_copy"] for r in rows if not r["case"].startswith("copy")]
+        ylabel, title = "fraction of copy bandwidth", f"quantize bandwidth / copy ({env['device']})"
+    else:
+        labels = [r["name"] for r in rows if "speedup" in r]
+        vals = [r["speedup"] for r in rows if "speedup" in r]
+        ylabel, title = "speedup", f"{name}: speedup ({env['device']})"
+    if not vals:
+        return None
+    return bar_chart(os.path.join(out, f"{name}-{suffix}.png"), labels, vals, title, ylabel)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

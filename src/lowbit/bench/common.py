@@ -1,0 +1,105 @@
+"""Timing, environment capture and reporting shared by the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+
+
+def on_gpu() -> bool:
+    try:
+        return len(jax.devices("cuda")) > 0
+    except RuntimeError:
+        return False
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform)
+
+
+def environment() -> dict:
+    import jaxlib
+
+    env = {
+        "device": device_name(),
+        "platform": jax.devices()[0].platform,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    try:
+        import flax
+
+        env["flax"] = flax.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20, repeats: int = 5) -> float:
+    """Median milliseconds per call of an already-jitted fn. Calls are queued back to back
+    (dispatch is asynchronous) and the device is synchronised once per repeat."""
+    out = None
+    for _ in range(warmup):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def print_table(title: str, rows: Sequence[dict], columns: Sequence[str]) -> None:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+        return "" if v is None else str(v)
+
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print(f"\n## {title}")
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        print("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |")
+
+
+def write_json(name: str, payload: dict, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    return path
+
+
+def bar_chart(path: str, labels: Sequence[str], values: Sequence[float], title: str, ylabel: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels) + 2), 4))
+    ax.bar(range(len(values)), values, color="#4a7bb7")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
