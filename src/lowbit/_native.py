@@ -105,9 +105,16 @@ def ensure_loaded() -> dict:
 
 
 def register_ops(*ops: str) -> None:
-    """Lets other op families (gemm, norm, ...) add their handler names before first use."""
+    """Adds op families (gemm, norm, ...) to register; registers them at once if the libraries
+    are already loaded, so import order does not matter."""
     global _EXTRA_OPS_CUDA
-    _EXTRA_OPS_CUDA = tuple(dict.fromkeys(_EXTRA_OPS_CUDA + ops))
+    with _lock:
+        new = tuple(op for op in ops if op not in _OPS + _EXTRA_OPS_CUDA)
+        _EXTRA_OPS_CUDA = _EXTRA_OPS_CUDA + new
+        if _state and new:
+            _register(_state["cpu"], "cpu", "cpu", new)
+            if _state["cuda"] is not None:
+                _register(_state["cuda"], "CUDA", "cuda", new)
 
 
 def cuda_library():
