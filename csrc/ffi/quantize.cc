@@ -239,8 +239,8 @@ LOWBIT_DEFINE_HANDLER(LOWBIT_SYMBOL(lowbit_grouped_quantize), LOWBIT_NAME(Groupe
 #if LOWBIT_WITH_CUDA
 // Workspace sizes, asked by Python at trace time so the workspace can be an ordinary XLA result
 // (stable across CUDA-graph replays, unlike per-call scratch).
-LOWBIT_EXPORT int64_t lowbit_quantize_workspace_bytes(int32_t mode, int32_t q_dtype, int32_t flags,
-                                                      int32_t x_dtype, int64_t rows, int64_t cols) {
+LOWBIT_EXPORT int64_t lowbit_quantize_workspace_bytes(int64_t mode, int64_t q_dtype, int64_t flags,
+                                                      int64_t x_dtype, int64_t rows, int64_t cols) {
   QuantizeParams p;
   p.mode = static_cast<ScalingMode>(mode);
   p.q_dtype = static_cast<DType>(q_dtype);
@@ -255,8 +255,8 @@ LOWBIT_EXPORT int64_t lowbit_quantize_workspace_bytes(int32_t mode, int32_t q_dt
   return static_cast<int64_t>(quantize_workspace_bytes(p));
 }
 
-LOWBIT_EXPORT int64_t lowbit_grouped_quantize_workspace_bytes(int32_t mode, int32_t q_dtype,
-                                                              int32_t flags, int32_t x_dtype,
+LOWBIT_EXPORT int64_t lowbit_grouped_quantize_workspace_bytes(int64_t mode, int64_t q_dtype,
+                                                              int64_t flags, int64_t x_dtype,
                                                               int64_t rows, int64_t cols,
                                                               int64_t num_groups) {
   GroupedQuantizeParams p;

@@ -97,9 +97,6 @@ def ensure_loaded() -> dict:
         cuda = _load_cuda() if _has_cuda_backend() else None
         if cuda is not None:
             _register(cuda, "CUDA", "cuda", _OPS + _EXTRA_OPS_CUDA)
-            for fn_name in ("lowbit_quantize_workspace_bytes", "lowbit_grouped_quantize_workspace_bytes"):
-                fn = getattr(cuda, fn_name)
-                fn.restype = ctypes.c_int64
         _state.update(cpu=cpu, cuda=cuda)
         return _state
 
@@ -122,9 +119,13 @@ def cuda_library():
 
 
 def workspace_bytes(fn_name: str, *args: int) -> int:
-    """Asks the CUDA library for a kernel's scratch size (0 without CUDA)."""
+    """Asks the CUDA library for a kernel's scratch size at trace time (0 without CUDA).
+
+    ``fn_name`` is an exported ``extern "C" int64_t fn(int64_t, ...)``: every argument is passed
+    as int64."""
     lib = cuda_library()
     if lib is None:
         return 0
     fn = getattr(lib, fn_name)
-    return int(fn(*[ctypes.c_int64(a) if i >= 4 else ctypes.c_int32(a) for i, a in enumerate(args)]))
+    fn.restype = ctypes.c_int64
+    return int(fn(*[ctypes.c_int64(int(a)) for a in args]))
