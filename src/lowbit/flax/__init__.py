@@ -1,0 +1,19 @@
+"""Flax (linen) integration: a drop-in quantized ``dot_general`` and state-owning wrappers."""
+
+from lowbit.flax.module import (
+    OVERWRITE_WITH_GRADIENT,
+    SR_RNG,
+    QuantizeContext,
+    make_dot_general_cls,
+    wrap_function_in_state_module,
+    wrap_function_in_te_state_module,
+)
+
+__all__ = [
+    "OVERWRITE_WITH_GRADIENT",
+    "SR_RNG",
+    "QuantizeContext",
+    "make_dot_general_cls",
+    "wrap_function_in_state_module",
+    "wrap_function_in_te_state_module",
+]

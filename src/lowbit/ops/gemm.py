@@ -1,0 +1,276 @@
+"""gemm: out = A . B^T with both operands K-major (contraction over their last axis).
+
+Per-tensor FP8 operands (E4M3/E5M2 with float32 decode scales) and BF16 operands go to one XLA
+FFI call (cuBLASLt on the GPU, a C++ loop on the CPU). MXFP8 and NVFP4 operands take the study
+path: they are decoded exactly to BF16 and multiplied by the same BF16 GEMM, which reproduces a
+block-scaled GEMM's numerics on GPUs without block-scaled tensor cores (Hopper); it is not fast.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from lowbit import _native
+from lowbit.ops.quantize import dequantize
+from lowbit.quantize.scaling_modes import FP8_DTYPES, ScalingMode
+from lowbit.quantize.tensor import ScaledTensor, _prod
+
+_native.register_ops("gemm")
+
+# Name given to every GEMM output, so remat policies can save it (lowbit.checkpoint_policies).
+GEMM_CHECKPOINT_NAME = "lowbit_gemm"
+FFI_TARGET = "lowbit_gemm"
+FLAG_FAST_ACCUM = 1
+
+_BF16 = np.dtype(jnp.bfloat16)
+_F32 = np.dtype(jnp.float32)
+_E5M2 = np.dtype(jnp.float8_e5m2)
+_EMPTY_F32 = np.zeros((0,), np.float32)
+_FP8_ALIGN = 16  # cuBLASLt FP8: K (leading dimension) and N in multiples of 16 bytes/elements
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+    """One GEMM operand as a K-major 2-D matrix, plus how to decode it."""
+
+    kind: str                 # "bf16", "fp8" (per-tensor scale) or "block" (MXFP8/NVFP4)
+    lead: tuple               # the non-contracted dims, in the copy's order
+    k: int                    # contraction size
+    data: Optional[jax.Array] = None       # (rows, k) for bf16/fp8
+    scale_inv: Optional[jax.Array] = None  # (1,) float32 for fp8
+    qt: Optional[ScaledTensor] = None      # block-scaled source tensor
+    layout: str = "rowwise"
+    mode: Optional[ScalingMode] = None
+
+    @property
+    def rows(self) -> int:
+        return _prod(self.lead)
+
+
+def _workspace_bytes() -> int:
+    lib = _native.cuda_library()
+    if lib is None:
+        return 0
+    fn = lib.lowbit_gemm_workspace_bytes
+    fn.restype = ctypes.c_int64
+    return int(fn())
+
+
+def _operand(x, name: str, layout: Optional[str]) -> _Operand:
+    if isinstance(x, ScaledTensor):
+        return _scaled_operand(x, name, layout)
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"gemm: {name} must be a bfloat16 array or a lowbit.ScaledTensor, got {type(x).__name__}")
+    if layout is not None:
+        raise ValueError(f"gemm: {name}_layout applies to ScaledTensor operands only")
+    if np.dtype(x.dtype) != _BF16:
+        raise TypeError(
+            f"gemm: array operand {name} must be bfloat16, got {np.dtype(x.dtype).name}; cast it, or "
+            "quantize it with lowbit.quantize for an FP8 GEMM")
+    if x.ndim < 1:
+        raise ValueError(f"gemm: {name} must have at least one dimension (its last is contracted)")
+    lead, k = tuple(x.shape[:-1]), int(x.shape[-1])
+    return _Operand("bf16", lead, k, data=x.reshape(_prod(lead), k))
+
+
+def _scaled_operand(qt: ScaledTensor, name: str, layout: Optional[str]) -> _Operand:
+    if layout is None:
+        layout = "rowwise" if qt.has_rowwise else "colwise"
+    if layout not in ("rowwise", "colwise"):
+        raise ValueError(f"gemm: {name}_layout must be 'rowwise' or 'colwise', got {layout!r}")
+    colwise = layout == "colwise"
+    data = qt.colwise_data if colwise else qt.data
+    if data is None:
+        raise ValueError(f"gemm: {name} has no {layout} copy; quantize it with layout='{layout}' or 'both'")
+    ax = qt.flatten_axis
+    lead = tuple(qt.shape[ax:]) if colwise else tuple(qt.shape[:ax])
+    k = qt.rows if colwise else qt.cols
+    mode = qt.scaling_mode
+    if mode == ScalingMode.NO_SCALING:
+        if np.dtype(data.dtype) != _BF16:
+            raise TypeError(f"gemm: {name} holds {np.dtype(data.dtype).name} data; only bfloat16 is supported")
+        return _Operand("bf16", lead, k, data=data.reshape(_prod(lead), k))
+    if mode.is_tensor_scaling:
+        s_inv = qt.colwise_scale_inv if colwise else qt.scale_inv
+        return _Operand("fp8", lead, k, data=data.reshape(_prod(lead), k), scale_inv=s_inv,
+                        qt=qt, layout=layout, mode=mode)
+    return _Operand("block", lead, k, qt=qt, layout=layout, mode=mode)
+
+
+def _block_family(mode: ScalingMode) -> str:
+    return "NVFP4" if mode.is_nvfp4 else "MXFP8"
+
+
+def _check_pair(a: _Operand, b: _Operand) -> None:
+    if a.k != b.k:
+        raise ValueError(
+            f"gemm: contraction sizes differ: a has K={a.k} (non-contracted dims {a.lead}), "
+            f"b has K={b.k} (non-contracted dims {b.lead})")
+    if a.kind != b.kind:
+        desc = {"bf16": "BF16", "fp8": "per-tensor FP8", "block": "block-scaled"}
+        raise TypeError(f"gemm: operands must both be {desc[a.kind]}; a is {desc[a.kind]}, b is {desc[b.kind]}")
+    if a.kind == "fp8":
+        qa, qb = np.dtype(a.qt.q_dtype), np.dtype(b.qt.q_dtype)
+        for q, n in ((qa, "a"), (qb, "b")):
+            if q not in FP8_DTYPES:
+                raise TypeError(f"gemm: {n} must hold float8_e4m3fn or float8_e5m2 data, got {q.name}")
+        if qa == _E5M2 and qb == _E5M2:
+            raise TypeError("gemm: E5M2 x E5M2 is not supported (the FP8 tensor cores need E4M3 on one side)")
+    if a.kind == "block":
+        fa, fb = _block_family(a.mode), _block_family(b.mode)
+        if fa != fb:
+            raise TypeError(f"gemm: block-scaled operands must use the same format, got {fa} and {fb}")
+        ra = a.qt.rht and a.layout == "colwise"
+        rb = b.qt.rht and b.layout == "colwise"
+        if ra != rb or (ra and a.qt.rht_sign_mask != b.qt.rht_sign_mask):
+            raise ValueError(
+                "gemm: both NVFP4 operands must carry the same random Hadamard transform (or neither); "
+                f"a: rht={ra}, b: rht={rb}")
+
+
+def _check_out_dtype(out_dtype):
+    d = np.dtype(out_dtype)
+    if d not in (_BF16, _F32):
+        raise TypeError(f"gemm: out_dtype must be bfloat16 or float32, got {d.name}")
+    return d
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    extra = (-x.shape[axis]) % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum):
+    """One FFI call: a2 (M, K), b2 (N, K) -> (M, N). bias is (N,) or None."""
+    M, K = a2.shape
+    N = b2.shape[0]
+    _native.ensure_loaded()
+    ws = _workspace_bytes()
+    call = jax.ffi.ffi_call(
+        FFI_TARGET,
+        (jax.ShapeDtypeStruct((M, N), out_dtype), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+        vmap_method="sequential")
+    out, _ = call(a2, b2, _EMPTY_F32 if a_s is None else a_s, _EMPTY_F32 if b_s is None else b_s,
+                  _EMPTY_F32 if bias is None else bias,
+                  flags=np.int32(FLAG_FAST_ACCUM if fast_accum else 0))
+    return out
+
+
+def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8):
+    """Pads FP8 operands to cuBLASLt's alignment (zeros add nothing) and routes the bias."""
+    M, N = a2.shape[0], b2.shape[0]
+    if fp8:
+        a2 = _pad_to(a2, 1, _FP8_ALIGN)
+        b2 = _pad_to(_pad_to(b2, 1, _FP8_ALIGN), 0, _FP8_ALIGN)
+    # Fused epilogue where cuBLASLt takes the bias type: BF16 bias always (FP8 and BF16 GEMMs),
+    # or an F32 bias for an F32 output of a BF16 GEMM. Otherwise add it in F32 outside.
+    fused_bias, outer_bias = None, None
+    if bias is not None:
+        bd = np.dtype(bias.dtype)
+        if bd == _BF16 and (fp8 or out_dtype == _BF16):
+            fused_bias = bias
+        elif not fp8 and out_dtype == _F32:
+            fused_bias = bias.astype(jnp.float32)
+        else:
+            outer_bias = bias
+    if fused_bias is not None and b2.shape[0] != N:
+        fused_bias = _pad_to(fused_bias, 0, _FP8_ALIGN)
+    ffi_out = out_dtype if outer_bias is None else _F32
+    out = _ffi_gemm(a2, b2, a_s, b_s, fused_bias, ffi_out, fast_accum)
+    if b2.shape[0] != N:
+        out = out[:, :N]
+    if outer_bias is not None:
+        out = (out + outer_bias.astype(jnp.float32)).astype(out_dtype)
+    return out
+
+
+def _block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
+    """Study path for MXFP8/NVFP4: exact BF16 decode of each copy, BF16 GEMM with float32
+    accumulation, then NVFP4's float32 tensor scales, as a block-scaled GEMM applies them."""
+    def decode(op: _Operand):
+        qt = op.qt
+        if qt.scaling_mode.is_nvfp4:
+            # E2M1 x E4M3 products are exact in BF16; the tensor scale is applied after the
+            # GEMM. The Hadamard transform is kept: both operands carry it, and it cancels.
+            qt = dataclasses.replace(qt, global_scale_inv=jnp.ones((2,), jnp.float32), rht=False)
+        full = dequantize(qt, op.layout, dtype=jnp.bfloat16)
+        if op.layout == "colwise":
+            return full.reshape(qt.rows, qt.cols).T
+        return full.reshape(qt.rows, qt.cols)
+
+    out = _gemm_2d(decode(a), decode(b), None, None, None, _F32, False, fp8=False)
+    if a.qt.scaling_mode.is_nvfp4:
+        ga = a.qt.global_scale_inv[1 if a.layout == "colwise" else 0]
+        gb = b.qt.global_scale_inv[1 if b.layout == "colwise" else 0]
+        out = out * (ga * gb)
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out.astype(out_dtype)
+
+
+def gemm(
+    a,
+    b,
+    bias: Optional[jax.Array] = None,
+    *,
+    a_layout: Optional[str] = None,
+    b_layout: Optional[str] = None,
+    out_dtype=jnp.bfloat16,
+    fast_accum: bool = False,
+) -> jax.Array:
+    """``out = a . b^T (+ bias)``, contracting the last axis of both operands.
+
+    Args:
+      a: bfloat16 array ``(..., K)`` or a :class:`lowbit.ScaledTensor`; for a ScaledTensor the
+        operand is one of its copies (``a_layout``: "rowwise", the data as quantized, contracting
+        the axes from ``flatten_axis`` on; "colwise", the transposed copy, contracting the axes
+        before ``flatten_axis``). Default: the rowwise copy if present.
+      b: the same for the second operand ``(..., K)``.
+      bias: optional ``(N,)`` (N = product of b's non-contracted dims), bfloat16 or float32.
+      out_dtype: bfloat16 or float32.
+      fast_accum: FP8 on the GPU only: cuBLASLt's fast accumulation (for forward GEMMs).
+
+    Returns:
+      an array of shape ``a_lead + b_lead`` (the non-contracted dims of a, then of b).
+
+    Both operands must be of one kind: BF16, per-tensor FP8 (E4M3 x E4M3, E4M3 x E5M2 or
+    E5M2 x E4M3; delayed and current scaling mix freely), or block-scaled of one format (MXFP8,
+    or NVFP4 with the same Hadamard transform on both or neither).
+    """
+    out_dtype = _check_out_dtype(out_dtype)
+    pa = _operand(a, "a", a_layout)
+    pb = _operand(b, "b", b_layout)
+    _check_pair(pa, pb)
+    M, N, K = pa.rows, pb.rows, pa.k
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if np.dtype(bias.dtype) not in (_BF16, _F32):
+            raise TypeError(f"gemm: bias must be bfloat16 or float32, got {np.dtype(bias.dtype).name}")
+        if bias.size != N:
+            raise ValueError(f"gemm: bias must have N={N} elements (b's non-contracted dims {pb.lead}), got shape {bias.shape}")
+        bias = bias.reshape(N)
+    shape = pa.lead + pb.lead
+
+    if M == 0 or N == 0 or K == 0:
+        out = jnp.zeros((M, N), jnp.float32)
+        if bias is not None:
+            out = out + bias.astype(jnp.float32)
+        return out.astype(out_dtype).reshape(shape)
+    if pa.kind == "block":
+        out = _block_gemm(pa, pb, bias, out_dtype)
+    else:
+        fp8 = pa.kind == "fp8"
+        out = _gemm_2d(pa.data, pb.data, pa.scale_inv, pb.scale_inv, bias, out_dtype,
+                       fast_accum and fp8, fp8)
+    return checkpoint_name(out.reshape(shape), GEMM_CHECKPOINT_NAME)
