@@ -1,0 +1,219 @@
+// CUDA grouped quantize: docs/numerics.md "Grouped quantize". group_sizes stays on the device;
+// everything derived from it is computed there:
+//   offsets (one block: exclusive scan of max(size, 0), clamped to M) -> row -> group map
+//   (binary search per row) -> per-group amax (atomicMax per row) -> per-group scale_inv ->
+//   fused cast (the tile kernel of common.cuh with per-row scales; rows in no group are zeros).
+#include "common.cuh"
+
+namespace lowbit {
+namespace cuda {
+namespace {
+
+// Workspace layout: [0, 256) reserved | starts int64[G] | ends int64[G] | row_group int32[M].
+constexpr size_t kHeader = 256;
+size_t starts_off() { return kHeader; }
+size_t ends_off(int64_t G) { return kHeader + size_t(G) * 8; }
+size_t rowgroup_off(int64_t G) { return kHeader + size_t(G) * 16; }
+
+// Group g owns rows [starts[g], ends[g]): the exclusive / inclusive cumulative sums of the sizes
+// (negative sizes count as 0), clamped to M. One block of 1024 threads walks the groups in
+// chunks, carrying the running total; 64-bit sums cannot overflow.
+__global__ void __launch_bounds__(1024) group_offsets_kernel(const int32_t* sizes, int64_t G, int64_t M,
+                                                             int64_t* starts, int64_t* ends) {
+  __shared__ long long warp_sum[32];
+  __shared__ long long carry;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  if (t == 0) carry = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < G; base += 1024) {
+    const int64_t g = base + t;
+    const long long n = g < G ? (sizes[g] > 0 ? sizes[g] : 0) : 0;
+    long long v = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const long long y = __shfl_up_sync(kFull, v, o);
+      if (lane >= o) v += y;
+    }
+    if (lane == 31) warp_sum[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      long long w = warp_sum[lane];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const long long y = __shfl_up_sync(kFull, w, o);
+        if (lane >= o) w += y;
+      }
+      warp_sum[lane] = w;
+    }
+    __syncthreads();
+    const long long incl = carry + v + (warp > 0 ? warp_sum[warp - 1] : 0);
+    if (g < G) {
+      starts[g] = (incl - n) < M ? (incl - n) : M;
+      ends[g] = incl < M ? incl : M;
+    }
+    __syncthreads();  // everyone has read carry and warp_sum
+    if (t == 1023) carry = incl;
+    __syncthreads();
+  }
+}
+
+// Each row's group: the last g with starts[g] <= m, if m < ends[g] (an empty group there means
+// every earlier group ended before m too); -1 for rows after the last group.
+__global__ void row_group_kernel(const int64_t* starts, const int64_t* ends, int64_t G, int64_t M,
+                                 int32_t* row_group) {
+  for (int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; m < M; m += int64_t(gridDim.x) * blockDim.x) {
+    int64_t lo = 0, hi = G;  // first g with starts[g] > m
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) >> 1;
+      if (starts[mid] <= m) lo = mid + 1;
+      else hi = mid;
+    }
+    const int64_t g = lo - 1;
+    row_group[m] = (g >= 0 && m < ends[g]) ? int32_t(g) : -1;
+  }
+}
+
+// Per-group amax: a warp per row (16-byte loads when rows are aligned), one atomic per row.
+template <int IN>
+__global__ void __launch_bounds__(256) grouped_amax_kernel(const void* xv, int64_t M, int64_t K, bool vec,
+                                                           const int32_t* row_group, float* amax) {
+  using T = typename In<IN>::T;
+  constexpr int CH = 16 / int(sizeof(T));
+  const T* x = static_cast<const T*>(xv);
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t m = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); m < M; m += warps) {
+    const int g = row_group[m];
+    if (g < 0) continue;  // warp-uniform
+    const T* row = x + m * K;
+    float mx = 0.0f;
+    if (vec) {
+      const uint4* r4 = reinterpret_cast<const uint4*>(row);
+      for (int64_t i = lane; i < K / CH; i += 32) {
+        float v[CH];
+        unpack16<IN>(__ldg(r4 + i), v);
+        mx = fmaxf(mx, amax_n<CH>(v));
+      }
+    } else {
+      for (int64_t i = lane; i < K; i += 32) mx = fmaxf(mx, fabsf(In<IN>::f(row[i])));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+    if (lane == 0) atomic_max_nonneg(amax + g, mx);
+  }
+}
+
+// Per-group scale_inv of the tensor modes (an empty group has amax 0, hence scale 1).
+__global__ void grouped_finalize_kernel(int64_t G, const float* delayed, const float* amax, float fmax,
+                                        float* si_row, float* si_col) {
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < G; g += int64_t(gridDim.x) * blockDim.x) {
+    const float s = delayed ? delayed[g] : scale_from_amax(amax[g], fmax);
+    const float inv = 1.0f / s;
+    if (si_row) si_row[g] = inv;
+    if (si_col) si_col[g] = inv;
+  }
+}
+
+template <int IN, int KIND, int FMT>
+Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
+  const int64_t M = p.rows, K = p.cols, G = p.num_groups, n = M * K;
+  char* ws = static_cast<char*>(p.workspace);
+  if (ws == nullptr) return Status::Invalid("grouped_quantize: workspace missing");
+  if (G > INT32_MAX) return Status::Invalid("grouped_quantize: too many groups");
+  int64_t* starts = reinterpret_cast<int64_t*>(ws + starts_off());
+  int64_t* ends = reinterpret_cast<int64_t*>(ws + ends_off(G));
+  int32_t* row_group = reinterpret_cast<int32_t*>(ws + rowgroup_off(G));
+  const bool tensor = KIND == kTensor;
+
+  if (G > 0) {
+    group_offsets_kernel<<<1, 1024, 0, st>>>(p.group_sizes, G, M, starts, ends);
+    if (auto s = launch_status("group_offsets_kernel"); !s.ok()) return s;
+    if (auto s = api_status(cudaMemsetAsync(p.amax, 0, size_t(G) * sizeof(float), st), "memset amax"); !s.ok())
+      return s;
+  }
+  if (M > 0) {
+    row_group_kernel<<<grid_for(M, 256, 8192), 256, 0, st>>>(starts, ends, G, M, row_group);
+    if (auto s = launch_status("row_group_kernel"); !s.ok()) return s;
+  }
+  if (n > 0 && G > 0) {
+    constexpr int CH = 16 / int(sizeof(typename In<IN>::T));
+    const bool vec = K % CH == 0 && aligned16(p.x);
+    grouped_amax_kernel<IN><<<grid_for(M * 32, 256, 4096), 256, 0, st>>>(p.x, M, K, vec, row_group, p.amax);
+    if (auto s = launch_status("grouped_amax_kernel"); !s.ok()) return s;
+  }
+  if (tensor && G > 0) {
+    grouped_finalize_kernel<<<grid_for(G, 256), 256, 0, st>>>(
+        G, p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr, p.amax, fmt_max<FMT>(),
+        p.rowwise ? static_cast<float*>(p.scale_inv) : nullptr,
+        p.colwise ? static_cast<float*>(p.colwise_scale_inv) : nullptr);
+    if (auto s = launch_status("grouped_finalize_kernel"); !s.ok()) return s;
+  }
+  if (n == 0) return Status::Ok();
+  if ((p.rowwise && !p.data) || (p.colwise && !p.colwise_data)) return Status::Invalid("grouped_quantize: output missing");
+
+  CastArgs a;
+  a.x = p.x;
+  a.R = M;
+  a.C = K;
+  a.rowwise = p.rowwise;
+  a.colwise = p.colwise && tensor;  // MXFP8 grouped is rowwise only (validated)
+  a.q_row = static_cast<uint8_t*>(p.data);
+  a.s_row = static_cast<uint8_t*>(p.scale_inv);
+  a.q_col = static_cast<uint8_t*>(p.colwise_data);
+  a.delayed = p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr;
+  a.amax_in = p.amax;
+  a.row_group = row_group;
+  const bool fast = M % 16 == 0 && K % 16 == 0 && aligned16(p.x) && (!a.rowwise || aligned16(p.data)) &&
+                    (!a.colwise || aligned16(p.colwise_data));
+  if (fast) {
+    int64_t tiles = 0;
+    if (!set_tiles(a, &tiles)) return Status::Invalid("grouped_quantize: tensor too large");
+    cast_tile_kernel<IN, KIND, FMT, true><<<unsigned(tiles), kTileThreads, 0, st>>>(a);
+    return launch_status("cast_tile_kernel (grouped)");
+  }
+  constexpr int B = generic_block<KIND>();
+  if (a.rowwise) {
+    rowwise_generic_kernel<IN, KIND, FMT, true><<<grid_for(n / B, 256, 8192), 256, 0, st>>>(a);
+    if (auto s = launch_status("rowwise_generic_kernel (grouped)"); !s.ok()) return s;
+  }
+  if (a.colwise) {
+    colwise_generic_kernel<IN, KIND, FMT, true><<<grid_for(n / B, 256, 8192), 256, 0, st>>>(a);
+    if (auto s = launch_status("colwise_generic_kernel (grouped)"); !s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+template <int IN>
+Status dispatch_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
+  const bool e5 = p.q_dtype == DType::kE5M2;
+  switch (p.mode) {
+    case ScalingMode::kDelayedTensor:
+    case ScalingMode::kCurrentTensor:
+      return e5 ? run_grouped<IN, kTensor, kFmtE5M2>(p, st) : run_grouped<IN, kTensor, kFmtE4M3>(p, st);
+    case ScalingMode::kMxfp8_1d:
+      return e5 ? run_grouped<IN, kMx, kFmtE5M2>(p, st) : run_grouped<IN, kMx, kFmtE4M3>(p, st);
+    default: return Status::Invalid("grouped_quantize: unsupported scaling mode");
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+
+size_t grouped_quantize_workspace_bytes(const GroupedQuantizeParams& p) {
+  const int64_t G = p.num_groups > 0 ? p.num_groups : 0, M = p.rows > 0 ? p.rows : 0;
+  const size_t bytes = cuda::rowgroup_off(G) + size_t(M) * sizeof(int32_t);
+  return (bytes + 255) & ~size_t(255);
+}
+
+Status grouped_quantize_cuda(const GroupedQuantizeParams& p, void* stream) {
+  if (auto s = validate(p); !s.ok()) return s;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (p.x_dtype) {
+    case DType::kF32: return cuda::dispatch_grouped<0>(p, st);
+    case DType::kBF16: return cuda::dispatch_grouped<1>(p, st);
+    case DType::kF16: return cuda::dispatch_grouped<2>(p, st);
+    default: return Status::Invalid("grouped_quantize: unsupported input dtype");
+  }
+}
+
+}  // namespace lowbit

@@ -1,0 +1,314 @@
+// CUDA quantize (+ fused dbias): docs/numerics.md. Stream-ordered, no host synchronisation, no
+// allocation; scratch comes from p.workspace (quantize_workspace_bytes).
+//
+// Launch sequence:
+//   memset amax (and the colwise RHT amax) -> [amax pass when the scale needs it first:
+//   current scaling, NVFP4] -> finalize (scale_inv / global_scale_inv) -> fused cast -> [dbias
+//   reduce]. The fused cast (common.cuh, cast_tile_kernel) reads x once and writes both copies;
+//   modes that do not need the amax up front (delayed, MXFP8) fold the amax into it.
+#include "common.cuh"
+
+namespace lowbit {
+namespace cuda {
+namespace {
+
+// Workspace layout (bytes): [0, 256) scalars, [256, ...) dbias per-tile column sums.
+constexpr size_t kScalarBytes = 256;
+constexpr int kWsAmaxCol = 0;  // float index: amax of the Hadamard-transformed colwise copy
+
+// amax(x) and the amax of the colwise copy after the 16-point Hadamard transform, which runs
+// along rows: thread = (16-row block, VEC adjacent columns); consecutive threads take consecutive
+// columns, so each of the 16 row reads is coalesced across the warp (16-byte loads when VEC > 1).
+template <int IN, int VEC>
+__global__ void __launch_bounds__(256) amax_rht_kernel(const void* xv, int64_t R, int64_t C,
+                                                       uint32_t mask, float* amax_x, float* amax_t) {
+  using T = typename In<IN>::T;
+  __shared__ float red_x[8], red_t[8];
+  const T* x = static_cast<const T*>(xv);
+  const int64_t cv = C / VEC, units = (R / 16) * cv;
+  float mx = 0.0f, mt = 0.0f;
+  for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units;
+       u += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t rb = u / cv, c = (u - rb * cv) * VEC;
+    if constexpr (VEC == 1) {
+      float v[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = In<IN>::f(x[(rb * 16 + j) * C + c]);
+      mx = fmaxf(mx, amax_n<16>(v));
+      hadamard16_forward(v, mask);
+      mt = fmaxf(mt, amax_n<16>(v));
+    } else {
+      uint4 raw[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) raw[j] = __ldg(reinterpret_cast<const uint4*>(x + (rb * 16 + j) * C + c));
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        float v[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) v[j] = chunk_elem<IN>(raw[j], k);
+        mx = fmaxf(mx, amax_n<16>(v));
+        hadamard16_forward(v, mask);
+        mt = fmaxf(mt, amax_n<16>(v));
+      }
+    }
+  }
+  block_amax_to(mx, red_x, amax_x);
+  block_amax_to(mt, red_t, amax_t);
+}
+
+struct FinalArgs {
+  ScalingMode mode;
+  float fmax;
+  const float* delayed;
+  const float* amax;
+  const float* amax_col;
+  float* si_row;
+  float* si_col;
+  float* gsi;
+};
+
+// Tensor scale_inv outputs and NVFP4 tensor decode scales, from the same inputs the cast uses.
+__global__ void finalize_kernel(const FinalArgs f) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  if (f.mode == ScalingMode::kDelayedTensor || f.mode == ScalingMode::kCurrentTensor) {
+    const float s = f.delayed ? *f.delayed : scale_from_amax(*f.amax, f.fmax);
+    const float inv = 1.0f / s;
+    if (f.si_row) *f.si_row = inv;
+    if (f.si_col) *f.si_col = inv;
+  } else if (f.mode == ScalingMode::kNvfp4_1d || f.mode == ScalingMode::kNvfp4_2d) {
+    f.gsi[0] = 1.0f / nvfp4_tensor_scale(*f.amax);
+    f.gsi[1] = 1.0f / nvfp4_tensor_scale(*f.amax_col);
+  }
+}
+
+// NO_SCALING keeps x's dtype. The CPU kernel round-trips every element through float32
+// (quieting bf16 NaNs, canonicalising f16 NaNs); do the same so the bits agree.
+template <int IN>
+__device__ __forceinline__ uint32_t roundtrip(typename In<IN>::T v) {
+  if constexpr (IN == 0) return __float_as_uint(v);
+  else if constexpr (IN == 1) return float_to_bf16(bf16_to_float(v));
+  else return float_to_f16(f16_to_float(v));
+}
+
+template <int IN>
+__global__ void noscale_copy_kernel(const void* xv, void* outv, int64_t n) {
+  using T = typename In<IN>::T;
+  const T* x = static_cast<const T*>(xv);
+  T* out = static_cast<T*>(outv);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint32_t b = roundtrip<IN>(x[i]);
+    if constexpr (IN == 0) out[i] = __uint_as_float(b);
+    else out[i] = uint16_t(b);
+  }
+}
+
+// (R, C) -> (C, R) through a padded 32x33 shared tile: coalesced on both sides.
+template <int IN>
+__global__ void __launch_bounds__(256) noscale_transpose_kernel(const void* xv, void* outv, int64_t R, int64_t C) {
+  using T = typename In<IN>::T;
+  __shared__ T tile[32][33];
+  const T* x = static_cast<const T*>(xv);
+  T* out = static_cast<T*>(outv);
+  const int64_t tiles_c = (C + 31) / 32;
+  const int64_t tr = int64_t(blockIdx.x) / tiles_c, tc = int64_t(blockIdx.x) - tr * tiles_c;
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  for (int k = ty; k < 32; k += 8) {
+    const int64_t r = tr * 32 + k, c = tc * 32 + tx;
+    if (r < R && c < C) tile[k][tx] = x[r * C + c];
+  }
+  __syncthreads();
+  for (int k = ty; k < 32; k += 8) {
+    const int64_t c = tc * 32 + k, r = tr * 32 + tx;
+    if (r < R && c < C) {
+      const uint32_t b = roundtrip<IN>(tile[tx][k]);
+      if constexpr (IN == 0) out[c * R + r] = __uint_as_float(b);
+      else out[c * R + r] = uint16_t(b);
+    }
+  }
+}
+
+// dbias = column sums of x, one thread per column (generic path; also R == 0 gives zeros).
+template <int IN>
+__global__ void dbias_generic_kernel(const void* xv, int64_t R, int64_t C, void* out) {
+  using T = typename In<IN>::T;
+  const T* x = static_cast<const T*>(xv);
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C; c += int64_t(gridDim.x) * blockDim.x) {
+    float s = 0.0f;
+    for (int64_t r = 0; r < R; ++r) s += In<IN>::f(x[r * C + c]);
+    store_out<IN>(out, c, s);
+  }
+}
+
+// dbias from the fused cast's per-tile column sums: fixed order, so deterministic.
+template <int IN>
+__global__ void dbias_reduce_kernel(const float* part, int64_t tiles_r, int64_t C, void* out) {
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C; c += int64_t(gridDim.x) * blockDim.x) {
+    float s = 0.0f;
+    for (int64_t t = 0; t < tiles_r; ++t) s += part[t * C + c];
+    store_out<IN>(out, c, s);
+  }
+}
+
+template <int IN>
+Status launch_amax(const QuantizeParams& p, float* out, cudaStream_t st) {
+  const int64_t n = p.rows * p.cols;
+  if (n == 0) return Status::Ok();
+  amax_kernel<IN><<<grid_for(n / 8 + 1, 256, 2048), 256, 0, st>>>(p.x, n, aligned16(p.x), out);
+  return launch_status("amax_kernel");
+}
+
+template <int IN>
+Status run_noscale(const QuantizeParams& p, cudaStream_t st) {
+  const int64_t R = p.rows, C = p.cols, n = R * C;
+  if (auto s = api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "memset amax"); !s.ok()) return s;
+  if (auto s = launch_amax<IN>(p, p.amax, st); !s.ok()) return s;
+  if (n > 0 && p.rowwise) {
+    noscale_copy_kernel<IN><<<grid_for(n, 256, 8192), 256, 0, st>>>(p.x, p.data, n);
+    if (auto s = launch_status("noscale_copy_kernel"); !s.ok()) return s;
+  }
+  if (n > 0 && p.colwise) {
+    const int64_t tiles = ((R + 31) / 32) * ((C + 31) / 32);
+    if (tiles > INT32_MAX) return Status::Invalid("quantize: tensor too large");
+    noscale_transpose_kernel<IN><<<unsigned(tiles), 256, 0, st>>>(p.x, p.colwise_data, R, C);
+    if (auto s = launch_status("noscale_transpose_kernel"); !s.ok()) return s;
+  }
+  if (p.dbias && C > 0) {
+    dbias_generic_kernel<IN><<<grid_for(C, 256), 256, 0, st>>>(p.x, R, C, p.dbias);
+    if (auto s = launch_status("dbias_generic_kernel"); !s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+// The fast tile kernel needs whole 16-element chunks and 16-byte aligned rows.
+bool fast_path(const QuantizeParams& p) {
+  return p.rows % 16 == 0 && p.cols % 16 == 0 && aligned16(p.x) && (!p.rowwise || aligned16(p.data)) &&
+         (!p.colwise || aligned16(p.colwise_data));
+}
+
+template <int IN, int KIND, int FMT>
+Status run_cast(const QuantizeParams& p, cudaStream_t st) {
+  const int64_t R = p.rows, C = p.cols, n = R * C;
+  float* ws = static_cast<float*>(p.workspace);
+  const bool nv = KIND == kNv1 || KIND == kNv2;
+  const bool rht_amax = KIND == kNv1 && p.rht && p.colwise && n > 0;
+  const bool fast = n > 0 && fast_path(p);
+  const bool dbias_fast = fast && p.dbias != nullptr;
+  if ((rht_amax || dbias_fast) && ws == nullptr) return Status::Invalid("quantize: workspace missing");
+  if (n > 0 && ((p.rowwise && p.data == nullptr) || (p.colwise && p.colwise_data == nullptr)))
+    return Status::Invalid("quantize: output missing");
+  // The amax is needed before the cast for current scaling and NVFP4; otherwise the fast cast
+  // computes it on the way (one read of x fewer).
+  const bool amax_first = nv || p.mode == ScalingMode::kCurrentTensor || !fast;
+
+  if (auto s = api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "memset amax"); !s.ok()) return s;
+  float* amax_col = p.amax;
+  if (rht_amax) {
+    amax_col = ws + kWsAmaxCol;
+    if (auto s = api_status(cudaMemsetAsync(amax_col, 0, sizeof(float), st), "memset amax"); !s.ok()) return s;
+    constexpr int VEC = 16 / int(sizeof(typename In<IN>::T));
+    if (C % VEC == 0 && aligned16(p.x))
+      amax_rht_kernel<IN, VEC><<<grid_for((R / 16) * (C / VEC), 256, 2048), 256, 0, st>>>(
+          p.x, R, C, p.rht_sign_mask, p.amax, amax_col);
+    else
+      amax_rht_kernel<IN, 1><<<grid_for((R / 16) * C, 256, 2048), 256, 0, st>>>(p.x, R, C, p.rht_sign_mask,
+                                                                              p.amax, amax_col);
+    if (auto s = launch_status("amax_rht_kernel"); !s.ok()) return s;
+  } else if (amax_first) {
+    if (auto s = launch_amax<IN>(p, p.amax, st); !s.ok()) return s;
+  }
+
+  FinalArgs f{p.mode,       fmt_max<FMT>(),
+              p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr,
+              p.amax,       amax_col,
+              p.rowwise && KIND == kTensor ? static_cast<float*>(p.scale_inv) : nullptr,
+              p.colwise && KIND == kTensor ? static_cast<float*>(p.colwise_scale_inv) : nullptr,
+              p.global_scale_inv};
+  finalize_kernel<<<1, 32, 0, st>>>(f);
+  if (auto s = launch_status("finalize_kernel"); !s.ok()) return s;
+
+  if (n > 0) {
+    CastArgs a;
+    a.x = p.x;
+    a.R = R;
+    a.C = C;
+    a.rowwise = p.rowwise;
+    a.colwise = p.colwise;
+    a.q_row = static_cast<uint8_t*>(p.data);
+    a.s_row = static_cast<uint8_t*>(p.scale_inv);
+    a.q_col = static_cast<uint8_t*>(p.colwise_data);
+    a.s_col = static_cast<uint8_t*>(p.colwise_scale_inv);
+    a.delayed = p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr;
+    a.amax_in = p.amax;
+    a.amax_col = amax_col;
+    a.sr_seed = nv ? p.sr_seed : nullptr;
+    a.rht = KIND == kNv1 && p.rht;
+    a.rht_mask = p.rht_sign_mask & 0xFFFFu;
+    if (fast) {
+      int64_t tiles = 0;
+      if (!set_tiles(a, &tiles)) return Status::Invalid("quantize: tensor too large");
+      const int64_t tiles_r = (R + kTileR - 1) / kTileR;
+      a.amax_out = amax_first ? nullptr : p.amax;
+      a.dbias_part = dbias_fast ? reinterpret_cast<float*>(static_cast<char*>(p.workspace) + kScalarBytes) : nullptr;
+      cast_tile_kernel<IN, KIND, FMT, false><<<unsigned(tiles), kTileThreads, 0, st>>>(a);
+      if (auto s = launch_status("cast_tile_kernel"); !s.ok()) return s;
+      if (dbias_fast) {
+        dbias_reduce_kernel<IN><<<grid_for(C, 256), 256, 0, st>>>(a.dbias_part, tiles_r, C, p.dbias);
+        if (auto s = launch_status("dbias_reduce_kernel"); !s.ok()) return s;
+      }
+      return Status::Ok();
+    }
+    constexpr int B = generic_block<KIND>();
+    if (p.rowwise) {
+      rowwise_generic_kernel<IN, KIND, FMT, false><<<grid_for(n / B, 256, 8192), 256, 0, st>>>(a);
+      if (auto s = launch_status("rowwise_generic_kernel"); !s.ok()) return s;
+    }
+    if (p.colwise) {
+      colwise_generic_kernel<IN, KIND, FMT, false><<<grid_for(n / B, 256, 8192), 256, 0, st>>>(a);
+      if (auto s = launch_status("colwise_generic_kernel"); !s.ok()) return s;
+    }
+  }
+  if (p.dbias && C > 0) {  // generic path, or R == 0 (zeros)
+    dbias_generic_kernel<IN><<<grid_for(C, 256), 256, 0, st>>>(p.x, R, C, p.dbias);
+    if (auto s = launch_status("dbias_generic_kernel"); !s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+template <int IN>
+Status dispatch_mode(const QuantizeParams& p, cudaStream_t st) {
+  const bool e5 = p.q_dtype == DType::kE5M2;
+  switch (p.mode) {
+    case ScalingMode::kNoScaling: return run_noscale<IN>(p, st);
+    case ScalingMode::kDelayedTensor:
+    case ScalingMode::kCurrentTensor:
+      return e5 ? run_cast<IN, kTensor, kFmtE5M2>(p, st) : run_cast<IN, kTensor, kFmtE4M3>(p, st);
+    case ScalingMode::kMxfp8_1d:
+      return e5 ? run_cast<IN, kMx, kFmtE5M2>(p, st) : run_cast<IN, kMx, kFmtE4M3>(p, st);
+    case ScalingMode::kNvfp4_1d: return run_cast<IN, kNv1, kFmtE2M1>(p, st);
+    case ScalingMode::kNvfp4_2d: return run_cast<IN, kNv2, kFmtE2M1>(p, st);
+  }
+  return Status::Invalid("quantize: unknown scaling mode");
+}
+
+}  // namespace
+}  // namespace cuda
+
+size_t quantize_workspace_bytes(const QuantizeParams& p) {
+  size_t bytes = cuda::kScalarBytes;
+  if (p.dbias != nullptr && p.rows > 0 && p.cols > 0)
+    bytes += size_t((p.rows + cuda::kTileR - 1) / cuda::kTileR) * size_t(p.cols) * sizeof(float);
+  return bytes;
+}
+
+Status quantize_cuda(const QuantizeParams& p, void* stream) {
+  if (auto s = validate(p); !s.ok()) return s;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (p.x_dtype) {
+    case DType::kF32: return cuda::dispatch_mode<0>(p, st);
+    case DType::kBF16: return cuda::dispatch_mode<1>(p, st);
+    case DType::kF16: return cuda::dispatch_mode<2>(p, st);
+    default: return Status::Invalid("quantize: unsupported input dtype");
+  }
+}
+
+}  // namespace lowbit
