@@ -1,0 +1,683 @@
+// CUDA LayerNorm / RMSNorm (lowbit/norm.h). Stream-ordered, no host sync, no allocation.
+//
+// Forward, fast path (C a multiple of one 16-byte vector, row <= 512 vectors): persistent blocks
+// of 8 warps walk bands of 32 rows; a warp owns 4 rows of a band, holds a row in registers and
+// always has its next row's load in flight (double buffer, across bands too) while computing the
+// current one: two-pass variance from registers, warp butterflies (deterministic). Each row
+// writes y and/or its rowwise FP8 bytes and stashes the FP8 bytes in shared memory; once the band
+// is done the block writes the colwise copy, 32 rows = one 32-byte sector per column. Current
+// scaling runs the kernel twice (norm.h): amax first, then the copies. Other shapes: a generic
+// kernel, one row per block, re-reading x from global memory, same per-element arithmetic.
+//
+// Backward: one row at a time per block, the row spread over the block's threads; each thread
+// keeps dgamma/dbeta partial sums for its own columns in registers; partials go to the workspace
+// ([2][parts][C] floats) and a second kernel adds them in block order. Float ops are explicit _rn
+// intrinsics (FMAs written as such), so every launch of a kernel computes y with identical
+// arithmetic whatever outputs it writes: the fused FP8 copies equal lowbit.quantize(y).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+#include "lowbit/norm.h"
+
+namespace lowbit {
+namespace cuda {
+namespace {
+
+constexpr int kBand = 32;       // rows per band: one 32-byte sector per colwise column
+constexpr int kFwdWarps = 8;    // warps per block (forward fast path)
+constexpr int kRowsPerWarp = kBand / kFwdWarps;
+constexpr int kBwdParts = 256;  // backward blocks = dgamma/dbeta partial rows (at most)
+static_assert(kRowsPerWarp == 4, "the forward's row pipeline is written for 4 rows per warp");
+
+template <int IN>
+__host__ __device__ constexpr int vec_elems() {
+  return IN == 0 ? 4 : 8;
+}
+
+// Two floats rounded to the input dtype (hardware cvt, round to nearest even), packed.
+template <int IN>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  if constexpr (IN == 1) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+template <int IN>
+__device__ __forceinline__ float lo_f(uint32_t w) {
+  if constexpr (IN == 1) return __uint_as_float(w << 16);
+  else return __half2float(__ushort_as_half(uint16_t(w & 0xffffu)));
+}
+template <int IN>
+__device__ __forceinline__ float hi_f(uint32_t w) {
+  if constexpr (IN == 1) return __uint_as_float(w & 0xffff0000u);
+  else return __half2float(__ushort_as_half(uint16_t(w >> 16)));
+}
+
+// E values rounded to the input dtype: the 16-byte vector of their bits, and their values.
+template <int IN, int E>
+__device__ __forceinline__ uint4 round_vec(const float* v, float* r) {
+  uint32_t w[4];
+  if constexpr (IN == 0) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w[e] = __float_as_uint(v[e]), r[e] = v[e];
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      w[j] = pack2<IN>(v[2 * j], v[2 * j + 1]);
+      r[2 * j] = lo_f<IN>(w[j]);
+      r[2 * j + 1] = hi_f<IN>(w[j]);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One value rounded as round_vec rounds it.
+template <int IN>
+__device__ __forceinline__ float round1(float v) {
+  if constexpr (IN == 0) return v;
+  else return lo_f<IN>(pack2<IN>(v, 0.0f));
+}
+
+// E rounded values times the scale -> E FP8 bytes.
+template <int FMT, int E>
+__device__ __forceinline__ void fp8_vec(const float* r, float scale, uint32_t* w) {
+#pragma unroll
+  for (int h = 0; h < E / 4; ++h)
+    w[h] = enc_fp8x2<FMT>(__fmul_rn(r[4 * h], scale), __fmul_rn(r[4 * h + 1], scale)) |
+           (enc_fp8x2<FMT>(__fmul_rn(r[4 * h + 2], scale), __fmul_rn(r[4 * h + 3], scale)) << 16);
+}
+
+__device__ __forceinline__ uint32_t enc1(float v, bool e5) {
+  return (e5 ? enc_fp8x2<kFmtE5M2>(v, 0.0f) : enc_fp8x2<kFmtE4M3>(v, 0.0f)) & 0xffu;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+// Sum over the block; every thread gets the same value (warp partials added in warp order).
+// `red` holds 32 floats; callers alternate two buffers so one barrier per call suffices.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float s = 0.0f;
+  for (int w = 0; w < int(blockDim.x >> 5); ++w) s = __fadd_rn(s, red[w]);
+  return s;
+}
+
+struct FwdArgs {
+  const void* x;
+  const float* gamma;
+  const float* beta;
+  int64_t R, C;
+  bool rms, e5;
+  float zc_add;  // 1 for zero-centered gamma, else 0
+  float eps;
+  void* y;
+  uint8_t* q_row;
+  uint8_t* q_col;
+  bool fp8;              // quantize in this launch (scale from `scale` or from amax_in)
+  const float* scale;    // delayed
+  const float* amax_in;  // current: the first pass's amax
+  float* si;
+  float* csi;
+  float* amax_out;  // atomicMax target (zeroed before), or null
+  float* mean;
+  float* rsigma;
+};
+
+__device__ __forceinline__ float launch_scale(const FwdArgs& a) {
+  if (!a.fp8) return 1.0f;
+  const float s = a.scale ? *a.scale : scale_from_amax(*a.amax_in, a.e5 ? kE5M2Max : kE4M3Max);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (a.si) *a.si = 1.0f / s;
+    if (a.csi) *a.csi = 1.0f / s;
+  }
+  return s;
+}
+
+// Row statistics from a row's partial sums (lane values), as (mean, rsigma).
+__device__ __forceinline__ float rsigma_of(float sq, float fc, float eps) {
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sq, fc), eps)));
+}
+
+// Stores the band's colwise bytes: thread = 4 columns x the band's rows.
+__device__ void write_band_colwise(const uint8_t* band, const FwdArgs& a, int64_t r0) {
+  const int64_t C = a.C, R = a.R;
+  const int rows = R - r0 < kBand ? int(R - r0) : kBand;
+  const uint32_t* b32 = reinterpret_cast<const uint32_t*>(band);
+  const int64_t nq = C / 4;
+  for (int64_t q = threadIdx.x; q < nq; q += blockDim.x) {
+    uint32_t w[kBand];
+#pragma unroll
+    for (int rr = 0; rr < kBand; ++rr) w[rr] = rr < rows ? b32[rr * nq + q] : 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t sel = uint32_t(j) | (uint32_t(j + 4) << 4);
+      uint32_t o[kBand / 4];
+#pragma unroll
+      for (int m = 0; m < kBand / 4; ++m)
+        o[m] = __byte_perm(__byte_perm(w[4 * m], w[4 * m + 1], sel), __byte_perm(w[4 * m + 2], w[4 * m + 3], sel),
+                           0x5410);
+      uint8_t* dst = a.q_col + (4 * q + j) * R + r0;
+      if (R % 16 == 0) {  // rows is 16 or 32 and dst is 16-byte aligned
+        *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+        if (rows == kBand) *reinterpret_cast<uint4*>(dst + 16) = make_uint4(o[4], o[5], o[6], o[7]);
+      } else {
+        for (int rr = 0; rr < rows; ++rr) dst[rr] = uint8_t(o[rr >> 2] >> ((rr & 3) * 8));
+      }
+    }
+  }
+}
+
+template <int NV>
+__device__ __forceinline__ void load_row(uint4 (&buf)[NV], const void* x, int64_t r, int64_t R, int64_t C,
+                                         int64_t nvec, int lane, int elem_bytes) {
+  if (r >= R) return;
+  const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(x) + r * C * elem_bytes);
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = lane + 32 * k;
+    buf[k] = v < nvec ? __ldg(xr + v) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// One row (held by the warp in registers): statistics, then y / FP8 outputs.
+template <int IN, int NV>
+__device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV], int64_t r, int rr, float scale,
+                                         uint8_t* band, float& amax) {
+  using T = typename In<IN>::T;
+  constexpr int E = vec_elems<IN>();
+  if (r >= a.R) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t C = a.C, nvec = C / E;
+  const float fc = float(C);
+  float mean = 0.0f;
+  if (!a.rms) {
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four chains: shorter dependency, fixed order
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      float f[E];
+      unpack16<IN>(raw[k], f);  // padding vectors are zero
+#pragma unroll
+      for (int e = 0; e < E; ++e) s[e & 3] = __fadd_rn(s[e & 3], f[e]);
+    }
+    mean = __fdiv_rn(warp_sum(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]))), fc);
+  }
+  float q[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (lane + 32 * k >= nvec) continue;
+    float f[E];
+    unpack16<IN>(raw[k], f);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const float d = __fsub_rn(f[e], mean);
+      q[e & 3] = __fmaf_rn(d, d, q[e & 3]);
+    }
+  }
+  const float rs = rsigma_of(warp_sum(__fadd_rn(__fadd_rn(q[0], q[1]), __fadd_rn(q[2], q[3]))), fc, a.eps);
+  const float nm = __fmul_rn(-mean, rs);
+  if (lane == 0) {
+    if (a.rsigma) a.rsigma[r] = rs;
+    if (a.mean && !a.rms) a.mean[r] = mean;
+  }
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = lane + 32 * k;
+    if (v >= nvec) continue;
+    float f[E], out[E], yr[E];
+    unpack16<IN>(raw[k], f);
+    const float4* g4 = reinterpret_cast<const float4*>(a.gamma + v * E);
+    const float4* b4 = reinterpret_cast<const float4*>(a.beta + v * E);
+#pragma unroll
+    for (int h = 0; h < E / 4; ++h) {
+      const float4 gg = __ldg(g4 + h);
+      const float4 bb = a.beta ? __ldg(b4 + h) : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float g[4] = {gg.x, gg.y, gg.z, gg.w}, b[4] = {bb.x, bb.y, bb.z, bb.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        out[4 * h + j] = __fmaf_rn(__fmaf_rn(f[4 * h + j], rs, nm), __fadd_rn(g[j], a.zc_add), b[j]);
+    }
+    const uint4 bits = round_vec<IN, E>(out, yr);
+#pragma unroll
+    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(yr[e]));
+    if (a.y) reinterpret_cast<uint4*>(static_cast<T*>(a.y) + r * C)[v] = bits;
+    if (a.fp8) {
+      uint32_t w[E / 4];
+      if (a.e5) fp8_vec<kFmtE5M2, E>(yr, scale, w);
+      else fp8_vec<kFmtE4M3, E>(yr, scale, w);
+      if constexpr (E == 8) {
+        const uint2 o = make_uint2(w[0], w[1]);
+        if (a.q_row) *reinterpret_cast<uint2*>(a.q_row + r * C + v * E) = o;
+        if (a.q_col) *reinterpret_cast<uint2*>(band + rr * C + v * E) = o;
+      } else {
+        if (a.q_row) *reinterpret_cast<uint32_t*>(a.q_row + r * C + v * E) = w[0];
+        if (a.q_col) *reinterpret_cast<uint32_t*>(band + rr * C + v * E) = w[0];
+      }
+    }
+  }
+}
+
+// Persistent over bands of 32 rows; warp w owns rows 4w..4w+3 of each band and always has the
+// next row's load in flight (across bands too) while it computes the current one.
+template <int IN, int NV>
+__global__ void __launch_bounds__(kFwdWarps * 32, 1) norm_fwd_fast(const FwdArgs a) {
+  constexpr int EB = IN == 0 ? 4 : 2;
+  extern __shared__ uint4 smem[];
+  uint8_t* band = reinterpret_cast<uint8_t*>(smem);
+  __shared__ float red[kFwdWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t R = a.R, C = a.C, nvec = C / vec_elems<IN>(), nbands = (R + kBand - 1) / kBand;
+  const float scale = launch_scale(a);
+  float amax = 0.0f;
+  uint4 b0[NV], b1[NV];
+  const int w0 = warp * kRowsPerWarp;
+  int64_t bnd = blockIdx.x;
+  if (bnd < nbands) load_row<NV>(b0, a.x, bnd * kBand + w0, R, C, nvec, lane, EB);
+  for (; bnd < nbands; bnd += gridDim.x) {
+    const int64_t r0 = bnd * kBand, nxt = bnd + gridDim.x;
+    load_row<NV>(b1, a.x, r0 + w0 + 1, R, C, nvec, lane, EB);
+    norm_row<IN, NV>(a, b0, r0 + w0, w0, scale, band, amax);
+    load_row<NV>(b0, a.x, r0 + w0 + 2, R, C, nvec, lane, EB);
+    norm_row<IN, NV>(a, b1, r0 + w0 + 1, w0 + 1, scale, band, amax);
+    load_row<NV>(b1, a.x, r0 + w0 + 3, R, C, nvec, lane, EB);
+    norm_row<IN, NV>(a, b0, r0 + w0 + 2, w0 + 2, scale, band, amax);
+    if (nxt < nbands) load_row<NV>(b0, a.x, nxt * kBand + w0, R, C, nvec, lane, EB);
+    norm_row<IN, NV>(a, b1, r0 + w0 + 3, w0 + 3, scale, band, amax);
+    if (a.fp8 && a.q_col) {
+      __syncthreads();
+      write_band_colwise(band, a, r0);
+      __syncthreads();  // the band buffer is reused by the next band
+    }
+  }
+  if (a.amax_out) block_amax_to(amax, red, a.amax_out);
+}
+
+// Any shape/alignment: one row per block, x re-read from global memory for each pass; the
+// per-element arithmetic is the fast kernel's.
+template <int IN>
+__global__ void __launch_bounds__(256) norm_fwd_generic(const FwdArgs a) {
+  using T = typename In<IN>::T;
+  __shared__ float red[2][32];
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t C = a.C, R = a.R;
+  const float scale = launch_scale(a);
+  float amax = 0.0f;
+  int parity = 0;
+  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+    const T* xr = x + r * C;
+    float mean = 0.0f;
+    if (!a.rms) {
+      float s = 0.0f;
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s = __fadd_rn(s, In<IN>::f(xr[c]));
+      mean = __fdiv_rn(block_sum(s, red[parity]), float(C));
+      parity ^= 1;
+    }
+    float q = 0.0f;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const float d = __fsub_rn(In<IN>::f(xr[c]), mean);
+      q = __fmaf_rn(d, d, q);
+    }
+    const float rs = rsigma_of(block_sum(q, red[parity]), float(C), a.eps);
+    const float nm = __fmul_rn(-mean, rs);
+    parity ^= 1;
+    if (threadIdx.x == 0) {
+      if (a.rsigma) a.rsigma[r] = rs;
+      if (a.mean && !a.rms) a.mean[r] = mean;
+    }
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const float v = __fmaf_rn(__fmaf_rn(In<IN>::f(xr[c]), rs, nm), __fadd_rn(a.gamma[c], a.zc_add),
+                                a.beta ? a.beta[c] : 0.0f);
+      const float yr = round1<IN>(v);
+      amax = fmaxf(amax, fabsf(yr));
+      if (a.y) store_out<IN>(a.y, r * C + c, yr);
+      if (a.fp8) {
+        const uint8_t code = uint8_t(enc1(__fmul_rn(yr, scale), a.e5));
+        if (a.q_row) a.q_row[r * C + c] = code;
+        if (a.q_col) a.q_col[c * R + r] = code;
+      }
+    }
+  }
+  if (a.amax_out) {
+    __shared__ float ared[8];
+    block_amax_to(amax, ared, a.amax_out);
+  }
+}
+
+// Rows held as NV 16-byte vectors per lane; 0 when the row is too long for the fast kernel.
+int fwd_nv(int64_t nvec) {
+  for (int nv : {1, 2, 4, 8, 16})
+    if (nvec <= 32 * int64_t(nv)) return nv;
+  return 0;
+}
+
+template <int IN, int NV>
+Status launch_fwd_fast(const FwdArgs& a, cudaStream_t st) {
+  const int64_t nbands = (a.R + kBand - 1) / kBand;
+  const size_t smem = a.q_col ? size_t(kBand) * size_t(a.C) : 0;
+  auto kernel = norm_fwd_fast<IN, NV>;
+  if (smem > 48 * 1024) {
+    // Opting in to more than 48 KB of shared memory is a per-kernel attribute, not a stream op.
+    auto e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (auto s = api_status(e, "norm: shared memory opt-in"); !s.ok()) return s;
+  }
+  // Persistent grid: as many blocks as fit at once (host-side queries, no stream work).
+  int dev = 0, sms = 0, occ = 0;
+  if (auto s = api_status(cudaGetDevice(&dev), "norm: device"); !s.ok()) return s;
+  if (auto s = api_status(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "norm: SMs"); !s.ok())
+    return s;
+  if (auto s = api_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kFwdWarps * 32, smem),
+                          "norm: occupancy");
+      !s.ok())
+    return s;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(nbands, int64_t(sms) * std::max(occ, 1)));
+  kernel<<<unsigned(blocks), kFwdWarps * 32, smem, st>>>(a);
+  return launch_status("norm_fwd_fast");
+}
+
+template <int IN>
+Status launch_fwd(const FwdArgs& a, cudaStream_t st) {
+  constexpr int E = vec_elems<IN>();
+  const bool vec = a.C % E == 0 && aligned16(a.x) && aligned16(a.gamma) && (!a.beta || aligned16(a.beta)) &&
+                   (!a.y || aligned16(a.y)) && (!a.q_row || (reinterpret_cast<uintptr_t>(a.q_row) & 7u) == 0) &&
+                   (!a.q_col || aligned16(a.q_col));
+  // The band of FP8 rows must fit in shared memory (227 KB on Hopper).
+  const int nv = vec && int64_t(kBand) * a.C <= 200 * 1024 ? fwd_nv(a.C / E) : 0;
+  switch (nv) {
+    case 1: return launch_fwd_fast<IN, 1>(a, st);
+    case 2: return launch_fwd_fast<IN, 2>(a, st);
+    case 4: return launch_fwd_fast<IN, 4>(a, st);
+    case 8: return launch_fwd_fast<IN, 8>(a, st);
+    case 16: return launch_fwd_fast<IN, 16>(a, st);
+    default: break;
+  }
+  const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(a.R, 65535)));
+  norm_fwd_generic<IN><<<blocks, 256, 0, st>>>(a);
+  return launch_status("norm_fwd_generic");
+}
+
+// ---------------------------------------------------------------------------------------------
+// backward
+
+struct BwdArgs {
+  const void* dy;
+  const void* x;
+  const float* mean;
+  const float* rsigma;
+  const float* gamma;
+  int64_t R, C;
+  bool rms, zc;
+  void* dx;
+  float* part;  // [2][parts][C]
+  int parts;
+};
+
+__device__ __forceinline__ float bwd_gamma(const BwdArgs& a, float g) { return a.zc ? __fadd_rn(g, 1.0f) : g; }
+
+template <int IN, int NV>
+__global__ void __launch_bounds__(256) norm_bwd_fast(const BwdArgs a) {
+  using T = typename In<IN>::T;
+  constexpr int E = vec_elems<IN>();
+  __shared__ float red[2][2][32];
+  const int64_t C = a.C, nvec = C / E;
+  const int tpb = blockDim.x;
+  float acc_g[NV * E], acc_b[NV * E];
+#pragma unroll
+  for (int i = 0; i < NV * E; ++i) acc_g[i] = acc_b[i] = 0.0f;
+  int parity = 0;
+  for (int64_t r = blockIdx.x; r < a.R; r += gridDim.x) {
+    const uint4* dyr = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) + r * C);
+    const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + r * C);
+    uint4 rdy[NV], rx[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t v = threadIdx.x + int64_t(tpb) * k;
+      rdy[k] = v < nvec ? __ldg(dyr + v) : make_uint4(0u, 0u, 0u, 0u);
+      rx[k] = v < nvec ? __ldg(xr + v) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    const float mean = a.rms ? 0.0f : a.mean[r], rs = a.rsigma[r];
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t v = threadIdx.x + int64_t(tpb) * k;
+      if (v >= nvec) continue;
+      float fdy[E], fx[E];
+      unpack16<IN>(rdy[k], fdy);
+      unpack16<IN>(rx[k], fx);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float xh = __fmul_rn(__fsub_rn(fx[e], mean), rs);
+        const float dyg = __fmul_rn(fdy[e], bwd_gamma(a, __ldg(a.gamma + v * E + e)));
+        s1 = __fadd_rn(s1, __fmul_rn(dyg, xh));
+        s2 = __fadd_rn(s2, dyg);
+        acc_g[k * E + e] = __fadd_rn(acc_g[k * E + e], __fmul_rn(fdy[e], xh));
+        acc_b[k * E + e] = __fadd_rn(acc_b[k * E + e], fdy[e]);
+      }
+    }
+    // Both sums in one pass over the warps.
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+    if ((threadIdx.x & 31) == 0) {
+      red[parity][0][threadIdx.x >> 5] = s1;
+      red[parity][1][threadIdx.x >> 5] = s2;
+    }
+    __syncthreads();
+    s1 = 0.0f, s2 = 0.0f;
+    for (int w = 0; w < (tpb >> 5); ++w) {
+      s1 = __fadd_rn(s1, red[parity][0][w]);
+      s2 = __fadd_rn(s2, red[parity][1][w]);
+    }
+    parity ^= 1;
+    const float c1 = __fdiv_rn(s1, float(C)), c2 = a.rms ? 0.0f : __fdiv_rn(s2, float(C));
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t v = threadIdx.x + int64_t(tpb) * k;
+      if (v >= nvec) continue;
+      float fdy[E], fx[E];
+      unpack16<IN>(rdy[k], fdy);
+      unpack16<IN>(rx[k], fx);
+      uint32_t bits[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float xh = __fmul_rn(__fsub_rn(fx[e], mean), rs);
+        const float dyg = __fmul_rn(fdy[e], bwd_gamma(a, __ldg(a.gamma + v * E + e)));
+        bits[e] = out_bits<IN>(__fmul_rn(rs, __fsub_rn(dyg, __fadd_rn(__fmul_rn(xh, c1), c2))));
+      }
+      uint4 o;
+      if constexpr (IN == 0) o = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+      else o = make_uint4(bits[0] | (bits[1] << 16), bits[2] | (bits[3] << 16), bits[4] | (bits[5] << 16),
+                          bits[6] | (bits[7] << 16));
+      reinterpret_cast<uint4*>(static_cast<T*>(a.dx) + r * C)[v] = o;
+    }
+  }
+  float* pg = a.part + int64_t(blockIdx.x) * C;
+  float* pb = a.part + (int64_t(a.parts) + blockIdx.x) * C;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = threadIdx.x + int64_t(tpb) * k;
+    if (v >= nvec) continue;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      pg[v * E + e] = acc_g[k * E + e];
+      pb[v * E + e] = acc_b[k * E + e];
+    }
+  }
+}
+
+// Any shape/alignment: partial sums accumulate in the block's own workspace rows.
+template <int IN>
+__global__ void __launch_bounds__(256) norm_bwd_generic(const BwdArgs a) {
+  using T = typename In<IN>::T;
+  __shared__ float red[2][2][32];
+  const int64_t C = a.C;
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* x = static_cast<const T*>(a.x);
+  float* pg = a.part + int64_t(blockIdx.x) * C;
+  float* pb = a.part + (int64_t(a.parts) + blockIdx.x) * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) pg[c] = pb[c] = 0.0f;
+  int parity = 0;
+  for (int64_t r = blockIdx.x; r < a.R; r += gridDim.x) {
+    const float mean = a.rms ? 0.0f : a.mean[r], rs = a.rsigma[r];
+    float s1 = 0.0f, s2 = 0.0f;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const float xh = __fmul_rn(__fsub_rn(In<IN>::f(x[r * C + c]), mean), rs);
+      const float fdy = In<IN>::f(dy[r * C + c]);
+      const float dyg = __fmul_rn(fdy, bwd_gamma(a, a.gamma[c]));
+      s1 = __fadd_rn(s1, __fmul_rn(dyg, xh));
+      s2 = __fadd_rn(s2, dyg);
+      pg[c] = __fadd_rn(pg[c], __fmul_rn(fdy, xh));
+      pb[c] = __fadd_rn(pb[c], fdy);
+    }
+    s1 = block_sum(s1, red[parity][0]);
+    s2 = block_sum(s2, red[parity][1]);
+    parity ^= 1;
+    const float c1 = __fdiv_rn(s1, float(C)), c2 = a.rms ? 0.0f : __fdiv_rn(s2, float(C));
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const float xh = __fmul_rn(__fsub_rn(In<IN>::f(x[r * C + c]), mean), rs);
+      const float dyg = __fmul_rn(In<IN>::f(dy[r * C + c]), bwd_gamma(a, a.gamma[c]));
+      store_out<IN>(a.dx, r * C + c, __fmul_rn(rs, __fsub_rn(dyg, __fadd_rn(__fmul_rn(xh, c1), c2))));
+    }
+  }
+}
+
+// dgamma[c] (and dbeta[c]) = sum of the partial rows in block order: deterministic.
+__global__ void norm_bwd_reduce(const float* part, int parts, int64_t C, float* dgamma, float* dbeta) {
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C; c += int64_t(gridDim.x) * blockDim.x) {
+    float g = 0.0f, b = 0.0f;
+    for (int p = 0; p < parts; ++p) {
+      g = __fadd_rn(g, part[int64_t(p) * C + c]);
+      b = __fadd_rn(b, part[(int64_t(parts) + p) * C + c]);
+    }
+    dgamma[c] = g;
+    if (dbeta) dbeta[c] = b;
+  }
+}
+
+int bwd_parts(int64_t rows) { return int(std::max<int64_t>(1, std::min<int64_t>(rows, kBwdParts))); }
+
+template <int IN, int NV>
+Status launch_bwd_fast(const BwdArgs& a, int tpb, cudaStream_t st) {
+  norm_bwd_fast<IN, NV><<<a.parts, tpb, 0, st>>>(a);
+  return launch_status("norm_bwd_fast");
+}
+
+template <int IN>
+Status launch_bwd(const BwdArgs& a, float* dgamma, float* dbeta, cudaStream_t st) {
+  constexpr int E = vec_elems<IN>();
+  const bool vec = a.C % E == 0 && aligned16(a.dy) && aligned16(a.x) && aligned16(a.dx);
+  const int64_t nvec = a.C / E;
+  // Up to 256 threads per row; NV vectors per thread.
+  const int tpb = int(std::min<int64_t>(256, (nvec + 31) / 32 * 32));
+  int nv = 0;
+  if (vec)
+    for (int c : {1, 2, 4})
+      if (nvec <= int64_t(tpb) * c) {
+        nv = c;
+        break;
+      }
+  Status s;
+  switch (nv) {
+    case 1: s = launch_bwd_fast<IN, 1>(a, tpb, st); break;
+    case 2: s = launch_bwd_fast<IN, 2>(a, tpb, st); break;
+    case 4: s = launch_bwd_fast<IN, 4>(a, tpb, st); break;
+    default:
+      norm_bwd_generic<IN><<<a.parts, 256, 0, st>>>(a);
+      s = launch_status("norm_bwd_generic");
+  }
+  if (!s.ok()) return s;
+  norm_bwd_reduce<<<grid_for(a.C, 256), 256, 0, st>>>(a.part, a.parts, a.C, dgamma, dbeta);
+  return launch_status("norm_bwd_reduce");
+}
+
+}  // namespace
+}  // namespace cuda
+
+size_t norm_bwd_workspace_bytes(int64_t rows, int64_t cols) {
+  return size_t(2) * size_t(cuda::bwd_parts(rows)) * size_t(cols > 0 ? cols : 0) * sizeof(float);
+}
+
+Status norm_fwd_cuda(const NormFwdParams& p, void* stream) {
+  if (auto s = validate(p); !s.ok()) return s;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  cuda::FwdArgs a{};
+  a.x = p.x;
+  a.gamma = p.gamma;
+  a.beta = p.beta;
+  a.R = p.rows;
+  a.C = p.cols;
+  a.rms = p.type == NormType::kRmsNorm;
+  a.zc_add = p.zero_centered_gamma ? 1.0f : 0.0f;
+  a.e5 = p.q_dtype == DType::kE5M2;
+  a.eps = p.epsilon;
+  a.mean = p.mean;
+  a.rsigma = p.rsigma;
+  a.y = p.y;
+  const bool fp8 = is_tensor_scaling(p.mode);
+  auto run = [&](const cuda::FwdArgs& args) -> Status {
+    switch (p.x_dtype) {
+      case DType::kF32: return cuda::launch_fwd<0>(args, st);
+      case DType::kBF16: return cuda::launch_fwd<1>(args, st);
+      default: return cuda::launch_fwd<2>(args, st);
+    }
+  };
+  if (!fp8) return run(a);
+  if (auto s = cuda::api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "norm: memset amax"); !s.ok())
+    return s;
+  a.si = p.scale_inv;
+  a.csi = p.colwise_scale_inv;
+  if (p.mode == ScalingMode::kDelayedTensor) {
+    a.fp8 = true;
+    a.scale = p.scale;
+    a.q_row = p.data;
+    a.q_col = p.colwise_data;
+    a.amax_out = p.amax;
+    return run(a);
+  }
+  // Current scaling: pass 1 = statistics, y and amax; pass 2 = the FP8 copies.
+  cuda::FwdArgs first = a;
+  first.amax_out = p.amax;
+  if (auto s = run(first); !s.ok()) return s;
+  a.fp8 = true;
+  a.amax_in = p.amax;
+  a.q_row = p.data;
+  a.q_col = p.colwise_data;
+  a.y = nullptr;
+  a.mean = nullptr;
+  a.rsigma = nullptr;
+  return run(a);
+}
+
+Status norm_bwd_cuda(const NormBwdParams& p, void* stream) {
+  if (auto s = validate(p); !s.ok()) return s;
+  if (p.workspace == nullptr && norm_bwd_workspace_bytes(p.rows, p.cols) > 0)
+    return Status::Invalid("norm_bwd: workspace missing");
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  cuda::BwdArgs a{};
+  a.dy = p.dy;
+  a.x = p.x;
+  a.mean = p.mean;
+  a.rsigma = p.rsigma;
+  a.gamma = p.gamma;
+  a.R = p.rows;
+  a.C = p.cols;
+  a.rms = p.type == NormType::kRmsNorm;
+  a.zc = p.zero_centered_gamma;
+  a.dx = p.dx;
+  a.part = static_cast<float*>(p.workspace);
+  a.parts = cuda::bwd_parts(p.rows);
+  switch (p.x_dtype) {
+    case DType::kF32: return cuda::launch_bwd<0>(a, p.dgamma, p.dbeta, st);
+    case DType::kBF16: return cuda::launch_bwd<1>(a, p.dgamma, p.dbeta, st);
+    default: return cuda::launch_bwd<2>(a, p.dgamma, p.dbeta, st);
+  }
+}
+
+}  // namespace lowbit

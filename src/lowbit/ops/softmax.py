@@ -1,0 +1,111 @@
+"""Fused softmax over the last axis: scaled, scaled + masked, scaled + causal (upper triangle).
+
+Numerics (csrc/include/lowbit/softmax.h): ``softmax(scale_factor * x)`` in float32 over the
+entries that are not masked out, rounded once to ``x``'s dtype. Masked-out entries get exactly 0;
+a row with every entry masked out is all zeros (not NaN). The mask follows TransformerEngine:
+``True`` (nonzero) means *masked out*. The causal type masks key ``j > i`` for query ``i``
+(top-left aligned; needs ``Sq == Sk``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit import _native
+from lowbit.ops.quantize import _EMPTY_F32, _check_input
+from lowbit.quantize.tensor import _prod
+
+_native.register_ops("softmax_fwd", "softmax_bwd")
+
+_TYPES = {"scaled": 0, "scaled_masked": 1, "scaled_upper_triang_masked": 2}
+
+
+def _check_scale(scale_factor):
+    if isinstance(scale_factor, (bool, np.bool_)) or not isinstance(scale_factor, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale_factor must be a Python float (a static value), got {type(scale_factor).__name__}")
+    return float(scale_factor)
+
+
+def _check_mask(mask, shape4):
+    mask = jnp.asarray(mask) if not hasattr(mask, "dtype") else mask
+    dt = np.dtype(mask.dtype)
+    if not (dt == np.bool_ or np.issubdtype(dt, np.integer)):
+        raise TypeError(f"mask must be boolean (True = masked out) or integer (nonzero = masked out), got {dt.name}")
+    if mask.ndim > 4:
+        raise ValueError(f"mask must broadcast to x's shape, got a mask of rank {mask.ndim}")
+    m4 = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    if any(m not in (1, d) for m, d in zip(m4, shape4)):
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to x's shape {shape4} "
+                         f"(each axis must be 1 or equal to x's)")
+    return (mask != 0).astype(jnp.uint8).reshape(m4)
+
+
+def _fwd_call(x4, mask4, type_code, scale):
+    _native.ensure_loaded()
+    call = jax.ffi.ffi_call("lowbit_softmax_fwd", jax.ShapeDtypeStruct(x4.shape, x4.dtype), vmap_method="sequential")
+    return call(x4, mask4, softmax_type=np.int32(type_code), scale_factor=np.float32(scale))
+
+
+def _bwd_call(dy2, y2, scale):
+    _native.ensure_loaded()
+    call = jax.ffi.ffi_call("lowbit_softmax_bwd", jax.ShapeDtypeStruct(y2.shape, y2.dtype), vmap_method="sequential")
+    return call(dy2, y2, scale_factor=np.float32(scale))
+
+
+def softmax(x, scale_factor: float = 1.0, mask=None, softmax_type: str = "scaled"):
+    """``softmax(scale_factor * x)`` over the last axis, differentiable (custom VJP).
+
+    Args:
+      x: float32/bfloat16/float16 array. "scaled": any rank; "scaled_masked": rank <= 4
+        (B, H, Sq, Sk); "scaled_upper_triang_masked": rank >= 2 with ``Sq == Sk``.
+      scale_factor: a static Python float multiplying x before the softmax.
+      mask: "scaled_masked" only: boolean, broadcastable to x's shape, True = masked out.
+      softmax_type: "scaled", "scaled_masked" or "scaled_upper_triang_masked".
+    """
+    if softmax_type not in _TYPES:
+        raise ValueError(f"softmax_type must be one of {sorted(_TYPES)}, got {softmax_type!r}")
+    scale = _check_scale(scale_factor)
+    x = _check_input(x, "x")
+    shape = tuple(x.shape)
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension")
+    Sk = shape[-1]
+    if softmax_type == "scaled_masked":
+        if mask is None:
+            raise ValueError("mask is required for softmax_type='scaled_masked'")
+        if x.ndim > 4:
+            raise ValueError(f"x must have rank <= 4 (B, H, Sq, Sk) for scaled_masked, got shape {shape}")
+        shape4 = (1,) * (4 - x.ndim) + shape
+        mask4 = _check_mask(mask, shape4)
+    else:
+        if mask is not None:
+            raise ValueError(f"mask is only used with softmax_type='scaled_masked', not {softmax_type!r}")
+        mask4 = _EMPTY_F32.astype(np.uint8)
+        if softmax_type == "scaled_upper_triang_masked":
+            if x.ndim < 2 or shape[-2] != Sk:
+                raise ValueError(f"x must end in square (Sq, Sk) axes for the causal softmax, got shape {shape}")
+            shape4 = (_prod(shape[:-2]), 1, shape[-2], Sk)
+        else:
+            shape4 = (1, 1, _prod(shape[:-1]), Sk)
+    code = _TYPES[softmax_type]
+    rows = _prod(shape[:-1])
+
+    @jax.custom_vjp
+    def f(x):
+        return _fwd_call(x.reshape(shape4), mask4, code, scale).reshape(shape)
+
+    def f_fwd(x):
+        y = f(x)
+        return y, y
+
+    def f_bwd(y, dy):
+        dx = _bwd_call(dy.astype(y.dtype).reshape(rows, Sk), y.reshape(rows, Sk), scale)
+        return (dx.reshape(shape),)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f(x)
+
+
+__all__ = ["softmax"]
