@@ -5,10 +5,22 @@ from lowbit.ops.quantize import dequantize, grouped_dequantize, grouped_quantize
 from lowbit.quantize.scaling_modes import ScalingMode
 from lowbit.quantize.tensor import ScaledTensor
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling
+from lowbit.ops.gemm import gemm
+from lowbit.ops.dense import dense, init_delayed_state, update_delayed_scale
+from lowbit.sharding import MeshResource, global_mesh_resource, global_shard_guard
+from lowbit.autocast import autocast, get_recipe
+from lowbit import checkpoint_policies
+from lowbit import flax
+from lowbit.ops.norm import layernorm
+from lowbit.ops.activation import activation
+from lowbit.ops.softmax import softmax
+from lowbit.ops.grouped_gemm import grouped_gemm, init_grouped_delayed_state
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "grouped_gemm",
+    "init_grouped_delayed_state",
     "DelayedScaling",
     "Float8CurrentScaling",
     "Format",
@@ -22,4 +34,18 @@ __all__ = [
     "quantize",
     "quantize_dbias",
     "recipe",
+    "gemm",
+    "dense",
+    "init_delayed_state",
+    "update_delayed_scale",
+    "MeshResource",
+    "global_mesh_resource",
+    "global_shard_guard",
+    "autocast",
+    "get_recipe",
+    "checkpoint_policies",
+    "flax",
+    "layernorm",
+    "activation",
+    "softmax",
 ]

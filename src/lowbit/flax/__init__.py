@@ -8,8 +8,10 @@ from lowbit.flax.module import (
     wrap_function_in_state_module,
     wrap_function_in_te_state_module,
 )
+from lowbit.flax.ragged_dot import make_ragged_dot_cls
 
 __all__ = [
+    "make_ragged_dot_cls",
     "OVERWRITE_WITH_GRADIENT",
     "SR_RNG",
     "QuantizeContext",

@@ -15,10 +15,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from lowbit.autocast import get_recipe
+from lowbit.flax.module import OVERWRITE_WITH_GRADIENT
 from lowbit.ops.grouped_gemm import ROLES, grouped_gemm
 from lowbit.recipe import DelayedScaling, Recipe
 
-OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+__all__ = ["OVERWRITE_WITH_GRADIENT", "make_ragged_dot_cls"]
 
 
 def make_ragged_dot_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = True):

@@ -1,0 +1,16 @@
+// One CUTLASS sm90 grouped GEMM instantiation, in its own file so that the build compiles them
+// in parallel. BF16, A K-major . B N-major: the forward (lhs . rhs).
+#define LOWBIT_GG_INSTANTIATE 1
+#include "grouped_gemm_cutlass.cuh"
+
+#if LOWBIT_HAVE_CUTLASS
+namespace lowbit {
+namespace gg {
+
+const Config& config_bf16_kn() {
+  return make_config<GroupedKernel<cutlass::bfloat16_t, cutlass::bfloat16_t, true, false, Bf16Tiles>>();
+}
+
+}  // namespace gg
+}  // namespace lowbit
+#endif

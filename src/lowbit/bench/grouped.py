@@ -1,0 +1,120 @@
+"""Grouped GEMM (mixture of experts): lowbit.grouped_gemm (BF16, FP8) next to jax.lax.ragged_dot
+and one dense jnp.dot of the same total size, forward and forward+backward, in one process.
+
+TFLOP/s counts the GEMM work only (2*M*K*N per GEMM, three GEMMs for forward+backward); the FP8
+times include the per-group quantization of every operand, except the "fp8 gemm only" rows,
+which time the FP8 GEMM on operands quantized beforehand. ``speedup`` is against ragged_dot in
+the same pass. Group sizes: balanced, or Dirichlet(1) draws (any value: FP8's weight-gradient
+GEMM then copies the groups that do not start at a multiple of 16 to aligned slots first).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lowbit
+from lowbit.bench.common import time_fn
+from lowbit.ops import grouped_gemm as gg_mod
+
+# (G, M, K, N): the MoE shapes of the issue.
+GPU_SHAPES = [(8, 32768, 4096, 14336), (64, 65536, 2048, 1536), (128, 16384, 4096, 1024)]
+CPU_SHAPES = [(4, 256, 128, 256), (16, 512, 64, 128)]
+DISTS = ("balanced", "dirichlet")
+CASES = ("ragged_dot bf16", "lowbit bf16", "lowbit fp8", "lowbit fp8 gemm only", "dense bf16")
+PASSES = ("fwd", "fwd+bwd")
+
+
+def group_sizes(G: int, M: int, dist: str, seed: int = 0) -> np.ndarray:
+    if dist == "balanced":
+        s = np.full(G, M // G, np.int64)
+        s[-1] += M - s.sum()
+        return s.astype(np.int32)
+    w = np.random.default_rng(seed).dirichlet(np.ones(G))
+    s = np.floor(w * M).astype(np.int64)
+    s[np.argmax(w)] += M - s.sum()
+    return s.astype(np.int32)
+
+
+def _loss_grad(f):
+    # fwd+bwd: value and both input gradients (the dout is a ones-like cotangent via sum).
+    return jax.jit(jax.grad(lambda a, b, s: jnp.sum(f(a, b, s).astype(jnp.float32)), argnums=(0, 1)))
+
+
+def _fp8_gemm_only(lhs, rhs, gs, bwd: bool):
+    """The FP8 GEMMs alone: operands quantized outside the timed function."""
+    recipe = lowbit.Float8CurrentScaling()
+    cfg = gg_mod._Fp8Config(recipe=recipe, out_dtype=np.dtype(jnp.bfloat16), lhs_dtype=np.dtype(lhs.dtype),
+                            rhs_dtype=np.dtype(rhs.dtype), fast_accum=True)
+    (M, K), (G, _, N) = lhs.shape, rhs.shape
+    qx = gg_mod._quantize(cfg, "x", lhs, gs, None, "both")
+    qw = gg_mod._quantize(cfg, "kernel", rhs.reshape(G * K, N), gg_mod._expert_sizes(rhs), None, "both")
+    qg = gg_mod._quantize(cfg, "grad", jnp.ones((M, N), jnp.bfloat16), gs, None, "both")
+    R = gg_mod._RAGGED_M
+
+    def fwd(qx, qw, gs):
+        return gg_mod._call(R, qx.data, qw.colwise_data, gs, qx.scale_inv, qw.colwise_scale_inv, m=M, n=N, k=K,
+                            lda=K, ldb=G * K, bgs=K, a_kmajor=True, b_kmajor=True, fast_accum=True)
+
+    def all3(qx, qw, qg, gs):
+        y = fwd(qx, qw, gs)
+        dl = gg_mod._call(R, qg.data, qw.data, gs, qg.scale_inv, qw.scale_inv, m=M, n=K, k=N, lda=N, ldb=N,
+                          bgs=K * N, a_kmajor=True, b_kmajor=True)
+        dr = gg_mod._call(gg_mod._RAGGED_K, qx.colwise_data, qg.colwise_data, gs, qx.colwise_scale_inv,
+                          qg.colwise_scale_inv, m=K, n=N, k=M, lda=M, ldb=M, a_kmajor=True, b_kmajor=True)
+        return y, dl, dr
+
+    if bwd:
+        return jax.jit(all3), (qx, qw, qg, gs)
+    return jax.jit(fwd), (qx, qw, gs)
+
+
+def _case(name: str, pas: str, lhs, rhs, gs):
+    bwd = pas == "fwd+bwd"
+    if name == "ragged_dot bf16":
+        f = lambda a, b, s: jax.lax.ragged_dot(a, b, s)
+    elif name == "lowbit bf16":
+        f = lambda a, b, s: lowbit.grouped_gemm(a, b, s)
+    elif name == "lowbit fp8":
+        f = lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=lowbit.Float8CurrentScaling())
+    elif name == "lowbit fp8 gemm only":
+        return _fp8_gemm_only(lhs, rhs, gs, bwd)
+    else:  # one dense GEMM of the same total size: (M, K) . (K, N)
+        w = rhs[0]
+        f = lambda a, b, s: jnp.dot(a, w)
+        if bwd:
+            return jax.jit(jax.grad(lambda a, w: jnp.sum(jnp.dot(a, w).astype(jnp.float32)), argnums=(0, 1))), (lhs, w)
+        return jax.jit(lambda a, w: jnp.dot(a, w)), (lhs, w)
+    return (_loss_grad(f) if bwd else jax.jit(f)), (lhs, rhs, gs)
+
+
+def run(small: bool, progress=None) -> list[dict]:
+    rows = []
+    iters = 3 if small else 10
+    for G, M, K, N in CPU_SHAPES if small else GPU_SHAPES:
+        key = jax.random.PRNGKey(0)
+        lhs = jax.random.normal(key, (M, K), jnp.float32).astype(jnp.bfloat16)
+        rhs = (jax.random.normal(jax.random.fold_in(key, 1), (G, K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for dist in DISTS:
+            gs = jnp.asarray(group_sizes(G, M, dist))
+            base = {}
+            for pas in PASSES:
+                flops = 2.0 * M * K * N * (3 if pas == "fwd+bwd" else 1)
+                for name in CASES:
+                    fn, args = _case(name, pas, lhs, rhs, gs)
+                    ms = time_fn(fn, *args, warmup=2, iters=iters, repeats=3)
+                    if name == "ragged_dot bf16":
+                        base[pas] = ms
+                    rows.append({
+                        "name": f"G{G} {dist} {pas} {name}", "shape": f"G={G} {M}x{K}x{N}", "sizes": dist,
+                        "pass": pas, "case": name, "ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12,
+                        "speedup": base[pas] / ms})
+                    if progress:
+                        progress()
+                    del fn, args
+    return rows
+
+
+def count(small: bool) -> int:
+    return len(CPU_SHAPES if small else GPU_SHAPES) * len(DISTS) * len(PASSES) * len(CASES)
