@@ -167,10 +167,31 @@ std::vector<float> to_f32(const std::vector<uint8_t>& b) {
   return f;
 }
 
+// The FP8 outputs of a fused launch on the device: rowwise and colwise copies of n bytes each,
+// scale_inv, colwise scale_inv and amax.
+struct Fp8Out {
+  Dev row, col, si, csi, amax;
+  explicit Fp8Out(size_t n) : row(n), col(n), si(4), csi(4), amax(4) {}
+  // The FP8 request of launch params g (Norm/ActFwd/ActBwdParams): mode, q_dtype and scale, and
+  // with `fp8` the output pointers.
+  template <typename P>
+  void attach(P& g, ScalingMode mode, DType q, const Dev& scale, bool fp8) const {
+    g.mode = mode;
+    g.q_dtype = q;
+    g.scale = scale.as<float>();
+    if (fp8) {
+      g.data = row.as<uint8_t>();
+      g.colwise_data = col.as<uint8_t>();
+      g.scale_inv = si.as<float>();
+      g.colwise_scale_inv = csi.as<float>();
+      g.amax = amax.as<float>();
+    }
+  }
+};
+
 // The contract for fused FP8 outputs: the CPU quantize kernel on the GPU's unquantized output.
 void check_fp8_contract(const std::vector<uint8_t>& y_gpu, DType dt, int64_t R, int64_t C, ScalingMode mode, DType q,
-                        float scale, const Dev& d_row, const Dev& d_col, const Dev& d_si, const Dev& d_csi,
-                        const Dev& d_amax, const std::string& what) {
+                        float scale, const Fp8Out& out, const std::string& what) {
   QuantizeParams qp;
   qp.x = y_gpu.data();
   qp.x_dtype = dt;
@@ -188,9 +209,9 @@ void check_fp8_contract(const std::vector<uint8_t>& y_gpu, DType dt, int64_t R, 
   qp.colwise_scale_inv = &csi;
   qp.amax = &amax;
   status_ok(quantize_cpu(qp), what + " quantize_cpu");
-  compare_bytes(d_row.host(), row, what + " rowwise fp8");
-  compare_bytes(d_col.host(), col, what + " colwise fp8");
-  const float g_amax = d_amax.scalar(), g_si = d_si.scalar(), g_csi = d_csi.scalar();
+  compare_bytes(out.row.host(), row, what + " rowwise fp8");
+  compare_bytes(out.col.host(), col, what + " colwise fp8");
+  const float g_amax = out.amax.scalar(), g_si = out.si.scalar(), g_csi = out.csi.scalar();
   report(std::memcmp(&g_amax, &amax, 4) == 0, what + " amax", std::to_string(g_amax) + " vs " + std::to_string(amax));
   report(std::memcmp(&g_si, &si, 4) == 0 && std::memcmp(&g_csi, &si, 4) == 0, what + " scale_inv",
          std::to_string(g_si) + "/" + std::to_string(g_csi) + " vs " + std::to_string(si));
@@ -234,7 +255,8 @@ void check_norm(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType type
 
   // GPU: y and the FP8 copies in one call.
   Dev dx(x.data(), x.size()), dg(gamma.data(), 4 * C), db(bet.data(), 4 * C), ds(&scale, 4);
-  Dev dy(n * esize(dt)), dmean(4 * R), drs(4 * R), drow(n), dcol(n), dsi(4), dcsi(4), damax(4);
+  Dev dy(n * esize(dt)), dmean(4 * R), drs(4 * R);
+  Fp8Out fo(n);
   NormFwdParams g = p;
   g.x = dx.p;
   g.gamma = dg.as<float>();
@@ -242,16 +264,7 @@ void check_norm(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType type
   g.y = dy.p;
   g.mean = dmean.as<float>();
   g.rsigma = drs.as<float>();
-  g.mode = mode;
-  g.q_dtype = q;
-  g.scale = ds.as<float>();
-  if (fp8) {
-    g.data = drow.as<uint8_t>();
-    g.colwise_data = dcol.as<uint8_t>();
-    g.scale_inv = dsi.as<float>();
-    g.colwise_scale_inv = dcsi.as<float>();
-    g.amax = damax.as<float>();
-  }
+  fo.attach(g, mode, q, ds, fp8);
   status_ok(norm_fwd_cuda(g, nullptr), tag + " cuda");
   CUDA_OK(cudaDeviceSynchronize());
   const auto y_gpu = dy.host();
@@ -259,7 +272,7 @@ void check_norm(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType type
   compare_f32(to_f32(drs.host()), rs_cpu, tag + " rsigma", 1e-5f);
   if (type == NormType::kLayerNorm) compare_f32(to_f32(dmean.host()), mean_cpu, tag + " mean", 1e-5f, 1e-2f);
   if (!fp8) return;
-  check_fp8_contract(y_gpu, dt, R, C, mode, q, scale, drow, dcol, dsi, dcsi, damax, tag);
+  check_fp8_contract(y_gpu, dt, R, C, mode, q, scale, fo, tag);
   // Without the y output (what lowbit.layernorm(quantize=...) launches): identical bytes.
   Dev drow2(n), dcol2(n);
   NormFwdParams g2 = g;
@@ -267,8 +280,8 @@ void check_norm(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType type
   g2.data = drow2.as<uint8_t>();
   g2.colwise_data = dcol2.as<uint8_t>();
   status_ok(norm_fwd_cuda(g2, nullptr), tag + " cuda no-y");
-  compare_bytes(drow2.host(), drow.host(), tag + " rowwise without y");
-  compare_bytes(dcol2.host(), dcol.host(), tag + " colwise without y");
+  compare_bytes(drow2.host(), fo.row.host(), tag + " rowwise without y");
+  compare_bytes(dcol2.host(), fo.col.host(), tag + " colwise without y");
 }
 
 void check_norm_bwd(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType type, bool zc) {
@@ -367,34 +380,26 @@ void check_act(std::mt19937& rng, DType dt, int64_t R, int64_t H, ActKind act, b
   p.gated = gated;
   p.y = y_cpu.data();
   status_ok(act_fwd_cpu(p), tag + " fwd cpu");
-  Dev dx(x.data(), x.size()), dy(ny * esize(dt)), ds(&scale, 4), drow(ny), dcol(ny), dsi(4), dcsi(4), damax(4);
+  Dev dx(x.data(), x.size()), dy(ny * esize(dt)), ds(&scale, 4);
+  Fp8Out fo(ny);
   ActFwdParams g = p;
   g.x = dx.p;
   g.y = dy.p;
-  g.mode = mode;
-  g.q_dtype = q;
-  g.scale = ds.as<float>();
-  if (fp8) {
-    g.data = drow.as<uint8_t>();
-    g.colwise_data = dcol.as<uint8_t>();
-    g.scale_inv = dsi.as<float>();
-    g.colwise_scale_inv = dcsi.as<float>();
-    g.amax = damax.as<float>();
-  }
+  fo.attach(g, mode, q, ds, fp8);
   status_ok(act_fwd_cuda(g, nullptr), tag + " fwd cuda");
   CUDA_OK(cudaDeviceSynchronize());
   const auto y_gpu = dy.host();
   compare(y_gpu, y_cpu, dt, ny, tag + " y");
   if (fp8) {
-    check_fp8_contract(y_gpu, dt, R, H, mode, q, scale, drow, dcol, dsi, dcsi, damax, tag + " fwd");
+    check_fp8_contract(y_gpu, dt, R, H, mode, q, scale, fo, tag + " fwd");
     Dev drow2(ny), dcol2(ny);
     ActFwdParams g2 = g;
     g2.y = nullptr;
     g2.data = drow2.as<uint8_t>();
     g2.colwise_data = dcol2.as<uint8_t>();
     status_ok(act_fwd_cuda(g2, nullptr), tag + " fwd cuda no-y");
-    compare_bytes(drow2.host(), drow.host(), tag + " fwd rowwise without y");
-    compare_bytes(dcol2.host(), dcol.host(), tag + " fwd colwise without y");
+    compare_bytes(drow2.host(), fo.row.host(), tag + " fwd rowwise without y");
+    compare_bytes(dcol2.host(), fo.col.host(), tag + " fwd colwise without y");
   }
 
   // backward with dbias
@@ -410,24 +415,16 @@ void check_act(std::mt19937& rng, DType dt, int64_t R, int64_t H, ActKind act, b
   b.dx = dx_cpu.data();
   b.dbias = dbias_cpu.data();
   status_ok(act_bwd_cpu(b), tag + " bwd cpu");
-  Dev ddy(dyv.data(), dyv.size()), ddx(nx * esize(dt)), ddb(size_t(W) * esize(dt)), brow(nx), bcol(nx), bsi(4),
-      bcsi(4), bamax(4), ws(act_bwd_workspace_bytes(R, H, gated, true));
+  Dev ddy(dyv.data(), dyv.size()), ddx(nx * esize(dt)), ddb(size_t(W) * esize(dt)),
+      ws(act_bwd_workspace_bytes(R, H, gated, true));
+  Fp8Out bo(nx);
   ActBwdParams gb = b;
   gb.dy = ddy.p;
   gb.x = dx.p;
   gb.dx = ddx.p;
   gb.dbias = ddb.p;
   gb.workspace = ws.p;
-  gb.mode = mode;
-  gb.q_dtype = q;
-  gb.scale = ds.as<float>();
-  if (fp8) {
-    gb.data = brow.as<uint8_t>();
-    gb.colwise_data = bcol.as<uint8_t>();
-    gb.scale_inv = bsi.as<float>();
-    gb.colwise_scale_inv = bcsi.as<float>();
-    gb.amax = bamax.as<float>();
-  }
+  bo.attach(gb, mode, q, ds, fp8);
   status_ok(act_bwd_cuda(gb, nullptr), tag + " bwd cuda");
   CUDA_OK(cudaDeviceSynchronize());
   const auto dx_gpu = ddx.host();
@@ -446,7 +443,7 @@ void check_act(std::mt19937& rng, DType dt, int64_t R, int64_t H, ActKind act, b
   status_ok(act_bwd_cuda(gb, nullptr), tag + " bwd cuda again");
   compare_bytes(ddb.host(), db1, tag + " dbias reproducible");
   if (fp8) {
-    check_fp8_contract(dx_gpu, dt, R, W, mode, q, scale, brow, bcol, bsi, bcsi, bamax, tag + " bwd");
+    check_fp8_contract(dx_gpu, dt, R, W, mode, q, scale, bo, tag + " bwd");
     Dev brow2(nx), bcol2(nx), ddb2(size_t(W) * esize(dt));
     ActBwdParams gb2 = gb;
     gb2.dx = nullptr;
@@ -454,8 +451,8 @@ void check_act(std::mt19937& rng, DType dt, int64_t R, int64_t H, ActKind act, b
     gb2.data = brow2.as<uint8_t>();
     gb2.colwise_data = bcol2.as<uint8_t>();
     status_ok(act_bwd_cuda(gb2, nullptr), tag + " bwd cuda no-dx");
-    compare_bytes(brow2.host(), brow.host(), tag + " bwd rowwise without dx");
-    compare_bytes(bcol2.host(), bcol.host(), tag + " bwd colwise without dx");
+    compare_bytes(brow2.host(), bo.row.host(), tag + " bwd rowwise without dx");
+    compare_bytes(bcol2.host(), bo.col.host(), tag + " bwd colwise without dx");
     compare_bytes(ddb2.host(), db1, tag + " bwd dbias without dx");
   }
 }
@@ -570,7 +567,8 @@ void bench() {
     std::vector<float> gamma(size_t(C), 1.1f), beta(size_t(C), 0.1f);
     const float scale = 4.0f;
     Dev dx(x.data(), x.size()), dg(gamma.data(), 4 * C), db(beta.data(), 4 * C), ds(&scale, 4), dy(2 * n),
-        drow(n), dcol(n), dsi(4), dcsi(4), damax(4), dmean(4 * R), drs(4 * R);
+        dmean(4 * R), drs(4 * R);
+    Fp8Out fo(n);
     NormFwdParams p;
     p.x = dx.p;
     p.x_dtype = DType::kBF16;
@@ -585,13 +583,7 @@ void bench() {
     h.y = dy.p;
     line("layernorm bf16 8192x4096 -> bf16", 4.0 * n + stats, time_ms([&] { norm_fwd_cuda(h, nullptr); }));
     NormFwdParams q = p;
-    q.mode = ScalingMode::kDelayedTensor;
-    q.scale = ds.as<float>();
-    q.data = drow.as<uint8_t>();
-    q.colwise_data = dcol.as<uint8_t>();
-    q.scale_inv = dsi.as<float>();
-    q.colwise_scale_inv = dcsi.as<float>();
-    q.amax = damax.as<float>();
+    fo.attach(q, ScalingMode::kDelayedTensor, q.q_dtype, ds, true);
     line("layernorm+quantize delayed bf16 8192x4096 -> fp8 row+col", 4.0 * n + stats,
          time_ms([&] { norm_fwd_cuda(q, nullptr); }));
     q.mode = ScalingMode::kCurrentTensor;
@@ -625,7 +617,8 @@ void bench() {
     const size_t ny = size_t(R * H), nx = size_t(R * W);
     auto x = random_tensor(rng, DType::kBF16, nx, 0.0f, 1.0f);
     const float scale = 4.0f;
-    Dev dx(x.data(), x.size()), ds(&scale, 4), dy(2 * ny), drow(nx), dcol(nx), dsi(4), dcsi(4), damax(4);
+    Dev dx(x.data(), x.size()), ds(&scale, 4), dy(2 * ny);
+    Fp8Out fo(nx);
     ActFwdParams p;
     p.x = dx.p;
     p.x_dtype = DType::kBF16;
@@ -639,13 +632,7 @@ void bench() {
     std::string s = std::string(nm) + " bf16 8192x" + std::to_string(W) + " -> bf16";
     line(s.c_str(), 2.0 * nx + 2.0 * ny, time_ms([&] { act_fwd_cuda(h, nullptr); }));
     ActFwdParams q = p;
-    q.mode = ScalingMode::kDelayedTensor;
-    q.scale = ds.as<float>();
-    q.data = drow.as<uint8_t>();
-    q.colwise_data = dcol.as<uint8_t>();
-    q.scale_inv = dsi.as<float>();
-    q.colwise_scale_inv = dcsi.as<float>();
-    q.amax = damax.as<float>();
+    fo.attach(q, ScalingMode::kDelayedTensor, q.q_dtype, ds, true);
     s = std::string(nm) + "+quantize delayed bf16 8192x" + std::to_string(W) + " -> fp8 row+col";
     line(s.c_str(), 2.0 * nx + 2.0 * ny, time_ms([&] { act_fwd_cuda(q, nullptr); }));
     q.mode = ScalingMode::kCurrentTensor;
@@ -661,14 +648,7 @@ void bench() {
     b.cols = H;
     b.act = ActKind::kGeluTanh;
     b.gated = gated;
-    b.mode = ScalingMode::kDelayedTensor;
-    b.q_dtype = DType::kE5M2;
-    b.scale = ds.as<float>();
-    b.data = drow.as<uint8_t>();
-    b.colwise_data = dcol.as<uint8_t>();
-    b.scale_inv = dsi.as<float>();
-    b.colwise_scale_inv = dcsi.as<float>();
-    b.amax = damax.as<float>();
+    fo.attach(b, ScalingMode::kDelayedTensor, DType::kE5M2, ds, true);
     b.dbias = ddb.p;
     b.workspace = ws.p;
     s = std::string("d") + nm + "+dbias+quantize delayed bf16 -> fp8 row+col";

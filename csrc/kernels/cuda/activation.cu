@@ -33,21 +33,8 @@ constexpr float kGeluCubic = 0.044715f;
 constexpr float kInvSqrt2 = 0.7071067811865476f;
 constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 constexpr float kQuickGelu = 1.702f;
-constexpr float kLog2e = 1.4426950408889634f;
 
-// MUFU approximations (2^x: ~2 ulp, 1/x: ~1 ulp). Flushing their subnormal results is harmless
-// here: they only feed 1 + 2^x and x * 1/(1 + 2^x).
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// 1 / (1 + exp(-z)); exact limits 0 and 1 for large |z|, never NaN for finite z.
+// 1 / (1 + exp(-z)) (ex2_approx / rcp_approx: common.cuh); exact limits 0 and 1 for large |z|, never NaN for finite z.
 __device__ __forceinline__ float sigmoid(float z) { return rcp_approx(__fadd_rn(1.0f, ex2_approx(__fmul_rn(-kLog2e, z)))); }
 __device__ __forceinline__ float relu_f(float x) { return x < 0.0f ? 0.0f : x; }
 
@@ -111,65 +98,6 @@ struct Args {
   float* dbias_part;  // [tiles_r][W]
 };
 
-__device__ __forceinline__ float launch_scale(const Args& a) {
-  if (!a.fp8) return 1.0f;
-  const float s = a.scale ? *a.scale : scale_from_amax(*a.amax_in, a.e5 ? kE5M2Max : kE4M3Max);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-    if (a.si) *a.si = 1.0f / s;
-    if (a.csi) *a.csi = 1.0f / s;
-  }
-  return s;
-}
-
-// Two floats rounded to the input dtype (hardware cvt, round to nearest even), packed.
-template <int IN>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  if constexpr (IN == 1) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-template <int IN>
-__device__ __forceinline__ float lo_f(uint32_t w) {
-  if constexpr (IN == 1) return __uint_as_float(w << 16);
-  else return __half2float(__ushort_as_half(uint16_t(w & 0xffffu)));
-}
-template <int IN>
-__device__ __forceinline__ float hi_f(uint32_t w) {
-  if constexpr (IN == 1) return __uint_as_float(w & 0xffff0000u);
-  else return __half2float(__ushort_as_half(uint16_t(w >> 16)));
-}
-
-// E values rounded to the input dtype: `bits` (16-byte vector) and the rounded values `r`.
-template <int IN, int E>
-__device__ __forceinline__ void round_vec(const float* v, uint4* bits, float* r) {
-  uint32_t w[4];
-  if constexpr (IN == 0) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) w[e] = __float_as_uint(v[e]), r[e] = v[e];
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      w[j] = pack2<IN>(v[2 * j], v[2 * j + 1]);
-      r[2 * j] = lo_f<IN>(w[j]);
-      r[2 * j + 1] = hi_f<IN>(w[j]);
-    }
-  }
-  *bits = make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// E rounded values times the scale -> E FP8 bytes (little-endian words).
-template <int FMT, int E>
-__device__ __forceinline__ void fp8_vec(const float* r, float scale, uint32_t* w) {
-#pragma unroll
-  for (int h = 0; h < E / 4; ++h)
-    w[h] = enc_fp8x2<FMT>(__fmul_rn(r[4 * h], scale), __fmul_rn(r[4 * h + 1], scale)) |
-           (enc_fp8x2<FMT>(__fmul_rn(r[4 * h + 2], scale), __fmul_rn(r[4 * h + 3], scale)) << 16);
-}
-
 // The NO (1 or 2) output values at one position; forward: y; backward: dx (gated: da, db).
 template <int ACT, bool BWD, bool GATED>
 __device__ __forceinline__ void values_at(float xa, float xb, float dy, float* out) {
@@ -205,7 +133,7 @@ __global__ void __launch_bounds__(kActThreads) act_tile_kernel(const Args a) {
   const int64_t r0 = int64_t(blockIdx.y) * kRows, c0 = int64_t(blockIdx.x) * TC;
   const int vc = t % kVecs;
   const int64_t c = c0 + int64_t(vc) * E;
-  const float scale = launch_scale(a);
+  const float scale = fused_launch_scale<true>(a);
 
   uint4 rx[kPer], rg[kPer], rd[kPer];
 #pragma unroll
@@ -246,9 +174,8 @@ __global__ void __launch_bounds__(kActThreads) act_tile_kernel(const Args a) {
 #pragma unroll
     for (int o = 0; o < NO; ++o) {
       const int64_t oc = c + o * H;  // output column
-      uint4 bits;
       float yr[E];
-      round_vec<IN, E>(v[o], &bits, yr);
+      const uint4 bits = round_vec<IN, E>(v[o], yr);
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         amax = fmaxf(amax, fabsf(yr[e]));
@@ -320,19 +247,6 @@ __global__ void __launch_bounds__(kActThreads) act_tile_kernel(const Args a) {
   }
 }
 
-// One value rounded to the input dtype, as the tile kernel rounds it.
-template <int IN>
-__device__ __forceinline__ float round1(float v, uint32_t* bits) {
-  if constexpr (IN == 0) {
-    *bits = __float_as_uint(v);
-    return v;
-  } else {
-    const uint32_t w = pack2<IN>(v, 0.0f);
-    *bits = w & 0xffffu;
-    return lo_f<IN>(w);
-  }
-}
-
 // Runtime activation -> the same templated arithmetic as the tile kernel.
 template <bool BWD, bool GATED>
 __device__ void values_dyn(int act, float xa, float xb, float dy, float* out) {
@@ -357,7 +271,7 @@ __global__ void __launch_bounds__(256) act_generic_kernel(const Args a) {
   const int64_t xw = GATED ? 2 * H : H, ow = BWD ? W : H;
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
-  const float scale = launch_scale(a);
+  const float scale = fused_launch_scale<true>(a);
   float amax = 0.0f;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < R * H; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / H, c = i - r * H;
@@ -376,7 +290,7 @@ __global__ void __launch_bounds__(256) act_generic_kernel(const Args a) {
       }
       if (a.fp8) {
         const float sv = __fmul_rn(yr, scale);
-        const uint8_t code = uint8_t((a.e5 ? enc_fp8x2<kFmtE5M2>(sv, 0.0f) : enc_fp8x2<kFmtE4M3>(sv, 0.0f)) & 0xffu);
+        const uint8_t code = uint8_t(enc1(sv, a.e5));
         if (a.q_row) a.q_row[r * ow + oc] = code;
         if (a.q_col) a.q_col[oc * R + r] = code;
       }

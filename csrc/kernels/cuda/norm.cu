@@ -35,65 +35,7 @@ __host__ __device__ constexpr int vec_elems() {
   return IN == 0 ? 4 : 8;
 }
 
-// Two floats rounded to the input dtype (hardware cvt, round to nearest even), packed.
-template <int IN>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  if constexpr (IN == 1) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-template <int IN>
-__device__ __forceinline__ float lo_f(uint32_t w) {
-  if constexpr (IN == 1) return __uint_as_float(w << 16);
-  else return __half2float(__ushort_as_half(uint16_t(w & 0xffffu)));
-}
-template <int IN>
-__device__ __forceinline__ float hi_f(uint32_t w) {
-  if constexpr (IN == 1) return __uint_as_float(w & 0xffff0000u);
-  else return __half2float(__ushort_as_half(uint16_t(w >> 16)));
-}
-
-// E values rounded to the input dtype: the 16-byte vector of their bits, and their values.
-template <int IN, int E>
-__device__ __forceinline__ uint4 round_vec(const float* v, float* r) {
-  uint32_t w[4];
-  if constexpr (IN == 0) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) w[e] = __float_as_uint(v[e]), r[e] = v[e];
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      w[j] = pack2<IN>(v[2 * j], v[2 * j + 1]);
-      r[2 * j] = lo_f<IN>(w[j]);
-      r[2 * j + 1] = hi_f<IN>(w[j]);
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// One value rounded as round_vec rounds it.
-template <int IN>
-__device__ __forceinline__ float round1(float v) {
-  if constexpr (IN == 0) return v;
-  else return lo_f<IN>(pack2<IN>(v, 0.0f));
-}
-
-// E rounded values times the scale -> E FP8 bytes.
-template <int FMT, int E>
-__device__ __forceinline__ void fp8_vec(const float* r, float scale, uint32_t* w) {
-#pragma unroll
-  for (int h = 0; h < E / 4; ++h)
-    w[h] = enc_fp8x2<FMT>(__fmul_rn(r[4 * h], scale), __fmul_rn(r[4 * h + 1], scale)) |
-           (enc_fp8x2<FMT>(__fmul_rn(r[4 * h + 2], scale), __fmul_rn(r[4 * h + 3], scale)) << 16);
-}
-
-__device__ __forceinline__ uint32_t enc1(float v, bool e5) {
-  return (e5 ? enc_fp8x2<kFmtE5M2>(v, 0.0f) : enc_fp8x2<kFmtE4M3>(v, 0.0f)) & 0xffu;
-}
+// pack2 / round_vec / round1 / fp8_vec / enc1 / fused_launch_scale: common.cuh.
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -132,16 +74,6 @@ struct FwdArgs {
   float* mean;
   float* rsigma;
 };
-
-__device__ __forceinline__ float launch_scale(const FwdArgs& a) {
-  if (!a.fp8) return 1.0f;
-  const float s = a.scale ? *a.scale : scale_from_amax(*a.amax_in, a.e5 ? kE5M2Max : kE4M3Max);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    if (a.si) *a.si = 1.0f / s;
-    if (a.csi) *a.csi = 1.0f / s;
-  }
-  return s;
-}
 
 // Row statistics from a row's partial sums (lane values), as (mean, rsigma).
 __device__ __forceinline__ float rsigma_of(float sq, float fc, float eps) {
@@ -276,7 +208,7 @@ __global__ void __launch_bounds__(kFwdWarps * 32, 1) norm_fwd_fast(const FwdArgs
   __shared__ float red[kFwdWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t R = a.R, C = a.C, nvec = C / vec_elems<IN>(), nbands = (R + kBand - 1) / kBand;
-  const float scale = launch_scale(a);
+  const float scale = fused_launch_scale<false>(a);
   float amax = 0.0f;
   uint4 b0[NV], b1[NV];
   const int w0 = warp * kRowsPerWarp;
@@ -309,7 +241,7 @@ __global__ void __launch_bounds__(256) norm_fwd_generic(const FwdArgs a) {
   __shared__ float red[2][32];
   const T* x = static_cast<const T*>(a.x);
   const int64_t C = a.C, R = a.R;
-  const float scale = launch_scale(a);
+  const float scale = fused_launch_scale<false>(a);
   float amax = 0.0f;
   int parity = 0;
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {

@@ -45,13 +45,7 @@ __device__ __forceinline__ bool keep(const RowMask& k, int64_t j) {
   return j <= k.limit && (k.m == nullptr || k.m[j * k.mstride] == 0);
 }
 
-constexpr float kLog2e = 1.4426950408889634f;
-// 2^x (MUFU, ~2 ulp); subnormal results flush to 0, which only drops entries below 2^-126.
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+// kLog2e, ex2_approx (2^x, MUFU): common.cuh.
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
