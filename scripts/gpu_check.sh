@@ -49,7 +49,8 @@ fi
 
 if has pytest; then
   step "pytest -m gpu"
-  "$PY" -m pytest tests -m gpu -q -x --timeout=900 -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -30
+  timeout_flag=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo --timeout=900)
+  "$PY" -m pytest tests -m gpu -q $timeout_flag -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -49,3 +49,59 @@ def global_shard_guard(resource: Optional[MeshResource]) -> Iterator[MeshResourc
         yield global_mesh_resource()
     finally:
         _local.resource = prev
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel layout of dense kernels, and the mesh in context
+# ---------------------------------------------------------------------------------------------
+TP_LAYOUTS = ("column", "row")
+
+
+def tp_layout() -> str:
+    """How ``tp_resource`` splits a dense kernel (K, N): "column" (N; the default) or "row" (K)."""
+    return getattr(_local, "tp_layout", None) or "column"
+
+
+@contextlib.contextmanager
+def tensor_parallel_layout(layout: str) -> Iterator[str]:
+    """Sets :func:`tp_layout` for the enclosed code. "column": kernel P(None, tp), x P(dp, None),
+    y P(dp, tp); "row": kernel P(tp, None), x P(dp, tp), y P(dp, None) after a sum over tp.
+    The layout is chosen at trace time (jit cannot see operand shardings then), so operands laid
+    out otherwise are resharded by XLA: correct, but with communication."""
+    if layout not in TP_LAYOUTS:
+        raise ValueError(f"layout must be one of {TP_LAYOUTS}, got {layout!r}")
+    prev = getattr(_local, "tp_layout", None)
+    _local.tp_layout = layout
+    try:
+        yield layout
+    finally:
+        _local.tp_layout = prev
+
+
+def current_mesh():
+    """The mesh in context, or None: ``jax.sharding.set_mesh`` / ``use_mesh``, else the legacy
+    ``with mesh:``, else an abstract mesh (inside jit under ``use_abstract_mesh``)."""
+    import jax
+
+    get = getattr(jax.sharding, "get_mesh", None)
+    if get is not None:
+        try:
+            m = get()
+            if m is not None and not m.empty:
+                return m
+        except Exception:  # no concrete mesh set in this jax version's sense
+            pass
+    try:
+        from jax._src.mesh import thread_resources  # `with mesh:`; no public getter
+    except ImportError:  # pragma: no cover
+        thread_resources = None
+    if thread_resources is not None:
+        m = thread_resources.env.physical_mesh
+        if not m.empty:
+            return m
+    get_abstract = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get_abstract is not None:
+        m = get_abstract()
+        if m is not None and not m.empty:
+            return m
+    return None

@@ -1,4 +1,4 @@
-"""``python -m lowbit.bench [quantize|dense|grouped|all] [--small|--full] [--out DIR]``
+"""``python -m lowbit.bench [quantize|dense|grouped|layer|all] [--small|--full] [--out DIR]``
 
 Times lowbit next to plain Flax/XLA in one process, prints tables, writes JSON (with the device
 name and versions) and PNG charts under benchmarks/results/ (or --out). Small shapes on CPU.
@@ -17,6 +17,7 @@ SUITES = {
     "quantize": ("lowbit.bench.quantize", ["shape", "case", "ms", "GBps", "frac_of_copy"]),
     "dense": ("lowbit.bench.dense", None),
     "grouped": ("lowbit.bench.grouped", None),
+    "layer": ("lowbit.bench.layer", ["model", "name", "ms", "speedup", "note"]),
 }
 
 

@@ -9,6 +9,8 @@ from lowbit.flax.module import (
     wrap_function_in_te_state_module,
 )
 from lowbit.flax.ragged_dot import make_ragged_dot_cls
+from lowbit.flax.modules import DenseGeneral, DenseOp, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
+from lowbit.flax.attention import DotProductAttention, MultiHeadAttention, TransformerLayer
 
 __all__ = [
     "make_ragged_dot_cls",
@@ -18,4 +20,13 @@ __all__ = [
     "make_dot_general_cls",
     "wrap_function_in_state_module",
     "wrap_function_in_te_state_module",
+    "DenseGeneral",
+    "DenseOp",
+    "DotProductAttention",
+    "LayerNorm",
+    "LayerNormDenseGeneral",
+    "LayerNormMLP",
+    "MultiHeadAttention",
+    "Softmax",
+    "TransformerLayer",
 ]

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.ops import sharded
 from lowbit.ops.gemm import gemm
 from lowbit.ops.quantize import quantize, quantize_dbias
 from lowbit.quantize.scaling_modes import INPUT_DTYPES, ScalingMode
@@ -316,7 +317,8 @@ def dense(
     pad = (-M) % b
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-    y2 = _dense_2d(cfg, x2, kernel.reshape(K, N), bias, state, rng)
+    # Under a MeshResource and a mesh in context this runs per shard with global scales.
+    y2 = sharded.dense_2d(_dense_2d, cfg, x2, kernel.reshape(K, N), bias, state, rng)
     if pad:
         y2 = y2[:M]
     return y2.reshape(lead + feat)

@@ -1,0 +1,73 @@
+"""Transformer layer forward+backward: lowbit's ``TransformerLayer`` next to the seed's plain
+Flax layer (from :mod:`lowbit.bench.dense`), on the seed shapes (batch 4, seq 2048, hidden 4096,
+ffn 16384, 32 heads, causal).
+
+Each case is one JIT-compiled value_and_grad over all variables and the input (bf16), timed
+after warm-up (median of repeats). lowbit's layer has bf16 parameters, a GELU MLP with biases
+and no dropout (so attention can take cuDNN's fused kernel); the seed layer keeps its attention
+dropout of 0.1, as the seed measures it. ``speedup`` is against plain Flax with bf16 params.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import lowbit
+from lowbit import flax as lowbit_flax
+from lowbit.bench.common import on_gpu, time_fn
+from lowbit.bench.dense import FULL, SMALL, _cast_params, _fwd_bwd
+from lowbit.bench.dense import TransformerLayer as SeedLayer
+
+
+def _cases():
+    """(name, builder(cfg) -> module, params dtype, recipe, note)."""
+    seed = lambda cfg: SeedLayer(cfg["hidden"], cfg["ffn"], cfg["heads"])
+    ours = lambda cfg: lowbit_flax.TransformerLayer(
+        hidden_size=cfg["hidden"], mlp_hidden_size=cfg["ffn"], num_attention_heads=cfg["heads"],
+        layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,
+        mlp_activations=("gelu",), use_bias=True, self_attn_mask_type="causal", dtype=jnp.bfloat16)
+    return [
+        ("flax f32 params", seed, jnp.float32, None, "the seed's setting"),
+        ("flax bf16 params", seed, jnp.bfloat16, None, "baseline"),
+        ("lowbit bf16 (no recipe)", ours, jnp.bfloat16, None, "no attention dropout"),
+        ("lowbit delayed", ours, jnp.bfloat16, lowbit.DelayedScaling(), "no attention dropout"),
+        ("lowbit current", ours, jnp.bfloat16, lowbit.Float8CurrentScaling(), "no attention dropout"),
+    ]
+
+
+def run(small: bool, progress=None) -> list[dict]:
+    cfg = SMALL if small else FULL
+    key, drop = jax.random.split(jax.random.PRNGKey(42))
+    shape = (cfg["batch"], cfg["seq"], cfg["hidden"])
+    x = jax.random.normal(key, shape).astype(jnp.bfloat16)
+    dy = jax.random.normal(key, shape, jnp.float32)
+    label = f"layer b{cfg['batch']} s{cfg['seq']} h{cfg['hidden']} ffn{cfg['ffn']} heads{cfg['heads']}"
+    rows = []
+    for name, build, pdtype, recipe, note in _cases():
+        model = build(cfg)
+        seed = isinstance(model, SeedLayer)
+        kwargs = {"attention_mask": None, "deterministic": False} if seed else {"deterministic": True}
+        rngs = {"dropout": drop}
+        with lowbit.autocast(recipe):  # recipe read at trace time: init and the jit trace inside
+            v = _cast_params(nn.unbox(model.init({"params": key, "dropout": drop}, x, **kwargs)), pdtype)
+            fn, args = _fwd_bwd(model, v, x, dy, rngs, kwargs)
+            ms = time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5)
+        rows.append(dict(model=label, name=name, ms=ms, note=note))
+        del fn, args, v
+        if progress:
+            progress()
+    base = {r["name"]: r["ms"] for r in rows}
+    for r in rows:
+        r["speedup"] = base["flax bf16 params"] / r["ms"]
+        r["speedup_vs"] = "flax bf16 params"
+        r["speedup_vs_f32_params"] = base["flax f32 params"] / r["ms"]
+    if not on_gpu():
+        for r in rows:
+            r["note"] = (r["note"] + "; CPU: lowbit runs its reference kernels").lstrip("; ")
+    return rows
+
+
+def count(small: bool) -> int:
+    return len(_cases())

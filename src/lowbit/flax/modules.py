@@ -1,0 +1,316 @@
+"""Flax Linen modules with TransformerEngine's names: LayerNorm, Softmax, DenseGeneral,
+LayerNormDenseGeneral, LayerNormMLP.
+
+Every GEMM goes through :func:`lowbit.dense` inside a state module of
+:func:`lowbit.flax.wrap_function_in_state_module`, so the recipe of the enclosing
+:func:`lowbit.autocast` (read at trace time) applies, DelayedScaling keeps its state in the
+``_overwrite_with_gradient`` collection and NVFP4 draws from the ``sr_rng`` stream. Without a
+recipe the math runs in the input's dtype. ``dtype`` is the parameters' dtype (as in
+TransformerEngine); outputs have the input's dtype. ``*_axes`` are logical axis names
+(``nn.with_logical_partitioning``); empty means unannotated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.autocast import get_recipe
+from lowbit.flax.module import QuantizeContext, wrap_function_in_state_module
+from lowbit.ops.activation import activation as _activation
+from lowbit.ops.activation import parse_activations
+from lowbit.ops.dense import dense as _dense
+from lowbit.ops.norm import layernorm as _layernorm
+from lowbit.ops.softmax import softmax as _softmax
+
+Initializer = Callable[..., Any]
+_NORM_TYPES = ("layernorm", "rmsnorm")
+
+
+def _dense_op(ctx: QuantizeContext, x, kernel, bias, contracting_dims):
+    return _dense(x, kernel, bias, contracting_dims=contracting_dims, out_dtype=x.dtype, **ctx.dense_kwargs())
+
+
+#: One GEMM with its own recipe state; recipe read from autocast at trace time.
+DenseOp = wrap_function_in_state_module(_dense_op, None, "dense")
+
+
+def _canon_tuple(v, name) -> Tuple[int, ...]:
+    if isinstance(v, (int, np.integer)):
+        return (int(v),)
+    try:
+        return tuple(int(i) for i in v)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a tuple of ints, got {v!r}") from None
+
+
+def _param(module, name, init, shape, dtype, axes):
+    """A parameter, annotated with logical axis names when given."""
+    axes = tuple(axes or ())
+    if axes:
+        if len(axes) != len(shape):
+            raise ValueError(f"{type(module).__name__}: {name} axes {axes} must name each of its {len(shape)} "
+                             f"dimensions (shape {tuple(shape)})")
+        init = nn.with_logical_partitioning(init, axes)
+    return module.param(name, init, tuple(shape), dtype)
+
+
+def _check_norm_type(layernorm_type):
+    if layernorm_type not in _NORM_TYPES:
+        raise ValueError(f"layernorm_type must be 'layernorm' or 'rmsnorm', got {layernorm_type!r}")
+
+
+def _norm_params(module, C, layernorm_type, zero_centered_gamma, scale_init, bias_init, scale_axes, bias_axes, dtype):
+    _check_norm_type(layernorm_type)
+    if scale_init is None:
+        scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
+    gamma = _param(module, "scale", scale_init, (C,), dtype, scale_axes)
+    beta = None
+    if layernorm_type == "layernorm":
+        beta = _param(module, "ln_bias", bias_init, (C,), dtype, bias_axes)
+    return gamma, beta
+
+
+def _norm(x, gamma, beta, layernorm_type, zero_centered_gamma, epsilon):
+    return _layernorm(x, gamma, beta, norm_type=layernorm_type, zero_centered_gamma=bool(zero_centered_gamma),
+                      epsilon=float(epsilon))
+
+
+def _cast_for_math(x, *arrays):
+    """Without a recipe the GEMM runs in x's dtype; with one, lowbit.dense quantizes the
+    full-precision parameters directly."""
+    if get_recipe() is not None:
+        return arrays
+    return tuple(None if a is None else a.astype(x.dtype) for a in arrays)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm or RMSNorm over the last axis (``lowbit.layernorm``)."""
+
+    epsilon: float = 1e-6
+    layernorm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    scale_init: Optional[Initializer] = None
+    scale_axes: Tuple[str, ...] = ("embed",)
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes: Tuple[str, ...] = ("embed",)
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        gamma, beta = _norm_params(self, x.shape[-1], self.layernorm_type, self.zero_centered_gamma, self.scale_init,
+                                   self.bias_init, self.scale_axes, self.bias_axes, self.dtype)
+        return _norm(x, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
+
+
+_SOFTMAX_TYPES = {"scaled": "scaled", "scaled_masked": "scaled_masked",
+                  "scaled_upper_triang_masked": "scaled_upper_triang_masked"}
+
+
+class Softmax(nn.Module):
+    """``softmax(scale_factor * (x + bias))`` over the last axis (``lowbit.softmax``).
+
+    ``softmax_type``: "scaled", "scaled_masked" (needs ``mask``, True = masked out) or
+    "scaled_upper_triang_masked" (causal). TransformerEngine's SoftmaxType enum values (whose
+    ``.name`` is SCALED, ...) are accepted too."""
+
+    scale_factor: float = 1.0
+    softmax_type: Any = "scaled"
+
+    @nn.compact
+    def __call__(self, inputs, mask=None, bias=None):
+        st = getattr(self.softmax_type, "name", self.softmax_type)
+        st = st.lower() if isinstance(st, str) else st
+        if st not in _SOFTMAX_TYPES:
+            raise ValueError(f"softmax_type must be one of {sorted(_SOFTMAX_TYPES)}, got {self.softmax_type!r}")
+        if bias is not None:
+            inputs = (inputs + bias).astype(inputs.dtype)
+        if mask is not None and st != "scaled_masked":
+            raise ValueError(f"Softmax: mask is only used with softmax_type='scaled_masked', not {st!r}")
+        return _softmax(inputs, float(self.scale_factor), mask=mask, softmax_type=st)
+
+
+def _dense_general(m, x, features, axis, owner: str):
+    """Kernel (+ bias, + LoRA) of module ``m`` (its params, so they sit where TransformerEngine
+    puts them) and the GEMM; shared by DenseGeneral and LayerNormDenseGeneral."""
+    features, axis = _canon_tuple(features, "features"), _canon_tuple(axis, "axis")
+    if any(f < 1 for f in features):
+        raise ValueError(f"{owner}: features must be positive, got {features}")
+    nd = x.ndim
+    axis = tuple(a + nd if a < 0 else a for a in axis)
+    if any(not 0 <= a < nd for a in axis) or len(set(axis)) != len(axis):
+        raise ValueError(f"{owner}: axis {axis} is out of range or repeats for inputs of rank {nd}")
+    # lowbit.dense contracts trailing axes: move the contracted ones to the end, in order.
+    rest = [a for a in range(nd) if a not in axis]
+    if rest + list(axis) != list(range(nd)):
+        x = jnp.transpose(x, rest + list(axis))
+    c = len(axis)
+    in_shape = tuple(x.shape[nd - c:])
+    kernel = _param(m, "kernel", m.kernel_init, in_shape + features, m.dtype, m.kernel_axes)
+    bias = _param(m, "bias", m.bias_init, features, m.dtype, m.bias_axes) if m.use_bias else None
+    k, b = _cast_for_math(x, kernel, bias)
+    dims = (tuple(range(nd - c, nd)), tuple(range(c)))
+    y = DenseOp(name="dense_op")(x, k, b, dims)
+    if m.enable_low_rank_adaptation:
+        y = y + _lora(m, x, in_shape, features, dims, owner)
+    return y
+
+
+def _lora(m, x, in_shape, features, dims, owner):
+    r = m.low_rank_adaptation_dim
+    if not isinstance(r, (int, np.integer)) or r < 1:
+        raise ValueError(f"{owner}: low_rank_adaptation_dim must be a positive int, got {r!r}")
+    kax = tuple(m.kernel_axes)
+    a_axes = (kax[: len(in_shape)] + (None,)) if kax else ()
+    b_axes = ((None,) + kax[len(in_shape):]) if kax else ()
+    a = _param(m, "lora_a_kernel", m.kernel_init, in_shape + (r,), m.dtype, a_axes)
+    b = _param(m, "lora_b_kernel", nn.initializers.zeros, (r,) + features, m.dtype, b_axes)
+    alpha = m.low_rank_adaptation_alpha
+    scaling = 1.0 if alpha is None else float(alpha) / r
+    # The adapter is small: plain GEMMs in x's dtype (as TransformerEngine does).
+    h = jax.lax.dot_general(x, a.astype(x.dtype), (dims, ((), ())))
+    z = jax.lax.dot_general(h, b.astype(x.dtype), (((h.ndim - 1,), (0,)), ((), ())))
+    return (z * scaling).astype(x.dtype)
+
+
+_DEFAULT_KERNEL_INIT = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+class DenseGeneral(nn.Module):
+    """``y = x . kernel + bias`` over ``axis`` (default: last) to ``features`` (an int or tuple).
+
+    Params: ``kernel`` (contracted dims + features), ``bias`` (features), and with
+    ``enable_low_rank_adaptation`` the adapter ``lora_a_kernel`` (contracted + (r,)) and
+    ``lora_b_kernel`` ((r,) + features): ``y += (x . A . B) * alpha / r`` (alpha None: 1)."""
+
+    features: Union[int, Sequence[int]]
+    axis: Union[int, Sequence[int]] = -1
+    use_bias: bool = True
+    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_axes: Tuple[Optional[str], ...] = ()
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes: Tuple[Optional[str], ...] = ()
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: Optional[float] = None
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, inputs):
+        return _dense_general(self, inputs, self.features, self.axis, "DenseGeneral")
+
+
+class LayerNormDenseGeneral(nn.Module):
+    """LayerNorm/RMSNorm then DenseGeneral. Returns ``(out, ln_output)``, ``ln_output`` being the
+    norm output when ``return_layernorm_output`` (else None), as in TransformerEngine."""
+
+    features: Union[int, Sequence[int]]
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Optional[Initializer] = None
+    scale_axes: Tuple[Optional[str], ...] = ("embed",)
+    ln_bias_init: Initializer = nn.initializers.zeros
+    ln_bias_axes: Tuple[Optional[str], ...] = ("embed",)
+    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_axes: Tuple[Optional[str], ...] = ()
+    use_bias: bool = False
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes: Tuple[Optional[str], ...] = ()
+    return_layernorm_output: bool = False
+    axis: Union[int, Sequence[int]] = -1
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: Optional[float] = None
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, inputs):
+        y = inputs
+        if self.enable_layernorm:
+            gamma, beta = _norm_params(self, inputs.shape[-1], self.layernorm_type, self.zero_centered_gamma,
+                                       self.scale_init, self.ln_bias_init, self.scale_axes, self.ln_bias_axes,
+                                       self.dtype)
+            y = _norm(inputs, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
+        out = _dense_general(self, y, self.features, self.axis, "LayerNormDenseGeneral")
+        return out, (y if self.return_layernorm_output else None)
+
+
+class LayerNormMLP(nn.Module):
+    """Norm, ``wi`` (to ``intermediate_dim`` per activation), activation, dropout, ``wo``.
+
+    ``activations``: one name (``("gelu",)``) or a gated pair (``("silu", "linear")``: the first
+    half of ``wi``'s output through silu times the second). Params: ``scale``/``ln_bias``,
+    ``wi_kernel`` (hidden, n_act, intermediate_dim), ``wo_kernel`` (intermediate_dim, hidden),
+    ``wi_bias``/``wo_bias`` with ``use_bias``. Returns ``(out, ln_output or None)``."""
+
+    intermediate_dim: int = 2048
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Optional[Initializer] = None
+    scale_axes: Tuple[Optional[str], ...] = ("embed",)
+    ln_bias_init: Initializer = nn.initializers.zeros
+    ln_bias_axes: Tuple[Optional[str], ...] = ("embed",)
+    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_axes_1: Tuple[Optional[str], ...] = ()
+    kernel_axes_2: Tuple[Optional[str], ...] = ()
+    use_bias: bool = False
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes_1: Tuple[Optional[str], ...] = ()
+    bias_axes_2: Tuple[Optional[str], ...] = ()
+    return_layernorm_output: bool = False
+    activations: Sequence[str] = ("relu",)
+    intermediate_dropout_rng_name: str = "dropout"
+    intermediate_dropout_rate: float = 0.1
+    intermediate_hidden_dropout_dims: Sequence[int] = ()
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, inputs, deterministic: bool = False):
+        _, gated = parse_activations(self.activations)
+        n_act = 2 if gated else 1
+        if not isinstance(self.intermediate_dim, (int, np.integer)) or self.intermediate_dim < 1:
+            raise ValueError(f"LayerNormMLP: intermediate_dim must be a positive int, got {self.intermediate_dim!r}")
+        if not 0.0 <= self.intermediate_dropout_rate < 1.0:
+            raise ValueError(f"LayerNormMLP: intermediate_dropout_rate must be in [0, 1), "
+                             f"got {self.intermediate_dropout_rate!r}")
+        H, F = inputs.shape[-1], int(self.intermediate_dim)
+        y = inputs
+        if self.enable_layernorm:
+            gamma, beta = _norm_params(self, H, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
+                                       self.ln_bias_init, self.scale_axes, self.ln_bias_axes, self.dtype)
+            y = _norm(inputs, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
+        ax1 = tuple(self.kernel_axes_1)
+        if len(ax1) == 2:  # (embed, mlp) names the 2-D view; the activation axis is unsharded
+            ax1 = (ax1[0], None, ax1[1])
+        # Kernel init per activation slot, so each slot has fan_in = hidden like a separate Dense.
+        init = self.kernel_init
+        wi = _param(self, "wi_kernel", lambda k, s, d: jnp.stack(
+            [init(kk, (s[0], s[2]), d) for kk in jax.random.split(k, s[1])], axis=1), (H, n_act, F), self.dtype, ax1)
+        wi_b = None
+        if self.use_bias:
+            b1 = tuple(self.bias_axes_1)
+            b1 = (None, b1[0]) if len(b1) == 1 else b1
+            wi_b = _param(self, "wi_bias", self.bias_init, (n_act, F), self.dtype, b1)
+        wo = _param(self, "wo_kernel", self.kernel_init, (F, H), self.dtype, self.kernel_axes_2)
+        wo_b = _param(self, "wo_bias", self.bias_init, (H,), self.dtype, self.bias_axes_2) if self.use_bias else None
+        wi, wi_b, wo, wo_b = _cast_for_math(inputs, wi, wi_b, wo, wo_b)
+        # (H, n_act, F) -> (H, n_act*F): the output's last axis holds the (act, linear) halves.
+        h = DenseOp(name="wi_op")(y, wi.reshape(H, n_act * F), None if wi_b is None else wi_b.reshape(-1),
+                                  ((y.ndim - 1,), (0,)))
+        h = _activation(h, tuple(self.activations))
+        if self.intermediate_dropout_rate > 0 and not deterministic:
+            h = nn.Dropout(self.intermediate_dropout_rate, broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+                           rng_collection=self.intermediate_dropout_rng_name)(h, deterministic=False)
+        out = DenseOp(name="wo_op")(h, wo, wo_b, ((h.ndim - 1,), (0,)))
+        return out, (y if self.return_layernorm_output else None)
+
+
+__all__ = ["DenseGeneral", "DenseOp", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "Softmax"]
