@@ -14,8 +14,8 @@ import threading
 
 import jax
 
-_OPS = ("quantize", "dequantize", "grouped_quantize")
-_EXTRA_OPS_CUDA: tuple[str, ...] = ()
+# Op families whose handlers are registered; other op modules add theirs with register_ops().
+_ops: tuple[str, ...] = ("quantize", "dequantize", "grouped_quantize")
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -71,12 +71,15 @@ def _load_cuda():
         return ctypes.CDLL(path)
 
 
-def _register(lib, platform: str, suffix: str, ops) -> None:
-    for op in ops:
-        fn = getattr(lib, f"lowbit_{op}_{suffix}", None)
-        if fn is None:
+def _register(libs: dict, ops) -> None:
+    """Registers `ops` from the loaded libraries: lowbit_<op>_cpu / lowbit_<op>_cuda."""
+    for lib, platform, suffix in ((libs["cpu"], "cpu", "cpu"), (libs["cuda"], "CUDA", "cuda")):
+        if lib is None:
             continue
-        jax.ffi.register_ffi_target(f"lowbit_{op}", jax.ffi.pycapsule(fn), platform=platform)
+        for op in ops:
+            fn = getattr(lib, f"lowbit_{op}_{suffix}", None)
+            if fn is not None:
+                jax.ffi.register_ffi_target(f"lowbit_{op}", jax.ffi.pycapsule(fn), platform=platform)
 
 
 def ensure_loaded() -> dict:
@@ -92,26 +95,21 @@ def ensure_loaded() -> dict:
                 f"lowbit's native library was not found in {_lib_dirs()}; install the package with "
                 "`pip install -e .` (or set LOWBIT_LIBRARY_DIR to the folder holding liblowbit_cpu.so)"
             )
-        cpu = ctypes.CDLL(cpu_path)
-        _register(cpu, "cpu", "cpu", _OPS + _EXTRA_OPS_CUDA)
-        cuda = _load_cuda() if _has_cuda_backend() else None
-        if cuda is not None:
-            _register(cuda, "CUDA", "cuda", _OPS + _EXTRA_OPS_CUDA)
-        _state.update(cpu=cpu, cuda=cuda)
+        loaded = dict(cpu=ctypes.CDLL(cpu_path), cuda=_load_cuda() if _has_cuda_backend() else None)
+        _register(loaded, _ops)
+        _state.update(loaded)  # published only once registered: callers test _state unlocked
         return _state
 
 
 def register_ops(*ops: str) -> None:
     """Adds op families (gemm, norm, ...) to register; registers them at once if the libraries
     are already loaded, so import order does not matter."""
-    global _EXTRA_OPS_CUDA
+    global _ops
     with _lock:
-        new = tuple(op for op in ops if op not in _OPS + _EXTRA_OPS_CUDA)
-        _EXTRA_OPS_CUDA = _EXTRA_OPS_CUDA + new
+        new = tuple(op for op in ops if op not in _ops)
+        _ops = _ops + new
         if _state and new:
-            _register(_state["cpu"], "cpu", "cpu", new)
-            if _state["cuda"] is not None:
-                _register(_state["cuda"], "CUDA", "cuda", new)
+            _register(_state, new)
 
 
 def cuda_library():

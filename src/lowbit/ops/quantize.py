@@ -113,12 +113,22 @@ def quantize(
     return qt
 
 
-def quantize_dbias(x, scaling_mode, q_dtype=None, **kwargs):
-    """Fused quantize + bias gradient: returns (ScaledTensor, column sums of the 2-D view)."""
-    return _quantize_impl(
-        x, scaling_mode, q_dtype, kwargs.pop("scale", None), kwargs.pop("layout", "rowwise"),
-        kwargs.pop("flatten_axis", -1), kwargs.pop("rng_key", None), kwargs.pop("rht", False),
-        kwargs.pop("rht_sign_mask", DEFAULT_RHT_SIGN_MASK), dbias=True, **kwargs)
+def quantize_dbias(
+    x,
+    scaling_mode,
+    q_dtype=None,
+    *,
+    scale: Optional[jax.Array] = None,
+    layout: str = "rowwise",
+    flatten_axis: int = -1,
+    rng_key: Optional[jax.Array] = None,
+    rht: bool = False,
+    rht_sign_mask: int = DEFAULT_RHT_SIGN_MASK,
+):
+    """Fused quantize + bias gradient: returns (ScaledTensor, column sums of the 2-D view).
+    Arguments as :func:`quantize`."""
+    return _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht,
+                          rht_sign_mask, dbias=True)
 
 
 def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht,
@@ -239,16 +249,15 @@ def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype=None) -> jax.Arr
     mode = qt.scaling_mode
     if mode == ScalingMode.NO_SCALING:
         out = data.astype(out_dtype)
-        return _untranspose(out, qt) if colwise else out
+        return _from_colwise(out, qt.rows, qt.cols, qt.shape) if colwise else out
     r, c = (qt.cols, qt.rows) if colwise else (qt.rows, qt.cols)
     return _dequantize_vjp(data, s_inv, qt.global_scale_inv, mode, np.dtype(qt.q_dtype), out_dtype,
                            r, c, colwise, qt.rht and colwise, qt.rht_sign_mask, qt.shape, qt.flatten_axis)
 
 
-def _untranspose(out2d_like, qt: ScaledTensor):
-    """Colwise result (shape[axis:] + shape[:axis]) -> original layout."""
-    r, c = qt.rows, qt.cols
-    return out2d_like.reshape(c, r).T.reshape(qt.shape)
+def _from_colwise(colwise, rows: int, cols: int, shape):
+    """A colwise-layout array (any shape holding cols x rows) -> the original layout."""
+    return colwise.reshape(cols, rows).T.reshape(shape)
 
 
 def _dequantize_ffi(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask):
@@ -266,7 +275,7 @@ def _dequantize_vjp(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, ma
     # defined. Block scales (E8M0/E4M3 codes) get zero gradients.
     def finish(out2d):
         if colwise:
-            return out2d.T.reshape(shape)
+            return _from_colwise(out2d, c, r, shape)
         return out2d.reshape(shape)
 
     @jax.custom_vjp
