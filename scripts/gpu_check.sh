@@ -2,17 +2,21 @@
 # The whole GPU check in one device call: build the CUDA library with all cores, run the
 # standalone kernel checks (plain and under compute-sanitizer memcheck), `pytest -m gpu`, and the
 # benchmark. Logs and results go under $OUT (default ./gpu_out).
-#   scripts/gpu_check.sh [build] [check] [sanitize] [pytest] [bench] [bench-quantize] ...
+#   scripts/gpu_check.sh [build] [check] [sanitize] [pytest] [bench] [bench-quantize] ... [profile]
+# `profile` prints where the GPU time of the main dense/layer cases goes (lowbit.bench.profile);
+# PYTEST_ARGS narrows the pytest stage (default: tests).
 # With no stage named, all run. Works from a plain checkout: no pip install needed.
+# LOWBIT_BUILD_DIR=dir uses libraries and check programs built elsewhere (same nvcc) and skips
+# nothing else: name the stages without `build` to save the device the compile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 STAGES=${*:-build check sanitize pytest bench}
-BUILD=build/gpu
+BUILD=${LOWBIT_BUILD_DIR:-build/gpu}
 CUTLASS_INC=${LOWBIT_CUTLASS_INCLUDE:-$PWD/.carry/cutlass/include}
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$PWD/$BUILD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$(realpath -m "$BUILD") PYTHONUNBUFFERED=1
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 step() { echo; echo "=== $1 ($(date +%T))"; }
@@ -50,7 +54,7 @@ fi
 if has pytest; then
   step "pytest -m gpu"
   timeout_flag=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo --timeout=900)
-  "$PY" -m pytest tests -m gpu -q $timeout_flag -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -30
+  "$PY" -m pytest ${PYTEST_ARGS:-tests} -m gpu -q $timeout_flag -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
@@ -63,6 +67,13 @@ for s in $STAGES; do
   step "benchmark $suite"
   "$PY" -m lowbit.bench "$suite" --full --out "$OUT/bench" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s" | tail -60
 done
+if has profile; then
+  step "profile"
+  { "$PY" -m lowbit.bench.profile dense "flax bf16 params" "lowbit delayed bf16 params"
+    "$PY" -m lowbit.bench.profile layer "lowbit delayed bf16 params"
+    "$PY" -m lowbit.bench.profile module "lowbit delayed"; } 2>&1 | grep -v "^W0000\|^I0000" | tee "$OUT/profile.log"
+fi
+
 [ -d "$OUT/bench" ] && tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
 
 step "done: status $status"

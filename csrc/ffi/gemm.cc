@@ -65,16 +65,13 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
 
 #define LOWBIT_NAME(n) n##Cuda
 
-// The handler never syncs, but it is NOT marked command-buffer compatible: XLA records command
-// buffers by stream capture on the first run, and cuBLASLt's first use of a handle/kernel inside
-// a capture fails (seen on H100: "cublasLtMatmul failed: the function failed to launch" from
-// cuda_command_buffer). Outside graphs the GEMM launches as its own thunk, a few microseconds
-// next to milliseconds of GEMM. Build with -DLOWBIT_GEMM_CMD_BUFFER=1 to mark it anyway.
-#if LOWBIT_GEMM_CMD_BUFFER
-#define LOWBIT_GEMM_DEFINE_HANDLER(sym, impl, binding) LOWBIT_DEFINE_HANDLER(sym, impl, binding)
-#else
+// The handler never syncs, but lowbit_gemm_cuda is NOT marked command-buffer compatible: XLA
+// records command buffers by stream capture on the first run, and cuBLASLt's first use of a
+// handle/kernel inside a capture failed (H100, session 1: "cublasLtMatmul failed: the function
+// failed to launch" from cuda_command_buffer). Outside graphs the GEMM launches as its own thunk.
+// lowbit_gemm_cmdbuf_cuda is the same handler with the trait, registered instead when
+// LOWBIT_GEMM_COMMAND_BUFFER=1 (lowbit._native), for trying it out.
 #define LOWBIT_GEMM_DEFINE_HANDLER(sym, impl, binding) XLA_FFI_DEFINE_HANDLER_SYMBOL(sym, impl, binding)
-#endif
 
 #else  // CPU
 
@@ -96,18 +93,28 @@ ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer asi, ffi::
 
 #pragma GCC visibility push(default)
 
-LOWBIT_GEMM_DEFINE_HANDLER(LOWBIT_SYMBOL(lowbit_gemm), LOWBIT_NAME(Gemm),
-                           LOWBIT_BIND()
-                               .Arg<ffi::AnyBuffer>()   // a (M, K)
-                               .Arg<ffi::AnyBuffer>()   // b (N, K)
-                               .Arg<ffi::AnyBuffer>()   // a_scale_inv (1,) f32 or (0,)
-                               .Arg<ffi::AnyBuffer>()   // b_scale_inv (1,) f32 or (0,)
-                               .Arg<ffi::AnyBuffer>()   // bias (N,) or (0,)
-                               .Ret<ffi::AnyBuffer>()   // out (M, N)
-                               .Ret<ffi::AnyBuffer>()   // workspace (bytes; (0,) on CPU)
-                               .Attr<int32_t>("flags"));
+#define LOWBIT_GEMM_BINDING                                                    \
+  LOWBIT_BIND()                                                                \
+      .Arg<ffi::AnyBuffer>()  /* a (M, K) */                                   \
+      .Arg<ffi::AnyBuffer>()  /* b (N, K) */                                   \
+      .Arg<ffi::AnyBuffer>()  /* a_scale_inv (1,) f32 or (0,) */               \
+      .Arg<ffi::AnyBuffer>()  /* b_scale_inv (1,) f32 or (0,) */               \
+      .Arg<ffi::AnyBuffer>()  /* bias (N,) or (0,) */                          \
+      .Ret<ffi::AnyBuffer>()  /* out (M, N) */                                 \
+      .Ret<ffi::AnyBuffer>()  /* workspace (bytes; (0,) on CPU) */             \
+      .Attr<int32_t>("flags")
+
+LOWBIT_GEMM_DEFINE_HANDLER(LOWBIT_SYMBOL(lowbit_gemm), LOWBIT_NAME(Gemm), LOWBIT_GEMM_BINDING);
+#if LOWBIT_WITH_CUDA
+LOWBIT_DEFINE_HANDLER(lowbit_gemm_cmdbuf_cuda, GemmCuda, LOWBIT_GEMM_BINDING);
+#endif
 
 #pragma GCC visibility pop
+
+#if LOWBIT_WITH_CUDA
+// The current device's cuBLASLt handle, created before any graph capture (0 on success).
+LOWBIT_EXPORT int lowbit_gemm_init_cuda() { return lowbit::gemm_cuda_init().ok() ? 0 : 1; }
+#endif
 
 // Workspace the CUDA handler wants (Python asks once at trace time).
 LOWBIT_EXPORT int64_t lowbit_gemm_workspace_bytes() {

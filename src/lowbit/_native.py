@@ -71,13 +71,22 @@ def _load_cuda():
         return ctypes.CDLL(path)
 
 
+def _gemm_command_buffer() -> bool:
+    # Opt-in trial: the GEMM handler marked command-buffer compatible (csrc/ffi/gemm.cc).
+    return os.environ.get("LOWBIT_GEMM_COMMAND_BUFFER", "") == "1"
+
+
 def _register(libs: dict, ops) -> None:
     """Registers `ops` from the loaded libraries: lowbit_<op>_cpu / lowbit_<op>_cuda."""
     for lib, platform, suffix in ((libs["cpu"], "cpu", "cpu"), (libs["cuda"], "CUDA", "cuda")):
         if lib is None:
             continue
         for op in ops:
-            fn = getattr(lib, f"lowbit_{op}_{suffix}", None)
+            symbol = f"lowbit_{op}_{suffix}"
+            if op == "gemm" and suffix == "cuda" and _gemm_command_buffer():
+                symbol = "lowbit_gemm_cmdbuf_cuda"
+                lib.lowbit_gemm_init_cuda()  # the cuBLASLt handle exists before XLA captures a graph
+            fn = getattr(lib, symbol, None)
             if fn is not None:
                 jax.ffi.register_ffi_target(f"lowbit_{op}", jax.ffi.pycapsule(fn), platform=platform)
 

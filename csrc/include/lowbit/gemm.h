@@ -72,4 +72,8 @@ Status gemm_cpu(const GemmParams& p);
 // cudaStream_t. Never synchronizes and never allocates device memory.
 Status gemm_cuda(const GemmParams& p, void* stream);
 
+// Creates the current device's cuBLASLt handle now (it is otherwise created on first use, which
+// may fall inside a CUDA-graph capture).
+Status gemm_cuda_init();
+
 }  // namespace lowbit

@@ -218,7 +218,7 @@ struct CastArgs {
   const uint32_t* sr_seed = nullptr;
   bool rht = false;
   uint32_t rht_mask = 0;
-  float* amax_out = nullptr;    // fused amax(x) (atomicMax; zeroed before), or null
+  float* amax_out = nullptr;    // fused amax(x) (atomicMax; zeroed before; grouped: [G]), or null
   float* dbias_part = nullptr;  // [ceil(R/kTileR)][C] per-tile column sums, or null
   const int32_t* row_group = nullptr;  // grouped: each row's group, -1 for none
   uint32_t tiles_c = 0;                // tile columns (set by set_tiles)
@@ -283,6 +283,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
   __shared__ float tpart[NW][8];  // NVFP4 2-D: per warp and row group, amax of its 4 columns
   __shared__ float rscale[GROUPED ? kTileR : 1];
   __shared__ int rok[GROUPED ? kTileR : 1];
+  __shared__ float rmax[GROUPED ? kTileR : 1];  // grouped fused amax: each row's max over the tile
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int64_t R = a.R, C = a.C;
@@ -312,7 +313,21 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
     const int id = i * kTileThreads + t, lr = id / CPR, ch = id % CPR;
     *reinterpret_cast<uint4*>(&tile[lr][(ch ^ ((lr >> 4) & 7)) * CH]) = raw[i];
   }
-  if (a.amax_out) {  // fused amax(x): the tile's max, one atomic per block (uniform branch)
+  if constexpr (GROUPED) {
+    // Fused per-group amax (amax_out[g], delayed scaling): each row's max over the tile (the
+    // CPR lanes that share a row), then one atomic per run of same-group rows in each warp.
+    if (a.amax_out) {
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        float v[CH];
+        unpack16<IN>(raw[i], v);
+        float m = amax_n<CH>(v);
+#pragma unroll
+        for (int o = 1; o < CPR; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+        if (t % CPR == 0) rmax[(i * kTileThreads + t) / CPR] = m;
+      }
+    }
+  } else if (a.amax_out) {  // fused amax(x): the tile's max, one atomic per block (uniform branch)
     float m = 0.0f;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
@@ -325,7 +340,21 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
     if (lane == 0) red[warp] = m;
   }
   __syncthreads();
-  if (a.amax_out && t == 0) {
+  if constexpr (GROUPED) {
+    if (a.amax_out && t < kTileR) {  // warps 0..3: a segmented max-scan over their 32 rows
+      const int64_t gr = r0 + t;
+      const int g = gr < R ? a.row_group[gr] : -1;
+      float m = rmax[t];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {  // groups are runs of rows: same group o back = same run
+        const float mo = __shfl_up_sync(kFull, m, o);
+        const int go = __shfl_up_sync(kFull, g, o);
+        if (lane >= o && go == g) m = fmaxf(m, mo);
+      }
+      const int gn = __shfl_down_sync(kFull, g, 1);
+      if (g >= 0 && (lane == 31 || gn != g)) atomic_max_nonneg(a.amax_out + g, m);
+    }
+  } else if (a.amax_out && t == 0) {
     float m = 0.0f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) m = fmaxf(m, red[w]);

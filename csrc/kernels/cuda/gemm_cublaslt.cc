@@ -108,6 +108,13 @@ int current_device(cudaStream_t stream) {
 
 }  // namespace
 
+Status gemm_cuda_init() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return Status::Invalid("gemm: no current CUDA device");
+  cublasLtHandle_t handle;
+  return handle_for(device, &handle);
+}
+
 Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
   Status s = validate(p);
   if (!s.ok()) return s;

@@ -1,8 +1,9 @@
 // CUDA grouped quantize: docs/numerics.md "Grouped quantize". group_sizes stays on the device;
 // everything derived from it is computed there:
 //   offsets (one block: exclusive scan of max(size, 0), clamped to M) -> row -> group map
-//   (binary search per row) -> per-group amax (atomicMax per row) -> per-group scale_inv ->
-//   fused cast (the tile kernel of common.cuh with per-row scales; rows in no group are zeros).
+//   (binary search per row) -> per-group amax (atomicMax per row; delayed scaling: fused into the
+//   cast) -> per-group scale_inv -> fused cast (the tile kernel of common.cuh with per-row
+//   scales; rows in no group are zeros).
 #include "common.cuh"
 
 namespace lowbit {
@@ -135,7 +136,11 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
     row_group_kernel<<<grid_for(M, 256, 8192), 256, 0, st>>>(starts, ends, G, M, row_group);
     if (auto s = launch_status("row_group_kernel"); !s.ok()) return s;
   }
-  if (n > 0 && G > 0) {
+  const bool fast = M % 16 == 0 && K % 16 == 0 && aligned16(p.x) && (!p.rowwise || aligned16(p.data)) &&
+                    (!(p.colwise && tensor) || aligned16(p.colwise_data));
+  // Delayed scaling needs no amax before the cast: the tile kernel accumulates it in the same read.
+  const bool fused_amax = fast && tensor && p.mode == ScalingMode::kDelayedTensor;
+  if (n > 0 && G > 0 && !fused_amax) {
     constexpr int CH = 16 / int(sizeof(typename In<IN>::T));
     const bool vec = K % CH == 0 && aligned16(p.x);
     grouped_amax_kernel<IN><<<grid_for(M * 32, 256, 4096), 256, 0, st>>>(p.x, M, K, vec, row_group, p.amax);
@@ -163,8 +168,7 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
   a.delayed = p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr;
   a.amax_in = p.amax;
   a.row_group = row_group;
-  const bool fast = M % 16 == 0 && K % 16 == 0 && aligned16(p.x) && (!a.rowwise || aligned16(p.data)) &&
-                    (!a.colwise || aligned16(p.colwise_data));
+  a.amax_out = fused_amax && G > 0 ? p.amax : nullptr;
   if (fast) {
     int64_t tiles = 0;
     if (!set_tiles(a, &tiles)) return Status::Invalid("grouped_quantize: tensor too large");

@@ -1,17 +1,21 @@
 // CUDA LayerNorm / RMSNorm (lowbit/norm.h). Stream-ordered, no host sync, no allocation.
 //
-// Forward, fast path (C a multiple of one 16-byte vector, row <= 512 vectors): persistent blocks
-// of 8 warps walk bands of 32 rows; a warp owns 4 rows of a band, holds a row in registers and
-// always has its next row's load in flight (double buffer, across bands too) while computing the
-// current one: two-pass variance from registers, warp butterflies (deterministic). Each row
-// writes y and/or its rowwise FP8 bytes and stashes the FP8 bytes in shared memory; once the band
-// is done the block writes the colwise copy, 32 rows = one 32-byte sector per column. Current
-// scaling runs the kernel twice (norm.h): amax first, then the copies. Other shapes: a generic
-// kernel, one row per block, re-reading x from global memory, same per-element arithmetic.
+// Forward, fast path (C a multiple of one 16-byte vector, at most 2048 vectors per row): a block
+// of 16 warps owns a band of 16 rows; a row is split over `wpr` warps (1..16, each lane holds NV
+// <= 4 vectors in registers), so 16 / wpr rows run at once and the block walks the band in wpr
+// passes, loading the next pass's row while it computes the current one. Statistics: two-pass
+// variance from registers, warp butterflies, then the row's warp partials added in warp order
+// through shared memory (deterministic). Each row writes y and/or its rowwise FP8 bytes and
+// stashes the FP8 bytes in shared memory; once the band is done the block writes the colwise
+// copy (16 bytes per column). Several blocks share an SM. (The earlier design, one warp per row
+// with 16 vectors per lane and four rows unrolled, ran at 20-25% of copy bandwidth: ~300 KB of
+// straight-line code per loop and 8 warps per SM.) Current scaling runs the kernel twice
+// (norm.h): amax first, then the copies. Other shapes: a generic kernel, one row per block,
+// re-reading x from global memory, same per-element arithmetic.
 //
 // Backward: one row at a time per block, the row spread over the block's threads; each thread
 // keeps dgamma/dbeta partial sums for its own columns in registers; partials go to the workspace
-// ([2][parts][C] floats) and a second kernel adds them in block order. Float ops are explicit _rn
+// ([2][parts][C] floats) and a second kernel adds them in a fixed order. Float ops are explicit _rn
 // intrinsics (FMAs written as such), so every launch of a kernel computes y with identical
 // arithmetic whatever outputs it writes: the fused FP8 copies equal lowbit.quantize(y).
 #include <cuda_bf16.h>
@@ -24,11 +28,10 @@ namespace lowbit {
 namespace cuda {
 namespace {
 
-constexpr int kBand = 32;       // rows per band: one 32-byte sector per colwise column
-constexpr int kFwdWarps = 8;    // warps per block (forward fast path)
-constexpr int kRowsPerWarp = kBand / kFwdWarps;
+constexpr int kBand = 16;       // rows per band (forward fast path): 16 colwise bytes per column
+constexpr int kFwdWarps = 16;   // warps per block (forward fast path): one row per warp at most
+constexpr int kMaxNV = 4;       // 16-byte vectors per lane (forward fast path)
 constexpr int kBwdParts = 256;  // backward blocks = dgamma/dbeta partial rows (at most)
-static_assert(kRowsPerWarp == 4, "the forward's row pipeline is written for 4 rows per warp");
 
 template <int IN>
 __host__ __device__ constexpr int vec_elems() {
@@ -99,9 +102,8 @@ __device__ void write_band_colwise(const uint8_t* band, const FwdArgs& a, int64_
         o[m] = __byte_perm(__byte_perm(w[4 * m], w[4 * m + 1], sel), __byte_perm(w[4 * m + 2], w[4 * m + 3], sel),
                            0x5410);
       uint8_t* dst = a.q_col + (4 * q + j) * R + r0;
-      if (R % 16 == 0) {  // rows is 16 or 32 and dst is 16-byte aligned
+      if (rows == kBand && R % 16 == 0) {  // dst is 16-byte aligned
         *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
-        if (rows == kBand) *reinterpret_cast<uint4*>(dst + 16) = make_uint4(o[4], o[5], o[6], o[7]);
       } else {
         for (int rr = 0; rr < rows; ++rr) dst[rr] = uint8_t(o[rr >> 2] >> ((rr & 3) * 8));
       }
@@ -109,26 +111,37 @@ __device__ void write_band_colwise(const uint8_t* band, const FwdArgs& a, int64_
   }
 }
 
+// This lane's NV vectors of row r: vector lane0 + k * stride (warp-coalesced); zeros past the row.
 template <int NV>
 __device__ __forceinline__ void load_row(uint4 (&buf)[NV], const void* x, int64_t r, int64_t R, int64_t C,
-                                         int64_t nvec, int lane, int elem_bytes) {
-  if (r >= R) return;
+                                         int64_t nvec, int64_t lane0, int64_t stride, int elem_bytes) {
   const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(x) + r * C * elem_bytes);
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    const int64_t v = lane + 32 * k;
-    buf[k] = v < nvec ? __ldg(xr + v) : make_uint4(0u, 0u, 0u, 0u);
+    const int64_t v = lane0 + k * stride;
+    buf[k] = r < R && v < nvec ? __ldg(xr + v) : make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
-// One row (held by the warp in registers): statistics, then y / FP8 outputs.
+// Sum of a row's lane values over its `wpr` warps: warp butterfly, then the warps' partials in
+// warp order from `red` (row slot's wpr floats). Every thread of the block calls it (barrier).
+__device__ __forceinline__ float row_sum(float v, float* red, int wi, int wpr) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) red[wi] = v;
+  __syncthreads();
+  float s = red[0];
+  for (int w = 1; w < wpr; ++w) s = __fadd_rn(s, red[w]);
+  return s;
+}
+
+// One row held by `wpr` warps in registers: statistics, then y / FP8 outputs. `valid`: r < R
+// (an invalid row still takes part in the barriers).
 template <int IN, int NV>
-__device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV], int64_t r, int rr, float scale,
-                                         uint8_t* band, float& amax) {
+__device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV], int64_t r, int rr, bool valid,
+                                         int64_t lane0, int64_t stride, float* red_s, float* red_q, int wi, int wpr,
+                                         float scale, uint8_t* band, float& amax) {
   using T = typename In<IN>::T;
   constexpr int E = vec_elems<IN>();
-  if (r >= a.R) return;
-  const int lane = threadIdx.x & 31;
   const int64_t C = a.C, nvec = C / E;
   const float fc = float(C);
   float mean = 0.0f;
@@ -141,12 +154,12 @@ __device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV
 #pragma unroll
       for (int e = 0; e < E; ++e) s[e & 3] = __fadd_rn(s[e & 3], f[e]);
     }
-    mean = __fdiv_rn(warp_sum(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]))), fc);
+    mean = __fdiv_rn(row_sum(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])), red_s, wi, wpr), fc);
   }
   float q[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    if (lane + 32 * k >= nvec) continue;
+    if (lane0 + k * stride >= nvec) continue;
     float f[E];
     unpack16<IN>(raw[k], f);
 #pragma unroll
@@ -155,15 +168,17 @@ __device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV
       q[e & 3] = __fmaf_rn(d, d, q[e & 3]);
     }
   }
-  const float rs = rsigma_of(warp_sum(__fadd_rn(__fadd_rn(q[0], q[1]), __fadd_rn(q[2], q[3]))), fc, a.eps);
+  const float rs =
+      rsigma_of(row_sum(__fadd_rn(__fadd_rn(q[0], q[1]), __fadd_rn(q[2], q[3])), red_q, wi, wpr), fc, a.eps);
+  if (!valid) return;
   const float nm = __fmul_rn(-mean, rs);
-  if (lane == 0) {
+  if (lane0 == 0) {
     if (a.rsigma) a.rsigma[r] = rs;
     if (a.mean && !a.rms) a.mean[r] = mean;
   }
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    const int64_t v = lane + 32 * k;
+    const int64_t v = lane0 + k * stride;
     if (v >= nvec) continue;
     float f[E], out[E], yr[E];
     unpack16<IN>(raw[k], f);
@@ -198,39 +213,39 @@ __device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV
   }
 }
 
-// Persistent over bands of 32 rows; warp w owns rows 4w..4w+3 of each band and always has the
-// next row's load in flight (across bands too) while it computes the current one.
+// One block per band of kBand rows; a row is spread over `wpr` warps (a power of two), so the
+// band takes wpr passes of kFwdWarps / wpr rows each; the next pass's row is loaded before the
+// current one is computed.
 template <int IN, int NV>
-__global__ void __launch_bounds__(kFwdWarps * 32, 1) norm_fwd_fast(const FwdArgs a) {
+__global__ void __launch_bounds__(kFwdWarps * 32, 2) norm_fwd_fast(const FwdArgs a, int wpr) {
   constexpr int EB = IN == 0 ? 4 : 2;
   extern __shared__ uint4 smem[];
   uint8_t* band = reinterpret_cast<uint8_t*>(smem);
-  __shared__ float red[kFwdWarps];
+  __shared__ float red_s[kFwdWarps], red_q[kFwdWarps], red_a[kFwdWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t R = a.R, C = a.C, nvec = C / vec_elems<IN>(), nbands = (R + kBand - 1) / kBand;
+  const int slot = warp / wpr, wi = warp % wpr, per_pass = kFwdWarps / wpr;
+  const int64_t R = a.R, C = a.C, nvec = C / vec_elems<IN>(), r0 = int64_t(blockIdx.x) * kBand;
+  const int64_t lane0 = int64_t(wi) * 32 + lane, stride = int64_t(wpr) * 32;
   const float scale = fused_launch_scale<false>(a);
   float amax = 0.0f;
-  uint4 b0[NV], b1[NV];
-  const int w0 = warp * kRowsPerWarp;
-  int64_t bnd = blockIdx.x;
-  if (bnd < nbands) load_row<NV>(b0, a.x, bnd * kBand + w0, R, C, nvec, lane, EB);
-  for (; bnd < nbands; bnd += gridDim.x) {
-    const int64_t r0 = bnd * kBand, nxt = bnd + gridDim.x;
-    load_row<NV>(b1, a.x, r0 + w0 + 1, R, C, nvec, lane, EB);
-    norm_row<IN, NV>(a, b0, r0 + w0, w0, scale, band, amax);
-    load_row<NV>(b0, a.x, r0 + w0 + 2, R, C, nvec, lane, EB);
-    norm_row<IN, NV>(a, b1, r0 + w0 + 1, w0 + 1, scale, band, amax);
-    load_row<NV>(b1, a.x, r0 + w0 + 3, R, C, nvec, lane, EB);
-    norm_row<IN, NV>(a, b0, r0 + w0 + 2, w0 + 2, scale, band, amax);
-    if (nxt < nbands) load_row<NV>(b0, a.x, nxt * kBand + w0, R, C, nvec, lane, EB);
-    norm_row<IN, NV>(a, b1, r0 + w0 + 3, w0 + 3, scale, band, amax);
-    if (a.fp8 && a.q_col) {
-      __syncthreads();
-      write_band_colwise(band, a, r0);
-      __syncthreads();  // the band buffer is reused by the next band
-    }
+  uint4 cur[NV], nxt[NV];
+  load_row<NV>(cur, a.x, r0 + slot, R, C, nvec, lane0, stride, EB);
+  for (int pass = 0; pass < wpr; ++pass) {
+    const int rr = pass * per_pass + slot;
+    if (pass + 1 < wpr) load_row<NV>(nxt, a.x, r0 + rr + per_pass, R, C, nvec, lane0, stride, EB);
+    // RMSNorm has one row sum per pass: alternate its buffer so a pass never overwrites partials
+    // another warp of the previous pass may still be reading.
+    float* rq = a.rms && (pass & 1) ? red_s : red_q;
+    norm_row<IN, NV>(a, cur, r0 + rr, rr, r0 + rr < R, lane0, stride, red_s + slot * wpr, rq + slot * wpr, wi, wpr,
+                     scale, band, amax);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) cur[k] = nxt[k];
   }
-  if (a.amax_out) block_amax_to(amax, red, a.amax_out);
+  if (a.fp8 && a.q_col) {
+    __syncthreads();
+    write_band_colwise(band, a, r0);
+  }
+  if (a.amax_out) block_amax_to(amax, red_a, a.amax_out);
 }
 
 // Any shape/alignment: one row per block, x re-read from global memory for each pass; the
@@ -284,15 +299,21 @@ __global__ void __launch_bounds__(256) norm_fwd_generic(const FwdArgs a) {
   }
 }
 
-// Rows held as NV 16-byte vectors per lane; 0 when the row is too long for the fast kernel.
-int fwd_nv(int64_t nvec) {
-  for (int nv : {1, 2, 4, 8, 16})
-    if (nvec <= 32 * int64_t(nv)) return nv;
-  return 0;
+// The fast path's split of a row of `nvec` vectors: NV vectors per lane, `wpr` warps per row
+// (a power of two, at most kFwdWarps); NV 0 when the row is too long for it.
+struct FwdSplit {
+  int nv, wpr;
+};
+FwdSplit fwd_split(int64_t nvec) {
+  for (int nv : {1, 2, 4})
+    if (nvec <= 32 * int64_t(nv)) return {nv, 1};
+  for (int wpr = 2; wpr <= kFwdWarps; wpr *= 2)
+    if (nvec <= 32 * int64_t(kMaxNV) * wpr) return {kMaxNV, wpr};
+  return {0, 0};
 }
 
 template <int IN, int NV>
-Status launch_fwd_fast(const FwdArgs& a, cudaStream_t st) {
+Status launch_fwd_fast(const FwdArgs& a, int wpr, cudaStream_t st) {
   const int64_t nbands = (a.R + kBand - 1) / kBand;
   const size_t smem = a.q_col ? size_t(kBand) * size_t(a.C) : 0;
   auto kernel = norm_fwd_fast<IN, NV>;
@@ -301,17 +322,8 @@ Status launch_fwd_fast(const FwdArgs& a, cudaStream_t st) {
     auto e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (auto s = api_status(e, "norm: shared memory opt-in"); !s.ok()) return s;
   }
-  // Persistent grid: as many blocks as fit at once (host-side queries, no stream work).
-  int dev = 0, sms = 0, occ = 0;
-  if (auto s = api_status(cudaGetDevice(&dev), "norm: device"); !s.ok()) return s;
-  if (auto s = api_status(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "norm: SMs"); !s.ok())
-    return s;
-  if (auto s = api_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kFwdWarps * 32, smem),
-                          "norm: occupancy");
-      !s.ok())
-    return s;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(nbands, int64_t(sms) * std::max(occ, 1)));
-  kernel<<<unsigned(blocks), kFwdWarps * 32, smem, st>>>(a);
+  if (nbands > int64_t(0x7fffffff)) return Status::Invalid("norm: too many rows");
+  kernel<<<unsigned(nbands), kFwdWarps * 32, smem, st>>>(a, wpr);
   return launch_status("norm_fwd_fast");
 }
 
@@ -322,13 +334,11 @@ Status launch_fwd(const FwdArgs& a, cudaStream_t st) {
                    (!a.y || aligned16(a.y)) && (!a.q_row || (reinterpret_cast<uintptr_t>(a.q_row) & 7u) == 0) &&
                    (!a.q_col || aligned16(a.q_col));
   // The band of FP8 rows must fit in shared memory (227 KB on Hopper).
-  const int nv = vec && int64_t(kBand) * a.C <= 200 * 1024 ? fwd_nv(a.C / E) : 0;
-  switch (nv) {
-    case 1: return launch_fwd_fast<IN, 1>(a, st);
-    case 2: return launch_fwd_fast<IN, 2>(a, st);
-    case 4: return launch_fwd_fast<IN, 4>(a, st);
-    case 8: return launch_fwd_fast<IN, 8>(a, st);
-    case 16: return launch_fwd_fast<IN, 16>(a, st);
+  const FwdSplit sp = vec && int64_t(kBand) * a.C <= 200 * 1024 ? fwd_split(a.C / E) : FwdSplit{0, 0};
+  switch (sp.nv) {
+    case 1: return launch_fwd_fast<IN, 1>(a, sp.wpr, st);
+    case 2: return launch_fwd_fast<IN, 2>(a, sp.wpr, st);
+    case 4: return launch_fwd_fast<IN, 4>(a, sp.wpr, st);
     default: break;
   }
   const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(a.R, 65535)));
@@ -480,16 +490,35 @@ __global__ void __launch_bounds__(256) norm_bwd_generic(const BwdArgs a) {
   }
 }
 
-// dgamma[c] (and dbeta[c]) = sum of the partial rows in block order: deterministic.
+// dgamma / dbeta: each column's partial sums over the parts, in a fixed order (8 interleaved
+// chains, then the chains in order) so that the loads of a thread are independent and in flight
+// together; small blocks so that every SM takes part.
+constexpr int kReduceChains = 8;
 __global__ void norm_bwd_reduce(const float* part, int parts, int64_t C, float* dgamma, float* dbeta) {
   for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C; c += int64_t(gridDim.x) * blockDim.x) {
-    float g = 0.0f, b = 0.0f;
-    for (int p = 0; p < parts; ++p) {
-      g = __fadd_rn(g, part[int64_t(p) * C + c]);
-      b = __fadd_rn(b, part[(int64_t(parts) + p) * C + c]);
+    float g[kReduceChains], b[kReduceChains];
+#pragma unroll
+    for (int k = 0; k < kReduceChains; ++k) g[k] = b[k] = 0.0f;
+    int p = 0;
+    for (; p + kReduceChains <= parts; p += kReduceChains) {
+#pragma unroll
+      for (int k = 0; k < kReduceChains; ++k) {
+        g[k] = __fadd_rn(g[k], part[int64_t(p + k) * C + c]);
+        b[k] = __fadd_rn(b[k], part[(int64_t(parts) + p + k) * C + c]);
+      }
     }
-    dgamma[c] = g;
-    if (dbeta) dbeta[c] = b;
+    for (int k = 0; p < parts; ++p, ++k) {
+      g[k] = __fadd_rn(g[k], part[int64_t(p) * C + c]);
+      b[k] = __fadd_rn(b[k], part[(int64_t(parts) + p) * C + c]);
+    }
+    float gs = g[0], bs = b[0];
+#pragma unroll
+    for (int k = 1; k < kReduceChains; ++k) {
+      gs = __fadd_rn(gs, g[k]);
+      bs = __fadd_rn(bs, b[k]);
+    }
+    dgamma[c] = gs;
+    if (dbeta) dbeta[c] = bs;
   }
 }
 
@@ -525,7 +554,7 @@ Status launch_bwd(const BwdArgs& a, float* dgamma, float* dbeta, cudaStream_t st
       s = launch_status("norm_bwd_generic");
   }
   if (!s.ok()) return s;
-  norm_bwd_reduce<<<grid_for(a.C, 256), 256, 0, st>>>(a.part, a.parts, a.C, dgamma, dbeta);
+  norm_bwd_reduce<<<grid_for(a.C, 64), 64, 0, st>>>(a.part, a.parts, a.C, dgamma, dbeta);
   return launch_status("norm_bwd_reduce");
 }
 

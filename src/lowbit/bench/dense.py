@@ -113,30 +113,40 @@ def _cast_params(variables, dtype):
     return dict(variables, params=jax.tree_util.tree_map(lambda a: a.astype(dtype), variables["params"]))
 
 
-def _model_rows(kind: str, cfg: dict, small: bool, progress) -> list[dict]:
-    key, drop = jax.random.split(jax.random.PRNGKey(42))
+def _model(kind: str, cfg: dict):
+    """(make(dot_general_cls) -> module, input shape, output shape, apply kwargs, row label)."""
     if kind == "dense":
         shape = cfg["tokens_dense"] + (cfg["dense_in"],)
         out_shape = cfg["tokens_dense"] + (cfg["dense_out"],)
         make = lambda cls: DenseBlock(features=cfg["dense_out"], dot_general_cls=cls)
-        kwargs, label = {}, f"dense {shape[0] * shape[1]}x{cfg['dense_in']}->{cfg['dense_out']}"
-    else:
-        shape = (cfg["batch"], cfg["seq"], cfg["hidden"])
-        out_shape = shape
-        make = lambda cls: TransformerLayer(cfg["hidden"], cfg["ffn"], cfg["heads"], dot_general_cls=cls)
-        kwargs = {"attention_mask": None, "deterministic": False}
-        label = f"layer b{cfg['batch']} s{cfg['seq']} h{cfg['hidden']} ffn{cfg['ffn']}"
+        return make, shape, out_shape, {}, f"dense {shape[0] * shape[1]}x{cfg['dense_in']}->{cfg['dense_out']}"
+    shape = (cfg["batch"], cfg["seq"], cfg["hidden"])
+    make = lambda cls: TransformerLayer(cfg["hidden"], cfg["ffn"], cfg["heads"], dot_general_cls=cls)
+    return (make, shape, shape, {"attention_mask": None, "deterministic": False},
+            f"layer b{cfg['batch']} s{cfg['seq']} h{cfg['hidden']} ffn{cfg['ffn']}")
+
+
+def build_case(kind: str, name: str, cfg: dict, key, drop):
+    """The jitted fwd+bwd of one case (a ``_cases()`` name) and its arguments."""
+    make, shape, out_shape, kwargs, _ = _model(kind, cfg)
+    _, cls, pdtype, _, _ = next(c for c in _cases() if c[0] == name)
     x = jax.random.normal(key, shape).astype(jnp.bfloat16)
     dy = jax.random.normal(key, out_shape, jnp.float32)
+    model = make(cls)
+    rngs = {"dropout": drop, "sr_rng": jax.random.PRNGKey(0)}
+    v = _cast_params(model.init(key, x, **kwargs), pdtype)
+    return _fwd_bwd(model, v, x, dy, rngs, kwargs)
+
+
+def _model_rows(kind: str, cfg: dict, small: bool, progress) -> list[dict]:
+    key, drop = jax.random.split(jax.random.PRNGKey(42))
+    label = _model(kind, cfg)[-1]
     rows = []
-    for name, cls, pdtype, recipe, note in _cases():
-        model = make(cls)
-        rngs = {"dropout": drop, "sr_rng": jax.random.PRNGKey(0)}
-        v = _cast_params(model.init(key, x, **kwargs), pdtype)
-        fn, args = _fwd_bwd(model, v, x, dy, rngs, kwargs)
+    for name, _, _, _, note in _cases():
+        fn, args = build_case(kind, name, cfg, key, drop)
         ms = time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5)
         rows.append(dict(model=label, name=f"{kind}: {name}", ms=ms, note=note))
-        del fn, args, v
+        del fn, args
         if progress:
             progress()
     base = {r["name"].split(": ", 1)[1]: r["ms"] for r in rows}

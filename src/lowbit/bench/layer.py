@@ -37,25 +37,33 @@ def _cases():
     ]
 
 
-def run(small: bool, progress=None) -> list[dict]:
-    cfg = SMALL if small else FULL
-    key, drop = jax.random.split(jax.random.PRNGKey(42))
+def build_case(_suite: str, name: str, cfg: dict, key, drop):
+    """The jitted fwd+bwd of one case (a ``_cases()`` name) and its arguments."""
+    _, build, pdtype, recipe, _ = next(c for c in _cases() if c[0] == name)
     shape = (cfg["batch"], cfg["seq"], cfg["hidden"])
     x = jax.random.normal(key, shape).astype(jnp.bfloat16)
     dy = jax.random.normal(key, shape, jnp.float32)
+    model = build(cfg)
+    seed = isinstance(model, SeedLayer)
+    kwargs = {"attention_mask": None, "deterministic": False} if seed else {"deterministic": True}
+    rngs = {"dropout": drop}
+    with lowbit.autocast(recipe):  # recipe read at trace time: init and the jit trace inside
+        v = _cast_params(nn.unbox(model.init({"params": key, "dropout": drop}, x, **kwargs)), pdtype)
+        fn, args = _fwd_bwd(model, v, x, dy, rngs, kwargs)
+        jax.block_until_ready(fn(*args))  # trace and compile under the recipe
+    return fn, args
+
+
+def run(small: bool, progress=None) -> list[dict]:
+    cfg = SMALL if small else FULL
+    key, drop = jax.random.split(jax.random.PRNGKey(42))
     label = f"layer b{cfg['batch']} s{cfg['seq']} h{cfg['hidden']} ffn{cfg['ffn']} heads{cfg['heads']}"
     rows = []
-    for name, build, pdtype, recipe, note in _cases():
-        model = build(cfg)
-        seed = isinstance(model, SeedLayer)
-        kwargs = {"attention_mask": None, "deterministic": False} if seed else {"deterministic": True}
-        rngs = {"dropout": drop}
-        with lowbit.autocast(recipe):  # recipe read at trace time: init and the jit trace inside
-            v = _cast_params(nn.unbox(model.init({"params": key, "dropout": drop}, x, **kwargs)), pdtype)
-            fn, args = _fwd_bwd(model, v, x, dy, rngs, kwargs)
-            ms = time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5)
+    for name, _, _, _, note in _cases():
+        fn, args = build_case("module", name, cfg, key, drop)
+        ms = time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5)
         rows.append(dict(model=label, name=name, ms=ms, note=note))
-        del fn, args, v
+        del fn, args
         if progress:
             progress()
     base = {r["name"]: r["ms"] for r in rows}

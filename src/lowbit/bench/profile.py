@@ -1,0 +1,100 @@
+"""Where one benchmark step spends its GPU time: ``python -m lowbit.bench.profile SUITE CASE...``.
+
+Traces a few steps of a case from ``lowbit.bench.dense`` or ``lowbit.bench.layer`` (the same
+model, parameters and jitted fwd+bwd as the timed run) with ``jax.profiler`` and prints the GPU
+kernels by total time per step, then per group (GEMM, attention, lowbit kernels, XLA fusions).
+SUITE is ``dense``, ``layer`` (the seed layer, dot_general swapped) or ``module`` (lowbit's
+TransformerLayer); CASE is a row name of that suite, e.g. ``"lowbit delayed bf16 params"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import tempfile
+
+import jax
+
+from lowbit.bench import dense as dense_bench
+from lowbit.bench import layer as layer_bench
+from lowbit.bench.common import time_fn
+
+STEPS = 5
+
+
+def _group(kernel: str) -> str:
+    k = kernel.lower()
+    if "lowbit" in k:
+        return "lowbit kernels"
+    if "cudnn" in k or "flash" in k or "fmha" in k or "sdpa" in k:
+        return "attention (cuDNN)"
+    if "gemm" in k or "cutlass" in k or "sm90_xmma" in k or "nvjet" in k or "cublas" in k:
+        return "GEMM (cuBLAS/CUTLASS)"
+    if "fusion" in k or "loop_" in k or "input_" in k or "reduce" in k or "triton" in k:
+        return "XLA fusions"
+    return "other"
+
+
+def _kernel_times(trace_dir: str) -> dict[str, float]:
+    """Total nanoseconds per kernel name over the trace's GPU stream lines."""
+    from jax.profiler import ProfileData
+
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    data = ProfileData.from_file(path)
+    totals: dict[str, float] = collections.defaultdict(float)
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for ev in line.events:
+                totals[ev.name] += ev.duration_ns
+    return totals
+
+
+def _build(suite: str, case: str):
+    key, drop = jax.random.split(jax.random.PRNGKey(42))
+    cfg = dense_bench.FULL if dense_bench.on_gpu() else dense_bench.SMALL
+    return (layer_bench.build_case if suite == "module" else dense_bench.build_case)(
+        suite, case, cfg, key, drop)
+
+
+def profile(suite: str, case: str, top: int = 25) -> None:
+    fn, args = _build(suite, case)
+    wall = time_fn(fn, *args, warmup=2, iters=10, repeats=3)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            out = None
+            for _ in range(STEPS):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        totals = _kernel_times(d)
+    per_step = {k: v / STEPS / 1e6 for k, v in totals.items()}
+    total = sum(per_step.values())
+    print(f"\n## {suite}: {case}: wall {wall:.3f} ms per step, GPU kernel time {total:.3f} ms")
+    groups: dict[str, float] = collections.defaultdict(float)
+    for k, ms in per_step.items():
+        groups[_group(k)] += ms
+    for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {ms:8.3f} ms  {100 * ms / total:5.1f}%  {g}")
+    print("  top kernels:")
+    for k, ms in sorted(per_step.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {ms:8.3f} ms  {k[:140]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lowbit.bench.profile", description=__doc__)
+    ap.add_argument("suite", choices=["dense", "layer", "module"])
+    ap.add_argument("cases", nargs="+")
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args(argv)
+    for case in a.cases:
+        profile(a.suite, case, a.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
