@@ -44,6 +44,14 @@ def environment() -> dict:
     return env
 
 
+def case_named(cases: Sequence[tuple], name: str, suite: str) -> tuple:
+    """The row of a suite's case table whose first field is `name` (a clear error otherwise)."""
+    for case in cases:
+        if case[0] == name:
+            return case
+    raise ValueError(f"{suite}: no case named {name!r}; cases are {[c[0] for c in cases]}")
+
+
 def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20, repeats: int = 5) -> float:
     """Median milliseconds per call of an already-jitted fn. Calls are queued back to back
     (dispatch is asynchronous) and the device is synchronised once per repeat."""

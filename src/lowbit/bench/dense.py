@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 import lowbit
 from lowbit import flax as lowbit_flax
-from lowbit.bench.common import on_gpu, time_fn
+from lowbit.bench.common import case_named, on_gpu, time_fn
 
 FULL = dict(tokens_dense=(4, 2048), dense_in=4096, dense_out=16384,
             batch=4, seq=2048, hidden=4096, ffn=16384, heads=32)
@@ -129,7 +129,7 @@ def _model(kind: str, cfg: dict):
 def build_case(kind: str, name: str, cfg: dict, key, drop):
     """The jitted fwd+bwd of one case (a ``_cases()`` name) and its arguments."""
     make, shape, out_shape, kwargs, _ = _model(kind, cfg)
-    _, cls, pdtype, _, _ = next(c for c in _cases() if c[0] == name)
+    _, cls, pdtype, _, _ = case_named(_cases(), name, kind)
     x = jax.random.normal(key, shape).astype(jnp.bfloat16)
     dy = jax.random.normal(key, out_shape, jnp.float32)
     model = make(cls)

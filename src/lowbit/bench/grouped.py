@@ -5,9 +5,9 @@ TFLOP/s counts the GEMM work only (2*M*K*N per GEMM, three GEMMs for forward+bac
 times include the per-group quantization of every operand (current scaling reads each operand
 twice: amax, then cast; delayed scaling once), except the "fp8 gemm only" rows, which time the
 FP8 GEMM on operands quantized beforehand. Forward+backward returns the output and both
-gradients. A dense GEMM reads one (K, N) matrix where the grouped one reads G of them: where G*K*N
-dominates the bytes (G=128) the grouped GEMM is bandwidth-bound, the dense one is not. ``speedup`` is against ragged_dot in
-the same pass. Group sizes: balanced, or Dirichlet(1) draws (any value: FP8's weight-gradient
+gradients. A dense GEMM reads one (K, N) matrix where the grouped one reads G of them: where
+G*K*N dominates the bytes (G=128) the grouped GEMM is bandwidth-bound, the dense one is not.
+``speedup`` is against ragged_dot in the same pass. Group sizes: balanced, or Dirichlet(1) draws (any value: FP8's weight-gradient
 GEMM then copies the groups that do not start at a multiple of 16 to aligned slots first).
 """
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 import lowbit
 from lowbit import flax as lowbit_flax
-from lowbit.bench.common import on_gpu, time_fn
+from lowbit.bench.common import case_named, on_gpu, time_fn
 from lowbit.bench.dense import FULL, SMALL, _cast_params, _fwd_bwd
 from lowbit.bench.dense import TransformerLayer as SeedLayer
 
@@ -37,9 +37,9 @@ def _cases():
     ]
 
 
-def build_case(_suite: str, name: str, cfg: dict, key, drop):
+def build_case(name: str, cfg: dict, key, drop):
     """The jitted fwd+bwd of one case (a ``_cases()`` name) and its arguments."""
-    _, build, pdtype, recipe, _ = next(c for c in _cases() if c[0] == name)
+    _, build, pdtype, recipe, _ = case_named(_cases(), name, "layer")
     shape = (cfg["batch"], cfg["seq"], cfg["hidden"])
     x = jax.random.normal(key, shape).astype(jnp.bfloat16)
     dy = jax.random.normal(key, shape, jnp.float32)
@@ -60,7 +60,7 @@ def run(small: bool, progress=None) -> list[dict]:
     label = f"layer b{cfg['batch']} s{cfg['seq']} h{cfg['hidden']} ffn{cfg['ffn']} heads{cfg['heads']}"
     rows = []
     for name, _, _, _, note in _cases():
-        fn, args = build_case("module", name, cfg, key, drop)
+        fn, args = build_case(name, cfg, key, drop)
         ms = time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5)
         rows.append(dict(model=label, name=name, ms=ms, note=note))
         del fn, args

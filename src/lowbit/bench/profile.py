@@ -19,7 +19,7 @@ import jax
 
 from lowbit.bench import dense as dense_bench
 from lowbit.bench import layer as layer_bench
-from lowbit.bench.common import time_fn
+from lowbit.bench.common import on_gpu, time_fn
 
 STEPS = 5
 
@@ -57,9 +57,10 @@ def _kernel_times(trace_dir: str) -> dict[str, float]:
 
 def _build(suite: str, case: str):
     key, drop = jax.random.split(jax.random.PRNGKey(42))
-    cfg = dense_bench.FULL if dense_bench.on_gpu() else dense_bench.SMALL
-    return (layer_bench.build_case if suite == "module" else dense_bench.build_case)(
-        suite, case, cfg, key, drop)
+    cfg = dense_bench.FULL if on_gpu() else dense_bench.SMALL
+    if suite == "module":
+        return layer_bench.build_case(case, cfg, key, drop)
+    return dense_bench.build_case(suite, case, cfg, key, drop)
 
 
 def profile(suite: str, case: str, top: int = 25) -> None:
