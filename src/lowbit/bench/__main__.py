@@ -11,7 +11,8 @@ import importlib
 import os
 import sys
 
-from lowbit.bench.common import bar_chart, environment, on_gpu, print_table, write_json
+from lowbit.bench.charts import ratio_chart
+from lowbit.bench.common import environment, on_gpu, print_table, write_json
 
 SUITES = {
     "quantize": ("lowbit.bench.quantize", ["shape", "case", "ms", "GBps", "frac_of_copy"]),
@@ -53,8 +54,7 @@ def main(argv=None) -> int:
         print_table(f"{name} ({env['device']})", rows, columns or cols)
         path = write_json(f"{name}-{suffix}", {"env": env, "rows": rows}, args.out)
         print(f"wrote {path}")
-        chart = _chart(name, rows, args.out, suffix, env)
-        if chart:
+        for chart in _charts(name, rows, args.out, suffix, env["device"]):
             print(f"wrote {chart}")
     return 0
 
@@ -69,18 +69,31 @@ def _progress(name, total):
     return tqdm(total=total, desc=name, file=sys.stderr, leave=False)
 
 
-def _chart(name, rows, out, suffix, env):
+def _charts(name: str, rows: list, out: str, suffix: str, device: str) -> list:
+    """One PNG per baseline: quantize against copy bandwidth, grouped GEMM against
+    jax.lax.ragged_dot, dense/layer against each row's ``speedup_vs``."""
     if name == "quantize":
-        labels = [f"{r['shape']} {r['case']}" for r in rows if not r["case"].startswith("copy")]
-        vals = [r["frac_of_copy"] for r in rows if not r["case"].startswith("copy")]
-        ylabel, title = "fraction of copy bandwidth", f"quantize bandwidth / copy ({env['device']})"
+        rows = [dict(r, bar=r["case"]) for r in rows if not r["case"].startswith("copy")]
+        specs = [("", rows, "fraction of copy bandwidth (copy = 1)", "frac_of_copy", "shape")]
+    elif name == "grouped":
+        rows = [dict(r, bar=f"{r['sizes']} {r['pass']}: {r['case']}") for r in rows
+                if r["case"] not in ("ragged_dot bf16", "dense bf16")]
+        specs = [("", rows, "speed-up over jax.lax.ragged_dot (bf16)", "speedup", "shape")]
     else:
-        labels = [r["name"] for r in rows if "speedup" in r]
-        vals = [r["speedup"] for r in rows if "speedup" in r]
-        ylabel, title = "speedup", f"{name}: speedup ({env['device']})"
-    if not vals:
-        return None
-    return bar_chart(os.path.join(out, f"{name}-{suffix}.png"), labels, vals, title, ylabel)
+        baselines = list(dict.fromkeys(r.get("speedup_vs") for r in rows if r.get("speedup_vs")))
+        specs = []
+        for i, base in enumerate(baselines):
+            part = [dict(r, bar=r["name"]) for r in rows
+                    if r.get("speedup_vs") == base and r["name"].split(": ")[-1] != base]
+            tag = "" if i == 0 else "-vs-" + "-".join(base.replace(".", "").split())
+            specs.append((tag, part, f"speed-up over {base}", "speedup", "model"))
+    paths = []
+    for tag, part, xlabel, value, group in specs:
+        path = ratio_chart(os.path.join(out, f"{name}{tag}-{suffix}.png"), part, f"{name} on {device}",
+                           xlabel, value=value, group=group, label="bar")
+        if path:
+            paths.append(path)
+    return paths
 
 
 if __name__ == "__main__":

@@ -90,24 +90,3 @@ def write_json(name: str, payload: dict, out_dir: str) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
     return path
-
-
-def bar_chart(path: str, labels: Sequence[str], values: Sequence[float], title: str, ylabel: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels) + 2), 4))
-    ax.bar(range(len(values)), values, color="#4a7bb7")
-    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -103,10 +103,12 @@ def _cases():
 
 
 def _fwd_bwd(model, variables, x, dy, rngs, kwargs):
-    def loss(v, x):
+    # dy and the RNG keys are arguments, not closure constants: XLA would otherwise constant-fold
+    # work on them at compile time (slow, and it prints "Constant folding ... is taking > 1s").
+    def loss(v, x, dy, rngs):
         return jnp.vdot(model.apply(v, x, rngs=rngs, **kwargs).astype(jnp.float32), dy)
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (variables, x)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (variables, x, dy, rngs)
 
 
 def _cast_params(variables, dtype):
