@@ -11,7 +11,7 @@ import enum
 
 import jax.numpy as jnp
 
-from lowbit.quantize.scaling_modes import ScalingMode
+from lowbit.quantization.scaling_modes import ScalingMode
 
 
 class Format(enum.Enum):

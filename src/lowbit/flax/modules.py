@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.autocast import get_recipe
-from lowbit.flax.module import QuantizeContext, wrap_function_in_state_module
+from lowbit.flax.state_module import QuantizeContext, wrap_function_in_state_module
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
 from lowbit.ops.dense import dense as _dense

@@ -15,14 +15,14 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from lowbit.autocast import get_recipe
-from lowbit.flax.module import OVERWRITE_WITH_GRADIENT
-from lowbit.ops.grouped_gemm import ROLES, grouped_gemm
+from lowbit.flax.state_module import OVERWRITE_WITH_GRADIENT, delayed_state_variables
+from lowbit.ops.grouped_gemm import grouped_gemm
 from lowbit.recipe import DelayedScaling, Recipe
 
 __all__ = ["OVERWRITE_WITH_GRADIENT", "make_ragged_dot_cls"]
 
 
-def make_ragged_dot_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = True):
+def make_ragged_dot_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = True) -> type[nn.Module]:
     """A Flax module class; ``cls()(lhs, rhs, group_sizes)`` computes
     ``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` with lowbit's grouped GEMM.
 
@@ -42,13 +42,7 @@ def make_ragged_dot_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = T
             r = recipe if recipe is not None else get_recipe()
             state = None
             if isinstance(r, DelayedScaling):
-                G = jnp.shape(rhs)[0]
-                state = {}
-                for role in ROLES:
-                    h, s = f"{role}_amax_history", f"{role}_scale"
-                    state[h] = self.variable(OVERWRITE_WITH_GRADIENT, h, jnp.zeros,
-                                             (r.amax_history_len, G), jnp.float32).value
-                    state[s] = self.variable(OVERWRITE_WITH_GRADIENT, s, jnp.ones, (G,), jnp.float32).value
+                state = delayed_state_variables(self, r, num_groups=jnp.shape(rhs)[0])
             return grouped_gemm(lhs, rhs, group_sizes, recipe=r, state=state,
                                 preferred_element_type=preferred_element_type, fast_accum=fast_accum)
 
