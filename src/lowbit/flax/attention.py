@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.flax.modules import (
-    _DEFAULT_KERNEL_INIT,
+    DEFAULT_KERNEL_INIT,
     DenseGeneral,
     Initializer,
     LayerNorm,
     LayerNormDenseGeneral,
     LayerNormMLP,
-    _check_norm_type,
+    check_norm_type,
 )
 from lowbit.ops.softmax import softmax as _softmax
 
@@ -173,7 +173,7 @@ class MultiHeadAttention(nn.Module):
     layernorm_epsilon: float = 1e-6
     zero_centered_gamma: bool = False
     return_layernorm_output: bool = False
-    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
     attn_mask_type: Any = "causal"
@@ -191,7 +191,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"num_attention_heads must be a positive int, got {h!r}")
         if not isinstance(g, (int, np.integer)) or g < 1 or h % g:
             raise ValueError(f"num_gqa_groups ({g}) must be a positive divisor of num_attention_heads ({h})")
-        _check_norm_type(self.layernorm_type)
+        check_norm_type(self.layernorm_type)
         self_attn = inputs_kv is None or inputs_kv is inputs_q
         hidden = inputs_q.shape[-1]
         common = dict(kernel_init=self.kernel_init, use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype,
@@ -246,8 +246,8 @@ class TransformerLayer(nn.Module):
     intermediate_dropout: float = 0.1
     intermediate_dropout_dims: Sequence[int] = ()
     dropout_rng_name: str = "dropout"
-    mha_kernel_init: Initializer = _DEFAULT_KERNEL_INIT
-    mlp_kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    mha_kernel_init: Initializer = DEFAULT_KERNEL_INIT
+    mlp_kernel_init: Initializer = DEFAULT_KERNEL_INIT
     mlp_activations: Sequence[str] = ("relu",)
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros

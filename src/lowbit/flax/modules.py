@@ -24,11 +24,11 @@ from lowbit.flax.state_module import QuantizeContext, wrap_function_in_state_mod
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
 from lowbit.ops.dense import dense as _dense
+from lowbit.ops.norm import NORM_TYPES
 from lowbit.ops.norm import layernorm as _layernorm
 from lowbit.ops.softmax import softmax as _softmax
 
 Initializer = Callable[..., Any]
-_NORM_TYPES = ("layernorm", "rmsnorm")
 
 
 def _dense_op(ctx: QuantizeContext, x, kernel, bias, contracting_dims):
@@ -59,13 +59,14 @@ def _param(module, name, init, shape, dtype, axes):
     return module.param(name, init, tuple(shape), dtype)
 
 
-def _check_norm_type(layernorm_type):
-    if layernorm_type not in _NORM_TYPES:
+def check_norm_type(layernorm_type: str) -> None:
+    """Refuses a ``layernorm_type`` other than "layernorm" or "rmsnorm" when the module is built."""
+    if layernorm_type not in NORM_TYPES:
         raise ValueError(f"layernorm_type must be 'layernorm' or 'rmsnorm', got {layernorm_type!r}")
 
 
 def _norm_params(module, C, layernorm_type, zero_centered_gamma, scale_init, bias_init, scale_axes, bias_axes, dtype):
-    _check_norm_type(layernorm_type)
+    check_norm_type(layernorm_type)
     if scale_init is None:
         scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
     gamma = _param(module, "scale", scale_init, (C,), dtype, scale_axes)
@@ -177,7 +178,7 @@ def _lora(m, x, in_shape, features, dims, owner):
     return (z * scaling).astype(x.dtype)
 
 
-_DEFAULT_KERNEL_INIT = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+DEFAULT_KERNEL_INIT = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 
 class DenseGeneral(nn.Module):
@@ -190,7 +191,7 @@ class DenseGeneral(nn.Module):
     features: Union[int, Sequence[int]]
     axis: Union[int, Sequence[int]] = -1
     use_bias: bool = True
-    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT
     kernel_axes: Tuple[Optional[str], ...] = ()
     bias_init: Initializer = nn.initializers.zeros
     bias_axes: Tuple[Optional[str], ...] = ()
@@ -217,7 +218,7 @@ class LayerNormDenseGeneral(nn.Module):
     scale_axes: Tuple[Optional[str], ...] = ("embed",)
     ln_bias_init: Initializer = nn.initializers.zeros
     ln_bias_axes: Tuple[Optional[str], ...] = ("embed",)
-    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT
     kernel_axes: Tuple[Optional[str], ...] = ()
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
@@ -258,7 +259,7 @@ class LayerNormMLP(nn.Module):
     scale_axes: Tuple[Optional[str], ...] = ("embed",)
     ln_bias_init: Initializer = nn.initializers.zeros
     ln_bias_axes: Tuple[Optional[str], ...] = ("embed",)
-    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT
     kernel_axes_1: Tuple[Optional[str], ...] = ()
     kernel_axes_2: Tuple[Optional[str], ...] = ()
     use_bias: bool = False
