@@ -23,7 +23,8 @@ STATE_KEYS = tuple(k for r in ROLES for k in (f"{r}_amax_history", f"{r}_scale")
 _FLT_MAX = float(np.finfo(np.float32).max)
 
 
-def state_layout(recipe: DelayedScaling, num_groups: Optional[int] = None) -> dict[str, tuple[tuple, Callable]]:
+def state_layout(recipe: DelayedScaling,
+                 num_groups: Optional[int] = None) -> dict[str, tuple[tuple, Callable]]:
     """``{key: (shape, init)}`` in STATE_KEYS order: histories start at 0, scales at 1."""
     L = recipe.amax_history_len
     hist, scale = ((L,), (1,)) if num_groups is None else ((L, num_groups), (num_groups,))

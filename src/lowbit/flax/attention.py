@@ -92,7 +92,8 @@ class DotProductAttention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, query, key, value, mask=None, bias=None, *, deterministic: bool = False):
+    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, mask: Optional[jax.Array] = None,
+                 bias: Optional[jax.Array] = None, *, deterministic: bool = False) -> jax.Array:
         mask_type = _enum_name(self.attn_mask_type, "attn_mask_type", _MASK_TYPES)
         h, d = self.num_attention_heads, self.head_dim
         g = self.num_gqa_groups if self.num_gqa_groups is not None else h
@@ -184,7 +185,9 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs_q, inputs_kv=None, mask=None, bias=None, *, deterministic: bool = False):
+    def __call__(self, inputs_q: jax.Array, inputs_kv: Optional[jax.Array] = None,
+                 mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None, *,
+                 deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
         h, d = self.num_attention_heads, self.head_dim
         g = self.num_gqa_groups if self.num_gqa_groups is not None else h
         if not isinstance(h, (int, np.integer)) or h < 1:
@@ -257,8 +260,9 @@ class TransformerLayer(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None,
-                 deterministic: bool = False):
+    def __call__(self, inputs: jax.Array, encoded: Optional[jax.Array] = None,
+                 attention_mask: Optional[jax.Array] = None, encoder_decoder_mask: Optional[jax.Array] = None,
+                 deterministic: bool = False) -> jax.Array:
         layer_type = _enum_name(self.layer_type, "layer_type", _LAYER_TYPES)
         mask_type = _enum_name(self.self_attn_mask_type, "self_attn_mask_type", _MASK_TYPES)
         if encoded is not None or encoder_decoder_mask is not None:

@@ -102,7 +102,7 @@ class LayerNorm(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         gamma, beta = _norm_params(self, x.shape[-1], self.layernorm_type, self.zero_centered_gamma, self.scale_init,
                                    self.bias_init, self.scale_axes, self.bias_axes, self.dtype)
         return _norm(x, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
@@ -123,7 +123,8 @@ class Softmax(nn.Module):
     softmax_type: Any = "scaled"
 
     @nn.compact
-    def __call__(self, inputs, mask=None, bias=None):
+    def __call__(self, inputs: jax.Array, mask: Optional[jax.Array] = None,
+                 bias: Optional[jax.Array] = None) -> jax.Array:
         st = getattr(self.softmax_type, "name", self.softmax_type)
         st = st.lower() if isinstance(st, str) else st
         if st not in _SOFTMAX_TYPES:
@@ -201,7 +202,7 @@ class DenseGeneral(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs):
+    def __call__(self, inputs: jax.Array) -> jax.Array:
         return _dense_general(self, inputs, self.features, self.axis, "DenseGeneral")
 
 
@@ -231,7 +232,7 @@ class LayerNormDenseGeneral(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs):
+    def __call__(self, inputs: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
         y = inputs
         if self.enable_layernorm:
             gamma, beta = _norm_params(self, inputs.shape[-1], self.layernorm_type, self.zero_centered_gamma,
@@ -274,7 +275,8 @@ class LayerNormMLP(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs, deterministic: bool = False):
+    def __call__(self, inputs: jax.Array,
+                 deterministic: bool = False) -> tuple[jax.Array, Optional[jax.Array]]:
         _, gated = parse_activations(self.activations)
         n_act = 2 if gated else 1
         if not isinstance(self.intermediate_dim, (int, np.integer)) or self.intermediate_dim < 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from lowbit.autocast import get_recipe
@@ -35,8 +36,8 @@ def make_ragged_dot_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = T
 
     class RaggedDot(nn.Module):
         @nn.compact
-        def __call__(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
-                     group_offset=None):
+        def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
+                     preferred_element_type=None, group_offset=None) -> jax.Array:
             if group_offset is not None:
                 raise NotImplementedError("lowbit ragged_dot: group_offset is not supported")
             r = recipe if recipe is not None else get_recipe()

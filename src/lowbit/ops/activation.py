@@ -115,7 +115,8 @@ def _act_lu(x, act, gated, spec, return_hp):
     R = prod(shape[:-1])
     out_shape = shape[:-1] + (H,)
     want_y = not is_fused(spec) or return_hp
-    out_types = (jax.ShapeDtypeStruct((R, H), x.dtype) if want_y else NO_RESULT_U8, *fused_outputs(spec, R, H))
+    y_type = jax.ShapeDtypeStruct((R, H), x.dtype) if want_y else NO_RESULT_U8
+    out_types = (y_type, *fused_outputs(spec, R, H))
     scale, q_attrs = fused_operands(spec)
     y, *fp8 = _native.ffi_call("act_fwd", out_types, x.reshape(R, W), scale,
                                act=np.int32(act), gated=np.int32(bool(gated)), **q_attrs)
@@ -157,7 +158,8 @@ def _dact(dy, x, act, gated, spec, with_dbias):
     scale, q_attrs = fused_operands(spec)
     dx, *fp8, db = _native.ffi_call(
         "act_bwd", out_types, dy.reshape(R, H), x.reshape(R, W), scale,
-        workspace=(R, H, int(gated), int(kernel_dbias)), act=np.int32(act), gated=np.int32(bool(gated)), **q_attrs)
+        workspace=(R, H, int(gated), int(kernel_dbias)),
+        act=np.int32(act), gated=np.int32(bool(gated)), **q_attrs)
     if spec is None:
         return dx.reshape(shape), (db if with_dbias else None)
     if fused:

@@ -41,7 +41,8 @@ class QuantizeSpec(NamedTuple):
 QuantizeArg = Union[QuantizeSpec, ScalingMode, tuple]
 
 
-def parse_quantize_spec(quantize: Optional[QuantizeArg], x_dtype, name: str = "quantize") -> Optional[QuantizeSpec]:
+def parse_quantize_spec(quantize: Optional[QuantizeArg], x_dtype,
+                        name: str = "quantize") -> Optional[QuantizeSpec]:
     """Validates a quantize spec; returns a QuantizeSpec with checked mode, dtype and scale."""
     if quantize is None:
         return None

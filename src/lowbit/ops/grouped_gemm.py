@@ -53,8 +53,8 @@ def _call(mode, a, b, group_sizes, a_s, b_s, *, m, n, k, lda, ldb, bgs=0, a_kmaj
     return _native.ffi_call(
         "grouped_gemm", jax.ShapeDtypeStruct(out_shape, jnp.bfloat16), a, b, group_sizes, a_s, b_s,
         workspace=(mode, dtype_code(a.dtype), dtype_code(b.dtype), flags, m, n, k, G),
-        mode=np.int32(mode), m=np.int64(m), n=np.int64(n), k=np.int64(k), lda=np.int64(lda), ldb=np.int64(ldb),
-        b_group_stride=np.int64(bgs), flags=np.int32(flags))
+        mode=np.int32(mode), m=np.int64(m), n=np.int64(n), k=np.int64(k),
+        lda=np.int64(lda), ldb=np.int64(ldb), b_group_stride=np.int64(bgs), flags=np.int32(flags))
 
 
 # BF16: lhs (M, K), rhs (G, K, N), dout (M, N), all row-major.
@@ -233,7 +233,8 @@ def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, reci
     if recipe.fp8_format == Format.E5M2:
         raise ValueError("grouped_gemm: Format.E5M2 would multiply E5M2 by E5M2, which FP8 tensor cores do not "
                          "support; use Format.HYBRID or Format.E4M3")
-    state = ds.check_state_arg("grouped_gemm", recipe, state, "lowbit.init_grouped_delayed_state(recipe, G)", G)
+    state = ds.check_state_arg("grouped_gemm", recipe, state,
+                               "lowbit.init_grouped_delayed_state(recipe, G)", num_groups=G)
     cfg = _Fp8Config(recipe=recipe, out_dtype=out_dtype, lhs_dtype=np.dtype(lhs.dtype),
                      rhs_dtype=np.dtype(rhs.dtype), fast_accum=bool(fast_accum))
     # 16-byte rows of FP8 (K, N) and of the colwise (K, M) copies (M): zero padding; padded

@@ -150,8 +150,8 @@ def layernorm_bwd(dy, x, mean, rsigma, gamma, *, norm_type: str = "layernorm", z
     return dx.reshape(x.shape), dg.astype(gamma.dtype), (None if db is None else db.astype(gamma.dtype))
 
 
-def layernorm(x: ArrayLike, gamma: ArrayLike, beta: Optional[ArrayLike] = None, *, norm_type: str = "layernorm",
-              zero_centered_gamma: bool = False, epsilon: float = 1e-6,
+def layernorm(x: ArrayLike, gamma: ArrayLike, beta: Optional[ArrayLike] = None, *,
+              norm_type: str = "layernorm", zero_centered_gamma: bool = False, epsilon: float = 1e-6,
               quantize: Optional[QuantizeArg] = None) -> Union[jax.Array, ScaledTensor]:
     """LayerNorm or RMSNorm of ``x`` over its last axis, differentiable (custom VJP).
 

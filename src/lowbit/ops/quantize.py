@@ -74,7 +74,8 @@ def check_tensor_scale(mode: ScalingMode, scale, prefix: str = "") -> Optional[j
             raise ValueError(f"{prefix}scale is required for DELAYED_TENSOR_SCALING (a float32 scalar)")
         scale = jnp.asarray(scale)
         if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
-            raise TypeError(f"{prefix}scale must be a float32 scalar or shape (1,), got {scale.dtype} {scale.shape}")
+            raise TypeError(f"{prefix}scale must be a float32 scalar or shape (1,), "
+                            f"got {scale.dtype} {scale.shape}")
         return scale.reshape(1)
     if scale is not None:
         raise ValueError(f"{prefix}scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
