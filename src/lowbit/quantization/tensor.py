@@ -58,7 +58,7 @@ class ScaledTensor:
         return self.data is not None
 
     def dequantize(self, layout: str = "rowwise") -> jax.Array:
-        from lowbit.ops.quantize import dequantize
+        from lowbit.ops.quantize import dequantize  # the op layer sits above this one: import late
 
         return dequantize(self, layout=layout)
 
