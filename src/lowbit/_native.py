@@ -51,7 +51,8 @@ def _find(name: str) -> str | None:
     return None
 
 
-def _has_cuda_backend() -> bool:
+def has_cuda_backend() -> bool:
+    """Whether JAX has a CUDA device (the CUDA library is loaded only then)."""
     try:
         return len(jax.devices("cuda")) > 0
     except RuntimeError:
@@ -118,7 +119,7 @@ def ensure_loaded() -> dict:
                 f"lowbit's native library was not found in {_lib_dirs()}; install the package with "
                 "`pip install -e .` (or set LOWBIT_LIBRARY_DIR to the folder holding liblowbit_cpu.so)"
             )
-        loaded = dict(cpu=ctypes.CDLL(cpu_path), cuda=_load_cuda() if _has_cuda_backend() else None)
+        loaded = dict(cpu=ctypes.CDLL(cpu_path), cuda=_load_cuda() if has_cuda_backend() else None)
         _register(loaded, OPS)
         _state.update(loaded)  # published only once registered: callers test _state unlocked
         return _state
