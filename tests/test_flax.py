@@ -191,7 +191,7 @@ def test_autocast_and_wrapper_alias():
     Wrapped = lf.wrap_function_in_te_state_module(f, RECIPES["delayed"], "matmul")
     assert Wrapped.__name__ == "LowbitWrapper_matmul"
     vw = Wrapped().init(jax.random.PRNGKey(0), x, v["params"]["kernel"])
-    assert set(vw[OWG]) == set(lowbit.ops.dense.STATE_KEYS)
+    assert set(vw[OWG]) == set(lowbit.delayed_scaling.STATE_KEYS)
     assert seen["recipe"] is RECIPES["delayed"]
 
 

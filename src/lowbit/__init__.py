@@ -2,11 +2,11 @@
 
 from lowbit import recipe
 from lowbit.ops.quantize import dequantize, grouped_dequantize, grouped_quantize, quantize, quantize_dbias
-from lowbit.quantize.scaling_modes import ScalingMode
-from lowbit.quantize.tensor import ScaledTensor
+from lowbit.quantization import ScaledTensor, ScalingMode
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling
 from lowbit.ops.gemm import gemm
-from lowbit.ops.dense import dense, init_delayed_state, update_delayed_scale
+from lowbit.delayed_scaling import init_delayed_state, init_grouped_delayed_state, update_delayed_scale
+from lowbit.ops.dense import dense
 from lowbit.sharding import MeshResource, global_mesh_resource, global_shard_guard
 from lowbit.autocast import autocast, get_recipe
 from lowbit import checkpoint_policies
@@ -14,7 +14,7 @@ from lowbit import flax
 from lowbit.ops.norm import layernorm
 from lowbit.ops.activation import activation
 from lowbit.ops.softmax import softmax
-from lowbit.ops.grouped_gemm import grouped_gemm, init_grouped_delayed_state
+from lowbit.ops.grouped_gemm import grouped_gemm
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,8 @@
 
 ``liblowbit_cpu.so`` is always there; ``liblowbit_cuda.so`` exists when the package was built
 with nvcc and is loaded only when JAX has a CUDA backend. Handler symbols are named
-``lowbit_<op>_<platform>`` and registered as the target ``lowbit_<op>``.
+``lowbit_<op>_<platform>`` and registered as the target ``lowbit_<op>``. Every op module calls
+its handlers through :func:`ffi_call`, which loads the libraries first and adds the workspace.
 """
 
 from __future__ import annotations
@@ -11,11 +12,24 @@ import ctypes
 import glob
 import os
 import threading
+from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-# Op families whose handlers are registered; other op modules add theirs with register_ops().
-_ops: tuple[str, ...] = ("quantize", "dequantize", "grouped_quantize")
+# Every op family (csrc/ffi/<family>.cc); a handler a library lacks is skipped.
+OPS: tuple[str, ...] = (
+    "quantize", "dequantize", "grouped_quantize", "gemm", "grouped_gemm",
+    "norm_fwd", "norm_bwd", "act_fwd", "act_bwd", "softmax_fwd", "softmax_bwd",
+)
+
+# Stand-ins for optional operands and results the handlers take as zero-length buffers.
+EMPTY_F32 = np.zeros((0,), np.float32)
+EMPTY_U32 = np.zeros((0,), np.uint32)
+EMPTY_U8 = np.zeros((0,), np.uint8)
+NO_RESULT_U8 = jax.ShapeDtypeStruct((0,), jnp.uint8)
+NO_RESULT_F32 = jax.ShapeDtypeStruct((0,), jnp.float32)
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -37,7 +51,8 @@ def _find(name: str) -> str | None:
     return None
 
 
-def _has_cuda_backend() -> bool:
+def has_cuda_backend() -> bool:
+    """Whether JAX has a CUDA device (the CUDA library is loaded only then)."""
     try:
         return len(jax.devices("cuda")) > 0
     except RuntimeError:
@@ -104,35 +119,40 @@ def ensure_loaded() -> dict:
                 f"lowbit's native library was not found in {_lib_dirs()}; install the package with "
                 "`pip install -e .` (or set LOWBIT_LIBRARY_DIR to the folder holding liblowbit_cpu.so)"
             )
-        loaded = dict(cpu=ctypes.CDLL(cpu_path), cuda=_load_cuda() if _has_cuda_backend() else None)
-        _register(loaded, _ops)
+        loaded = dict(cpu=ctypes.CDLL(cpu_path), cuda=_load_cuda() if has_cuda_backend() else None)
+        _register(loaded, OPS)
         _state.update(loaded)  # published only once registered: callers test _state unlocked
         return _state
-
-
-def register_ops(*ops: str) -> None:
-    """Adds op families (gemm, norm, ...) to register; registers them at once if the libraries
-    are already loaded, so import order does not matter."""
-    global _ops
-    with _lock:
-        new = tuple(op for op in ops if op not in _ops)
-        _ops = _ops + new
-        if _state and new:
-            _register(_state, new)
 
 
 def cuda_library():
     return ensure_loaded()["cuda"]
 
 
-def workspace_bytes(fn_name: str, *args: int) -> int:
-    """Asks the CUDA library for a kernel's scratch size at trace time (0 without CUDA).
+def workspace_bytes(op: str, *args: int) -> int:
+    """Asks the CUDA library for op's scratch size at trace time (0 without CUDA).
 
-    ``fn_name`` is an exported ``extern "C" int64_t fn(int64_t, ...)``: every argument is passed
-    as int64."""
+    ``lowbit_<op>_workspace_bytes`` is an exported ``extern "C" int64_t fn(int64_t, ...)``: every
+    argument is passed as int64."""
     lib = cuda_library()
     if lib is None:
         return 0
-    fn = getattr(lib, fn_name)
+    fn = getattr(lib, f"lowbit_{op}_workspace_bytes")
     fn.restype = ctypes.c_int64
     return int(fn(*[ctypes.c_int64(int(a)) for a in args]))
+
+
+def ffi_call(op: str, result_types, *operands, workspace: Optional[Sequence[int]] = None, **attrs):
+    """Calls the handler ``lowbit_<op>`` (batched by a loop under vmap).
+
+    ``workspace``: the arguments of op's workspace-size query; the scratch is then one more
+    uint8 result (XLA owns it, so it stays valid in CUDA graphs), which is not returned.
+    ``result_types``: one ShapeDtypeStruct (one array returned) or a tuple of them."""
+    ensure_loaded()
+    if workspace is None:
+        return jax.ffi.ffi_call(f"lowbit_{op}", result_types, vmap_method="sequential")(*operands, **attrs)
+    single = isinstance(result_types, jax.ShapeDtypeStruct)
+    types = ((result_types,) if single else tuple(result_types)) + (
+        jax.ShapeDtypeStruct((workspace_bytes(op, *workspace),), jnp.uint8),)
+    out = jax.ffi.ffi_call(f"lowbit_{op}", types, vmap_method="sequential")(*operands, **attrs)
+    return out[0] if single else tuple(out[:-1])

@@ -11,7 +11,7 @@ import enum
 
 import jax.numpy as jnp
 
-from lowbit.quantize.scaling_modes import ScalingMode
+from lowbit.quantization.scaling_modes import ScalingMode
 
 
 class Format(enum.Enum):
@@ -49,8 +49,20 @@ class Recipe:
         return False
 
 
+class _FP8FormatRecipe(Recipe):
+    """A recipe with an ``fp8_format``: gradients in its backward dtype, the rest forward."""
+
+    fp8_format: Format
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+
+    def q_dtype(self, role):
+        return self.fp8_format.bwd_dtype if role == "grad" else self.fp8_format.fwd_dtype
+
+
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling(Recipe):
+class DelayedScaling(_FP8FormatRecipe):
     """Per-tensor scales from a history of past amaxes (state in ``_overwrite_with_gradient``).
 
     scale = (fp8_max / amax) / 2**margin, amax = max of the history ("max") or its newest entry
@@ -63,7 +75,7 @@ class DelayedScaling(Recipe):
     amax_compute_algo: str = "max"
 
     def __post_init__(self):
-        _check_format(self.fp8_format)
+        super().__post_init__()
         if not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"margin must be a non-negative int, got {self.margin!r}")
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
@@ -74,44 +86,29 @@ class DelayedScaling(Recipe):
     def scaling_mode(self, role):
         return ScalingMode.DELAYED_TENSOR_SCALING
 
-    def q_dtype(self, role):
-        return self.fp8_format.bwd_dtype if role == "grad" else self.fp8_format.fwd_dtype
-
     @property
     def stateful(self):
         return True
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling(Recipe):
+class Float8CurrentScaling(_FP8FormatRecipe):
     """Per-tensor scales from each tensor's own amax, computed on the device every step."""
 
     fp8_format: Format = Format.HYBRID
 
-    def __post_init__(self):
-        _check_format(self.fp8_format)
-
     def scaling_mode(self, role):
         return ScalingMode.CURRENT_TENSOR_SCALING
 
-    def q_dtype(self, role):
-        return self.fp8_format.bwd_dtype if role == "grad" else self.fp8_format.fwd_dtype
-
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8BlockScaling(Recipe):
+class MXFP8BlockScaling(_FP8FormatRecipe):
     """OCP MXFP8: one E8M0 scale per 32 elements along the contraction axis."""
 
     fp8_format: Format = Format.E4M3
 
-    def __post_init__(self):
-        _check_format(self.fp8_format)
-
     def scaling_mode(self, role):
         return ScalingMode.MXFP8_1D_SCALING
-
-    def q_dtype(self, role):
-        return self.fp8_format.bwd_dtype if role == "grad" else self.fp8_format.fwd_dtype
 
 
 @dataclasses.dataclass(frozen=True)

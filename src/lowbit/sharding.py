@@ -1,7 +1,9 @@
-"""Which mesh axes carry which kind of parallelism, as TransformerEngine's ``MeshResource``.
+"""Which mesh axes carry which kind of parallelism, as TransformerEngine's ``MeshResource``,
+and the shard plan of a dense that follows from it.
 
 lowbit's ops read it to name their sharding; a user sets it once, globally, with
-:func:`global_shard_guard` or through :func:`lowbit.autocast`'s ``mesh_resource``.
+:func:`global_shard_guard` or through :func:`lowbit.autocast`'s ``mesh_resource``. This module
+decides the layout (:func:`plan_dense`); lowbit.ops.dense_sharded runs it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from lowbit.quantization.scaling_modes import ScalingMode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +89,6 @@ def tensor_parallel_layout(layout: str) -> Iterator[str]:
 def current_mesh():
     """The mesh in context, or None: ``jax.sharding.set_mesh`` / ``use_mesh``, else the legacy
     ``with mesh:``, else an abstract mesh (inside jit under ``use_abstract_mesh``)."""
-    import jax
-
     get = getattr(jax.sharding, "get_mesh", None)
     if get is not None:
         try:
@@ -105,3 +111,61 @@ def current_mesh():
         if m is not None and not m.empty:
             return m
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The shard plan of a dense
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How a dense (M, K) x (K, N) is split over the mesh: the axes splitting each size."""
+
+    mesh: Any
+    batch: tuple          # mesh axes splitting M
+    k_axes: tuple         # mesh axes splitting K
+    n_axes: tuple         # mesh axes splitting N
+
+    @staticmethod
+    def _entry(axes):
+        return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+    def spec(self, *dims) -> P:
+        return P(*(self._entry(getattr(self, d)) for d in dims))
+
+
+def _axis_size(mesh, axes) -> int:
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def plan_dense(recipe, M: int, K: int, N: int) -> Optional[ShardPlan]:
+    """The shard plan for a (M, K) x (K, N) dense under ``recipe``, or None to run unsharded (no
+    MeshResource or mesh, already inside a shard_map over these axes, or uneven shards)."""
+    res = global_mesh_resource()
+    if res.dp_resource is None and res.fsdp_resource is None and res.tp_resource is None:
+        return None
+    mesh = current_mesh()
+    if mesh is None:
+        return None
+    names = tuple(mesh.axis_names)
+    for a in (res.dp_resource, res.fsdp_resource, res.tp_resource):
+        if a is not None and a not in names:
+            raise ValueError(f"lowbit: MeshResource names mesh axis {a!r}, but the mesh in context has axes {names}")
+    get_abstract = getattr(jax.sharding, "get_abstract_mesh", None)
+    manual = set(getattr(get_abstract(), "manual_axes", ()) or ()) if get_abstract else set()
+    used = [a for a in (res.dp_resource, res.fsdp_resource, res.tp_resource) if a is not None]
+    if manual & set(used):
+        return None  # already inside a shard_map over these axes: the caller handles them
+    batch = tuple(a for a in (res.dp_resource, res.fsdp_resource) if a is not None and mesh.shape[a] > 1)
+    tp = (res.tp_resource,) if res.tp_resource is not None and mesh.shape[res.tp_resource] > 1 else ()
+    row = tp_layout() == "row"
+    plan = ShardPlan(mesh, batch, tp if row else (), () if row else tp)
+    if not (plan.batch or plan.k_axes or plan.n_axes):
+        return None
+    # Every shard must hold whole scaling blocks (MXFP8: 32 along each quantized axis).
+    modes = {recipe.scaling_mode(r) for r in ("x", "kernel", "grad")}
+    blk = 32 if ScalingMode.MXFP8_1D_SCALING in modes else 1
+    for size, axes in ((M, plan.batch), (K, plan.k_axes), (N, plan.n_axes)):
+        n = _axis_size(mesh, axes)
+        if size % n or (size // n) % blk:
+            return None
+    return plan

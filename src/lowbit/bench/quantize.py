@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 import lowbit
 from lowbit.bench.common import time_fn
-from lowbit.quantize.scaling_modes import ScalingMode
+from lowbit.quantization.scaling_modes import ScalingMode
 
 GPU_SHAPES = [(8192, 16384), (8192, 4096), (16384, 4096), (4096, 12288)]
 CPU_SHAPES = [(256, 512), (512, 1024)]

@@ -1,13 +1,13 @@
 """Flax (linen) integration: a drop-in quantized ``dot_general`` and state-owning wrappers."""
 
-from lowbit.flax.module import (
+from lowbit.flax.state_module import (
     OVERWRITE_WITH_GRADIENT,
     SR_RNG,
     QuantizeContext,
-    make_dot_general_cls,
     wrap_function_in_state_module,
     wrap_function_in_te_state_module,
 )
+from lowbit.flax.dot_general import make_dot_general_cls
 from lowbit.flax.ragged_dot import make_ragged_dot_cls
 from lowbit.flax.modules import DenseGeneral, DenseOp, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
 from lowbit.flax.attention import DotProductAttention, MultiHeadAttention, TransformerLayer

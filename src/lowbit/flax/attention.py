@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.flax.modules import (
-    _DEFAULT_KERNEL_INIT,
+    DEFAULT_KERNEL_INIT,
     DenseGeneral,
     Initializer,
     LayerNorm,
     LayerNormDenseGeneral,
     LayerNormMLP,
-    _check_norm_type,
+    check_norm_type,
 )
 from lowbit.ops.softmax import softmax as _softmax
 
@@ -92,7 +92,8 @@ class DotProductAttention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, query, key, value, mask=None, bias=None, *, deterministic: bool = False):
+    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, mask: Optional[jax.Array] = None,
+                 bias: Optional[jax.Array] = None, *, deterministic: bool = False) -> jax.Array:
         mask_type = _enum_name(self.attn_mask_type, "attn_mask_type", _MASK_TYPES)
         h, d = self.num_attention_heads, self.head_dim
         g = self.num_gqa_groups if self.num_gqa_groups is not None else h
@@ -173,7 +174,7 @@ class MultiHeadAttention(nn.Module):
     layernorm_epsilon: float = 1e-6
     zero_centered_gamma: bool = False
     return_layernorm_output: bool = False
-    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
     attn_mask_type: Any = "causal"
@@ -184,14 +185,16 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs_q, inputs_kv=None, mask=None, bias=None, *, deterministic: bool = False):
+    def __call__(self, inputs_q: jax.Array, inputs_kv: Optional[jax.Array] = None,
+                 mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None, *,
+                 deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
         h, d = self.num_attention_heads, self.head_dim
         g = self.num_gqa_groups if self.num_gqa_groups is not None else h
         if not isinstance(h, (int, np.integer)) or h < 1:
             raise ValueError(f"num_attention_heads must be a positive int, got {h!r}")
         if not isinstance(g, (int, np.integer)) or g < 1 or h % g:
             raise ValueError(f"num_gqa_groups ({g}) must be a positive divisor of num_attention_heads ({h})")
-        _check_norm_type(self.layernorm_type)
+        check_norm_type(self.layernorm_type)
         self_attn = inputs_kv is None or inputs_kv is inputs_q
         hidden = inputs_q.shape[-1]
         common = dict(kernel_init=self.kernel_init, use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype,
@@ -246,8 +249,8 @@ class TransformerLayer(nn.Module):
     intermediate_dropout: float = 0.1
     intermediate_dropout_dims: Sequence[int] = ()
     dropout_rng_name: str = "dropout"
-    mha_kernel_init: Initializer = _DEFAULT_KERNEL_INIT
-    mlp_kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    mha_kernel_init: Initializer = DEFAULT_KERNEL_INIT
+    mlp_kernel_init: Initializer = DEFAULT_KERNEL_INIT
     mlp_activations: Sequence[str] = ("relu",)
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
@@ -257,8 +260,9 @@ class TransformerLayer(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None,
-                 deterministic: bool = False):
+    def __call__(self, inputs: jax.Array, encoded: Optional[jax.Array] = None,
+                 attention_mask: Optional[jax.Array] = None, encoder_decoder_mask: Optional[jax.Array] = None,
+                 deterministic: bool = False) -> jax.Array:
         layer_type = _enum_name(self.layer_type, "layer_type", _LAYER_TYPES)
         mask_type = _enum_name(self.self_attn_mask_type, "self_attn_mask_type", _MASK_TYPES)
         if encoded is not None or encoder_decoder_mask is not None:

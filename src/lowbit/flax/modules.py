@@ -20,15 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.autocast import get_recipe
-from lowbit.flax.module import QuantizeContext, wrap_function_in_state_module
+from lowbit.flax.state_module import QuantizeContext, wrap_function_in_state_module
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
 from lowbit.ops.dense import dense as _dense
+from lowbit.ops.norm import NORM_TYPES
 from lowbit.ops.norm import layernorm as _layernorm
 from lowbit.ops.softmax import softmax as _softmax
 
 Initializer = Callable[..., Any]
-_NORM_TYPES = ("layernorm", "rmsnorm")
 
 
 def _dense_op(ctx: QuantizeContext, x, kernel, bias, contracting_dims):
@@ -59,13 +59,14 @@ def _param(module, name, init, shape, dtype, axes):
     return module.param(name, init, tuple(shape), dtype)
 
 
-def _check_norm_type(layernorm_type):
-    if layernorm_type not in _NORM_TYPES:
+def check_norm_type(layernorm_type: str) -> None:
+    """Refuses a ``layernorm_type`` other than "layernorm" or "rmsnorm" when the module is built."""
+    if layernorm_type not in NORM_TYPES:
         raise ValueError(f"layernorm_type must be 'layernorm' or 'rmsnorm', got {layernorm_type!r}")
 
 
 def _norm_params(module, C, layernorm_type, zero_centered_gamma, scale_init, bias_init, scale_axes, bias_axes, dtype):
-    _check_norm_type(layernorm_type)
+    check_norm_type(layernorm_type)
     if scale_init is None:
         scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
     gamma = _param(module, "scale", scale_init, (C,), dtype, scale_axes)
@@ -101,7 +102,7 @@ class LayerNorm(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         gamma, beta = _norm_params(self, x.shape[-1], self.layernorm_type, self.zero_centered_gamma, self.scale_init,
                                    self.bias_init, self.scale_axes, self.bias_axes, self.dtype)
         return _norm(x, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
@@ -122,7 +123,8 @@ class Softmax(nn.Module):
     softmax_type: Any = "scaled"
 
     @nn.compact
-    def __call__(self, inputs, mask=None, bias=None):
+    def __call__(self, inputs: jax.Array, mask: Optional[jax.Array] = None,
+                 bias: Optional[jax.Array] = None) -> jax.Array:
         st = getattr(self.softmax_type, "name", self.softmax_type)
         st = st.lower() if isinstance(st, str) else st
         if st not in _SOFTMAX_TYPES:
@@ -177,7 +179,7 @@ def _lora(m, x, in_shape, features, dims, owner):
     return (z * scaling).astype(x.dtype)
 
 
-_DEFAULT_KERNEL_INIT = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+DEFAULT_KERNEL_INIT = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 
 class DenseGeneral(nn.Module):
@@ -190,7 +192,7 @@ class DenseGeneral(nn.Module):
     features: Union[int, Sequence[int]]
     axis: Union[int, Sequence[int]] = -1
     use_bias: bool = True
-    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT
     kernel_axes: Tuple[Optional[str], ...] = ()
     bias_init: Initializer = nn.initializers.zeros
     bias_axes: Tuple[Optional[str], ...] = ()
@@ -200,7 +202,7 @@ class DenseGeneral(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs):
+    def __call__(self, inputs: jax.Array) -> jax.Array:
         return _dense_general(self, inputs, self.features, self.axis, "DenseGeneral")
 
 
@@ -217,7 +219,7 @@ class LayerNormDenseGeneral(nn.Module):
     scale_axes: Tuple[Optional[str], ...] = ("embed",)
     ln_bias_init: Initializer = nn.initializers.zeros
     ln_bias_axes: Tuple[Optional[str], ...] = ("embed",)
-    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT
     kernel_axes: Tuple[Optional[str], ...] = ()
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
@@ -230,7 +232,7 @@ class LayerNormDenseGeneral(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs):
+    def __call__(self, inputs: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
         y = inputs
         if self.enable_layernorm:
             gamma, beta = _norm_params(self, inputs.shape[-1], self.layernorm_type, self.zero_centered_gamma,
@@ -258,7 +260,7 @@ class LayerNormMLP(nn.Module):
     scale_axes: Tuple[Optional[str], ...] = ("embed",)
     ln_bias_init: Initializer = nn.initializers.zeros
     ln_bias_axes: Tuple[Optional[str], ...] = ("embed",)
-    kernel_init: Initializer = _DEFAULT_KERNEL_INIT
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT
     kernel_axes_1: Tuple[Optional[str], ...] = ()
     kernel_axes_2: Tuple[Optional[str], ...] = ()
     use_bias: bool = False
@@ -273,7 +275,8 @@ class LayerNormMLP(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs, deterministic: bool = False):
+    def __call__(self, inputs: jax.Array,
+                 deterministic: bool = False) -> tuple[jax.Array, Optional[jax.Array]]:
         _, gated = parse_activations(self.activations)
         n_act = 2 if gated else 1
         if not isinstance(self.intermediate_dim, (int, np.integer)) or self.intermediate_dim < 1:

@@ -12,17 +12,18 @@ from __future__ import annotations
 from typing import Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from lowbit.autocast import get_recipe
-from lowbit.flax.module import OVERWRITE_WITH_GRADIENT
-from lowbit.ops.grouped_gemm import ROLES, grouped_gemm
+from lowbit.flax.state_module import OVERWRITE_WITH_GRADIENT, delayed_state_variables
+from lowbit.ops.grouped_gemm import grouped_gemm
 from lowbit.recipe import DelayedScaling, Recipe
 
 __all__ = ["OVERWRITE_WITH_GRADIENT", "make_ragged_dot_cls"]
 
 
-def make_ragged_dot_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = True):
+def make_ragged_dot_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = True) -> type[nn.Module]:
     """A Flax module class; ``cls()(lhs, rhs, group_sizes)`` computes
     ``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` with lowbit's grouped GEMM.
 
@@ -35,20 +36,14 @@ def make_ragged_dot_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = T
 
     class RaggedDot(nn.Module):
         @nn.compact
-        def __call__(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
-                     group_offset=None):
+        def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
+                     preferred_element_type=None, group_offset=None) -> jax.Array:
             if group_offset is not None:
                 raise NotImplementedError("lowbit ragged_dot: group_offset is not supported")
             r = recipe if recipe is not None else get_recipe()
             state = None
             if isinstance(r, DelayedScaling):
-                G = jnp.shape(rhs)[0]
-                state = {}
-                for role in ROLES:
-                    h, s = f"{role}_amax_history", f"{role}_scale"
-                    state[h] = self.variable(OVERWRITE_WITH_GRADIENT, h, jnp.zeros,
-                                             (r.amax_history_len, G), jnp.float32).value
-                    state[s] = self.variable(OVERWRITE_WITH_GRADIENT, s, jnp.ones, (G,), jnp.float32).value
+                state = delayed_state_variables(self, r, num_groups=jnp.shape(rhs)[0])
             return grouped_gemm(lhs, rhs, group_sizes, recipe=r, state=state,
                                 preferred_element_type=preferred_element_type, fast_accum=fast_accum)
 

@@ -18,29 +18,29 @@ with optional dbias and quantization of the gradient).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from lowbit import _native
-from lowbit.ops.norm import (
-    _F32_EMPTY,
-    _U8_EMPTY,
+from lowbit._native import NO_RESULT_U8
+from lowbit.ops.fused_quantize import (
+    QuantizeArg,
+    finish_output,
+    fused_operands,
     fused_outputs,
     fused_scaled_tensor,
+    is_fused,
     parse_quantize_spec,
+    quantize_output,
     scales_only,
     straight_through_grad,
 )
-from lowbit.ops.quantize import _EMPTY_F32, _check_input
-from lowbit.ops.quantize import quantize as _quantize
-from lowbit.ops.quantize import quantize_dbias as _quantize_dbias
-from lowbit.quantize.scaling_modes import ScalingMode, dtype_code
-from lowbit.quantize.tensor import ScaledTensor, _prod
-
-_native.register_ops("act_fwd", "act_bwd")
+from lowbit.ops.quantize import check_input
+from lowbit.quantization.tensor import ScaledTensor, prod
 
 # ActKind codes of csrc/include/lowbit/activation.h.
 _ACTS = {
@@ -90,30 +90,13 @@ def parse_activations(activations):
 
 
 def _check_x(x, gated):
-    x = _check_input(x, "x")
+    x = check_input(x, "x")
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension")
     if gated and x.shape[-1] % 2:
         raise ValueError(f"x: a gated activation needs an even last axis holding (act, linear) halves, "
                          f"got shape {tuple(x.shape)}")
     return x
-
-
-def _fp8_or_empty(spec, rows, cols):
-    fused = spec is not None and spec.scaling_mode.is_tensor_scaling
-    if fused:
-        return fused_outputs(spec, rows, cols), True
-    return (_U8_EMPTY, _F32_EMPTY, _U8_EMPTY, _F32_EMPTY, _F32_EMPTY), False
-
-
-def _attrs(act, gated, spec, fused):
-    return dict(act=np.int32(act), gated=np.int32(bool(gated)),
-                mode=np.int32(int(spec.scaling_mode) if fused else int(ScalingMode.NO_SCALING)),
-                q_dtype=np.int32(dtype_code(spec.q_dtype) if fused else 0))
-
-
-def _scale_arg(spec, fused):
-    return spec.scale if (fused and spec.scale is not None) else _EMPTY_F32
 
 
 def act_lu(x, activations=("gelu",), quantize=None, return_hp: bool = False):
@@ -129,21 +112,16 @@ def _act_lu(x, act, gated, spec, return_hp):
     shape = tuple(x.shape)
     W = shape[-1]
     H = W // 2 if gated else W
-    R = _prod(shape[:-1])
+    R = prod(shape[:-1])
     out_shape = shape[:-1] + (H,)
-    fp8, fused = _fp8_or_empty(spec, R, H)
-    want_y = not fused or return_hp
-    _native.ensure_loaded()
-    out_types = (jax.ShapeDtypeStruct((R, H), x.dtype) if want_y else _U8_EMPTY, *fp8)
-    call = jax.ffi.ffi_call("lowbit_act_fwd", out_types, vmap_method="sequential")
-    y, data, s_inv, cw, cw_s_inv, amax = call(x.reshape(R, W), _scale_arg(spec, fused), **_attrs(act, gated, spec, fused))
+    want_y = not is_fused(spec) or return_hp
+    y_type = jax.ShapeDtypeStruct((R, H), x.dtype) if want_y else NO_RESULT_U8
+    out_types = (y_type, *fused_outputs(spec, R, H))
+    scale, q_attrs = fused_operands(spec)
+    y, *fp8 = _native.ffi_call("act_fwd", out_types, x.reshape(R, W), scale,
+                               act=np.int32(act), gated=np.int32(bool(gated)), **q_attrs)
     y = y.reshape(out_shape) if want_y else None
-    if spec is None:
-        out = y
-    elif fused:
-        out = fused_scaled_tensor(spec, out_shape, x.dtype, data, s_inv, cw, cw_s_inv, amax)
-    else:
-        out = _quantize(y, spec.scaling_mode, spec.q_dtype, scale=spec.scale, layout=spec.layout)
+    out = finish_output(spec, y, tuple(fp8), out_shape, x.dtype)
     return (out, y) if return_hp else out
 
 
@@ -155,7 +133,7 @@ def dact_dbias(dy, x, activations=("gelu",), quantize=None, with_dbias: bool = F
     axes when ``with_dbias``, else None. Fused into one kernel under tensor scaling."""
     act, gated = parse_activations(activations)
     x = _check_x(x, gated)
-    dy = _check_input(dy, "dy")
+    dy = check_input(dy, "dy")
     W = x.shape[-1]
     H = W // 2 if gated else W
     want = tuple(x.shape[:-1]) + (H,)
@@ -169,32 +147,30 @@ def _dact(dy, x, act, gated, spec, with_dbias):
     shape = tuple(x.shape)
     W = shape[-1]
     H = W // 2 if gated else W
-    R = _prod(shape[:-1])
-    fp8, fused = _fp8_or_empty(spec, R, W)
-    want_dx = not fused
+    R = prod(shape[:-1])
+    fused = is_fused(spec)
     kernel_dbias = with_dbias and (spec is None or fused)
-    ws = _native.workspace_bytes("lowbit_act_bwd_workspace_bytes", R, H, int(gated), int(kernel_dbias))
-    _native.ensure_loaded()
     out_types = (
-        jax.ShapeDtypeStruct((R, W), x.dtype) if want_dx else _U8_EMPTY,
-        *fp8,
-        jax.ShapeDtypeStruct((W,), x.dtype) if kernel_dbias else _U8_EMPTY,
-        jax.ShapeDtypeStruct((ws,), jnp.uint8),
+        NO_RESULT_U8 if fused else jax.ShapeDtypeStruct((R, W), x.dtype),
+        *fused_outputs(spec, R, W),
+        jax.ShapeDtypeStruct((W,), x.dtype) if kernel_dbias else NO_RESULT_U8,
     )
-    call = jax.ffi.ffi_call("lowbit_act_bwd", out_types, vmap_method="sequential")
-    dx, data, s_inv, cw, cw_s_inv, amax, db, _ = call(
-        dy.reshape(R, H), x.reshape(R, W), _scale_arg(spec, fused), **_attrs(act, gated, spec, fused))
+    scale, q_attrs = fused_operands(spec)
+    dx, *fp8, db = _native.ffi_call(
+        "act_bwd", out_types, dy.reshape(R, H), x.reshape(R, W), scale,
+        workspace=(R, H, int(gated), int(kernel_dbias)),
+        act=np.int32(act), gated=np.int32(bool(gated)), **q_attrs)
     if spec is None:
         return dx.reshape(shape), (db if with_dbias else None)
     if fused:
-        return fused_scaled_tensor(spec, shape, x.dtype, data, s_inv, cw, cw_s_inv, amax), (db if with_dbias else None)
-    dx = dx.reshape(shape)
+        return fused_scaled_tensor(spec, shape, x.dtype, *fp8), (db if with_dbias else None)
     if with_dbias:
-        return _quantize_dbias(dx, spec.scaling_mode, spec.q_dtype, scale=spec.scale, layout=spec.layout)
-    return _quantize(dx, spec.scaling_mode, spec.q_dtype, scale=spec.scale, layout=spec.layout), None
+        return quantize_output(spec, dx.reshape(shape), dbias=True)
+    return quantize_output(spec, dx.reshape(shape)), None
 
 
-def activation(x, activations=("gelu",), quantize=None):
+def activation(x: ArrayLike, activations: Union[str, Sequence[str]] = ("gelu",),
+               quantize: Optional[QuantizeArg] = None) -> Union[jax.Array, ScaledTensor]:
     """``act(x)`` or, gated, ``act(a) * b`` over the last axis; differentiable (custom VJP).
 
     Args:

@@ -20,48 +20,17 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
-from lowbit.ops import sharded
-from lowbit.ops.gemm import gemm
-from lowbit.ops.quantize import quantize, quantize_dbias
-from lowbit.quantize.scaling_modes import INPUT_DTYPES, ScalingMode
-from lowbit.quantize.tensor import _prod
+from lowbit import delayed_scaling as ds
+from lowbit.autocast import get_recipe
+from lowbit.ops import dense_sharded
+from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
+from lowbit.ops.quantize import check_input, quantize, quantize_dbias
+from lowbit.quantization.scaling_modes import INPUT_DTYPES, ScalingMode
+from lowbit.quantization.tensor import prod
 from lowbit.recipe import DelayedScaling, NVFP4BlockScaling, Recipe
-
-ROLES = ("x", "kernel", "grad")
-STATE_KEYS = tuple(k for r in ROLES for k in (f"{r}_amax_history", f"{r}_scale"))
-_F32 = np.dtype(jnp.float32)
-_BF16 = np.dtype(jnp.bfloat16)
-_FLT_MAX = float(np.finfo(np.float32).max)
-
-
-# ---------------------------------------------------------------------------------------------
-# DelayedScaling state
-# ---------------------------------------------------------------------------------------------
-def init_delayed_state(recipe: DelayedScaling) -> dict:
-    """Fresh state of one dense: empty amax histories (L,) and unit scales (1,), float32."""
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"init_delayed_state needs a DelayedScaling recipe, got {type(recipe).__name__}")
-    out = {}
-    for r in ROLES:
-        out[f"{r}_amax_history"] = jnp.zeros((recipe.amax_history_len,), jnp.float32)
-        out[f"{r}_scale"] = jnp.ones((1,), jnp.float32)
-    return out
-
-
-def update_delayed_scale(history, scale, amax, recipe: DelayedScaling, q_dtype):
-    """One step of DelayedScaling: push ``amax`` as the newest entry (index 0, the oldest falls
-    off the end) and recompute the encode scale from the updated history.
-
-    scale = (fp8_max / a) / 2**margin, a = max(history) ("max") or history[0] ("most_recent"),
-    clamped to the largest float32; the previous scale is kept where a is 0 or not finite.
-    """
-    history = jnp.roll(history, 1).at[0].set(jnp.reshape(amax, ()).astype(jnp.float32))
-    a = jnp.max(history) if recipe.amax_compute_algo == "max" else history[0]
-    fmax = float(jnp.finfo(q_dtype).max)
-    new = jnp.minimum((jnp.float32(fmax) / a) / jnp.float32(2.0 ** recipe.margin), jnp.float32(_FLT_MAX))
-    ok = jnp.isfinite(a) & (a > 0)
-    return history, jnp.where(ok, new, scale).astype(jnp.float32)
+from lowbit.sharding import plan_dense
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,35 +62,18 @@ class _Config:
         return self.nvfp4 and not self.recipe.disable_stochastic_rounding
 
 
-def _gemm_dtype(d):
-    """The GEMM writes BF16 or F32; other dtypes are cast from F32."""
-    return d if np.dtype(d) in (_BF16, _F32) else _F32
-
-
 def _quantize_role(cfg: _Config, role: str, state, **kw):
     r = cfg.recipe
-    scale = state[f"{role}_scale"] if cfg.delayed else None
-    return dict(scaling_mode=r.scaling_mode(role), q_dtype=r.q_dtype(role), scale=scale, layout="both", **kw)
+    return dict(scaling_mode=r.scaling_mode(role), q_dtype=r.q_dtype(role), scale=ds.scale_of(state, role),
+                layout="both", **kw)
 
 
 def _forward(cfg: _Config, x, kernel, bias, state):
     qx = quantize(x, **_quantize_role(cfg, "x", state, rht=cfg.rht))
     qk = quantize(kernel, **_quantize_role(cfg, "kernel", state))
-    if bias is not None and np.dtype(bias.dtype) not in (_BF16, _F32):
-        bias = bias.astype(jnp.float32)  # exact for float16; the GEMM takes BF16/F32 biases
-    y = gemm(qx, qk, bias, a_layout="rowwise", b_layout="colwise",
-             out_dtype=_gemm_dtype(cfg.out_dtype), fast_accum=cfg.fast_accum)
+    y = gemm(qx, qk, gemm_bias(bias), a_layout="rowwise", b_layout="colwise",
+             out_dtype=gemm_out_dtype(cfg.out_dtype), fast_accum=cfg.fast_accum)
     return y.astype(cfg.out_dtype), qx, qk
-
-
-def _new_fwd_state(cfg: _Config, state, qx, qk):
-    if not cfg.delayed:
-        return None
-    out = {}
-    for role, qt in (("x", qx), ("kernel", qk)):
-        out[f"{role}_amax_history"], out[f"{role}_scale"] = update_delayed_scale(
-            state[f"{role}_amax_history"], state[f"{role}_scale"], qt.amax, cfg.recipe, cfg.recipe.q_dtype(role))
-    return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -134,33 +86,27 @@ def _dense_2d_fwd(cfg: _Config, x, kernel, bias, state, rng):
     # Keep only the copies the backward reads: x's colwise (wgrad), the kernel's rowwise (dgrad).
     qx_c = dataclasses.replace(qx, data=None, scale_inv=None)
     qk_r = dataclasses.replace(qk, colwise_data=None, colwise_scale_inv=None)
-    grad_state = None
-    if cfg.delayed:
-        grad_state = {k: state[k] for k in ("grad_amax_history", "grad_scale")}
-    return y, (qx_c, qk_r, _new_fwd_state(cfg, state, qx, qk), grad_state, rng)
+    new_state = ds.advance(cfg.recipe, state, {"x": qx.amax, "kernel": qk.amax}) if cfg.delayed else None
+    return y, (qx_c, qk_r, new_state, rng)
 
 
 def _dense_2d_bwd(cfg: _Config, res, dy):
-    qx_c, qk_r, fwd_state, grad_state, rng = res
+    qx_c, qk_r, new_state, rng = res
     if cfg.stochastic and rng is None:
         raise ValueError(
             "dense: NVFP4BlockScaling rounds gradients stochastically and needs an rng key "
             "(Flax: pass rngs={'sr_rng': key} to apply; or NVFP4BlockScaling(disable_stochastic_rounding=True))")
     kw = dict(rht=cfg.rht, rng_key=rng if cfg.stochastic else None)
-    q_kw = _quantize_role(cfg, "grad", grad_state, **kw)
+    q_kw = _quantize_role(cfg, "grad", new_state, **kw)
     if cfg.bias_dtype is not None:
         mode, q = q_kw.pop("scaling_mode"), q_kw.pop("q_dtype")
         qdy, dbias = quantize_dbias(dy, mode, q, **q_kw)
         dbias = dbias.astype(cfg.bias_dtype)
     else:
         qdy, dbias = quantize(dy, **q_kw), None
-    dx = gemm(qdy, qk_r, a_layout="rowwise", b_layout="rowwise", out_dtype=_gemm_dtype(cfg.x_dtype))
-    dk = gemm(qx_c, qdy, a_layout="colwise", b_layout="colwise", out_dtype=_gemm_dtype(cfg.kernel_dtype))
-    state_ct = None
-    if cfg.delayed:
-        h, s = update_delayed_scale(grad_state["grad_amax_history"], grad_state["grad_scale"], qdy.amax,
-                                    cfg.recipe, cfg.recipe.q_dtype("grad"))
-        state_ct = dict(fwd_state, grad_amax_history=h, grad_scale=s)
+    dx = gemm(qdy, qk_r, a_layout="rowwise", b_layout="rowwise", out_dtype=gemm_out_dtype(cfg.x_dtype))
+    dk = gemm(qx_c, qdy, a_layout="colwise", b_layout="colwise", out_dtype=gemm_out_dtype(cfg.kernel_dtype))
+    state_ct = ds.advance(cfg.recipe, new_state, {"grad": qdy.amax}) if cfg.delayed else None
     return dx.astype(cfg.x_dtype), dk.astype(cfg.kernel_dtype), dbias, state_ct, None
 
 
@@ -170,13 +116,6 @@ _dense_2d.defvjp(_dense_2d_fwd, _dense_2d_bwd)
 # ---------------------------------------------------------------------------------------------
 # Public entry: argument checks, dimension numbers, reshapes
 # ---------------------------------------------------------------------------------------------
-def _check_float(a, name):
-    a = jnp.asarray(a)
-    if np.dtype(a.dtype) not in INPUT_DTYPES:
-        raise TypeError(f"dense: {name} must be float32, bfloat16 or float16, got {np.dtype(a.dtype).name}")
-    return a
-
-
 def _normalize_dims(contracting_dims, x_ndim: int, k_ndim: int):
     if contracting_dims is None:
         return (x_ndim - 1,), (0,)
@@ -205,7 +144,7 @@ def _normalize_dims(contracting_dims, x_ndim: int, k_ndim: int):
 
 
 def _block_multiple(recipe: Recipe) -> int:
-    modes = {recipe.scaling_mode(r) for r in ROLES}
+    modes = {recipe.scaling_mode(r) for r in ds.ROLES}
     if ScalingMode.MXFP8_1D_SCALING in modes:
         return 32
     if any(m.is_nvfp4 for m in modes):
@@ -213,32 +152,16 @@ def _block_multiple(recipe: Recipe) -> int:
     return 1
 
 
-def _check_state(state, recipe: DelayedScaling):
-    if state is None:
-        raise ValueError("dense: DelayedScaling needs state=lowbit.init_delayed_state(recipe) (the amax histories and "
-                         "scales; Flax modules keep it in the '_overwrite_with_gradient' collection)")
-    missing = [k for k in STATE_KEYS if k not in state]
-    if missing:
-        raise ValueError(f"dense: state is missing {missing}")
-    L = recipe.amax_history_len
-    for k in STATE_KEYS:
-        want = (L,) if k.endswith("history") else (1,)
-        v = state[k]
-        if tuple(v.shape) != want or np.dtype(v.dtype) != _F32:
-            raise ValueError(f"dense: state[{k!r}] must be float32 of shape {want}, got {v.dtype} {tuple(v.shape)}")
-    return {k: state[k] for k in STATE_KEYS}
-
-
 def dense(
-    x,
-    kernel,
-    bias=None,
+    x: ArrayLike,
+    kernel: ArrayLike,
+    bias: Optional[ArrayLike] = None,
     *,
     recipe: Optional[Recipe] = None,
     contracting_dims: Optional[tuple[Sequence[int], Sequence[int]]] = None,
     state: Optional[dict] = None,
     rng: Optional[jax.Array] = None,
-    out_dtype=None,
+    out_dtype: Optional[DTypeLike] = None,
     fast_accum: bool = True,
 ) -> jax.Array:
     """Quantized ``x . kernel (+ bias)`` with gradients through quantized GEMMs.
@@ -260,10 +183,8 @@ def dense(
     Returns:
       ``x.shape[:-c] + F...``.
     """
-    from lowbit.autocast import get_recipe
-
-    x = _check_float(x, "x")
-    kernel = _check_float(kernel, "kernel")
+    x = check_input(jnp.asarray(x), "dense: x")
+    kernel = check_input(jnp.asarray(kernel), "dense: kernel")
     lhs, rhs = _normalize_dims(contracting_dims, x.ndim, kernel.ndim)
     for i, j in zip(lhs, rhs):
         if x.shape[i] != kernel.shape[j]:
@@ -280,9 +201,9 @@ def dense(
     if order != list(range(kernel.ndim)):
         kernel = jnp.transpose(kernel, order)
     lead, feat = tuple(x.shape[: x.ndim - c]), tuple(kernel.shape[c:])
-    M, K, N = _prod(lead), _prod(x.shape[x.ndim - c:]), _prod(feat)
+    M, K, N = prod(lead), prod(x.shape[x.ndim - c:]), prod(feat)
     if bias is not None:
-        bias = _check_float(bias, "bias")
+        bias = check_input(jnp.asarray(bias), "dense: bias")
         if bias.shape not in (feat, (N,)):
             raise ValueError(f"dense: bias must have shape {feat} (the kernel's feature axes), got {tuple(bias.shape)}")
         bias = bias.reshape(N)
@@ -301,10 +222,7 @@ def dense(
     if K % b or N % b:
         raise ValueError(f"dense: {type(recipe).__name__} needs the contraction size K and the output size N to be "
                          f"multiples of {b}; got K={K}, N={N}")
-    if isinstance(recipe, DelayedScaling):
-        state = _check_state(state, recipe)
-    elif state is not None:
-        raise ValueError(f"dense: state is only used with DelayedScaling, not {type(recipe).__name__}")
+    state = ds.check_state_arg("dense", recipe, state, "lowbit.init_delayed_state(recipe)")
     if rng is not None and not isinstance(recipe, NVFP4BlockScaling):
         rng = None  # only NVFP4's stochastic rounding draws random bits
 
@@ -317,8 +235,13 @@ def dense(
     pad = (-M) % b
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-    # Under a MeshResource and a mesh in context this runs per shard with global scales.
-    y2 = sharded.dense_2d(_dense_2d, cfg, x2, kernel.reshape(K, N), bias, state, rng)
+    k2 = kernel.reshape(K, N)
+    # Under a MeshResource and a mesh in context, per shard with global scales (NVFP4 excepted).
+    plan = None if cfg.nvfp4 else plan_dense(recipe, M + pad, K, N)
+    if plan is None:
+        y2 = _dense_2d(cfg, x2, k2, bias, state, rng)
+    else:
+        y2 = dense_sharded.dense_2d(cfg, plan, x2, k2, bias, state)
     if pad:
         y2 = y2[:M]
     return y2.reshape(lead + feat)

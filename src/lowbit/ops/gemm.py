@@ -8,31 +8,28 @@ block-scaled GEMM's numerics on GPUs without block-scaled tensor cores (Hopper);
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import _native
+from lowbit._native import EMPTY_F32
 from lowbit.ops.quantize import dequantize
-from lowbit.quantize.scaling_modes import FP8_DTYPES, ScalingMode
-from lowbit.quantize.tensor import ScaledTensor, _prod
-
-_native.register_ops("gemm")
+from lowbit.quantization.scaling_modes import FP8_DTYPES, ScalingMode
+from lowbit.quantization.tensor import ScaledTensor, prod
 
 # Name given to every GEMM output, so remat policies can save it (lowbit.checkpoint_policies).
 GEMM_CHECKPOINT_NAME = "lowbit_gemm"
-FFI_TARGET = "lowbit_gemm"
 FLAG_FAST_ACCUM = 1
 
 _BF16 = np.dtype(jnp.bfloat16)
 _F32 = np.dtype(jnp.float32)
 _E5M2 = np.dtype(jnp.float8_e5m2)
-_EMPTY_F32 = np.zeros((0,), np.float32)
 _FP8_ALIGN = 16  # cuBLASLt FP8: K (leading dimension) and N in multiples of 16 bytes/elements
 
 
@@ -51,16 +48,7 @@ class _Operand:
 
     @property
     def rows(self) -> int:
-        return _prod(self.lead)
-
-
-def _workspace_bytes() -> int:
-    lib = _native.cuda_library()
-    if lib is None:
-        return 0
-    fn = lib.lowbit_gemm_workspace_bytes
-    fn.restype = ctypes.c_int64
-    return int(fn())
+        return prod(self.lead)
 
 
 def _operand(x, name: str, layout: Optional[str]) -> _Operand:
@@ -77,7 +65,7 @@ def _operand(x, name: str, layout: Optional[str]) -> _Operand:
     if x.ndim < 1:
         raise ValueError(f"gemm: {name} must have at least one dimension (its last is contracted)")
     lead, k = tuple(x.shape[:-1]), int(x.shape[-1])
-    return _Operand("bf16", lead, k, data=x.reshape(_prod(lead), k))
+    return _Operand("bf16", lead, k, data=x.reshape(prod(lead), k))
 
 
 def _scaled_operand(qt: ScaledTensor, name: str, layout: Optional[str]) -> _Operand:
@@ -96,10 +84,10 @@ def _scaled_operand(qt: ScaledTensor, name: str, layout: Optional[str]) -> _Oper
     if mode == ScalingMode.NO_SCALING:
         if np.dtype(data.dtype) != _BF16:
             raise TypeError(f"gemm: {name} holds {np.dtype(data.dtype).name} data; only bfloat16 is supported")
-        return _Operand("bf16", lead, k, data=data.reshape(_prod(lead), k))
+        return _Operand("bf16", lead, k, data=data.reshape(prod(lead), k))
     if mode.is_tensor_scaling:
         s_inv = qt.colwise_scale_inv if colwise else qt.scale_inv
-        return _Operand("fp8", lead, k, data=data.reshape(_prod(lead), k), scale_inv=s_inv,
+        return _Operand("fp8", lead, k, data=data.reshape(prod(lead), k), scale_inv=s_inv,
                         qt=qt, layout=layout, mode=mode)
     return _Operand("block", lead, k, qt=qt, layout=layout, mode=mode)
 
@@ -142,7 +130,22 @@ def _check_out_dtype(out_dtype):
     return d
 
 
-def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+def gemm_out_dtype(dtype: DTypeLike) -> np.dtype:
+    """The dtype to ask the GEMM for: it writes BF16 or F32; other dtypes are cast from F32."""
+    d = np.dtype(dtype)
+    return d if d in (_BF16, _F32) else _F32
+
+
+def gemm_bias(bias: Optional[jax.Array]) -> Optional[jax.Array]:
+    """A bias the GEMM takes (BF16 or F32): other dtypes become F32 (exact for float16)."""
+    if bias is not None and np.dtype(bias.dtype) not in (_BF16, _F32):
+        return bias.astype(jnp.float32)
+    return bias
+
+
+def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    """x zero-padded at the end of ``axis`` to a multiple of ``multiple`` (zeros add nothing
+    to a product, so GEMM operands are padded to the kernels' alignment and sliced after)."""
     extra = (-x.shape[axis]) % multiple
     if not extra:
         return x
@@ -153,26 +156,20 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum):
     """One FFI call: a2 (M, K), b2 (N, K) -> (M, N). bias is (N,) or None."""
-    M, K = a2.shape
-    N = b2.shape[0]
-    _native.ensure_loaded()
-    ws = _workspace_bytes()
-    call = jax.ffi.ffi_call(
-        FFI_TARGET,
-        (jax.ShapeDtypeStruct((M, N), out_dtype), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
-        vmap_method="sequential")
-    out, _ = call(a2, b2, _EMPTY_F32 if a_s is None else a_s, _EMPTY_F32 if b_s is None else b_s,
-                  _EMPTY_F32 if bias is None else bias,
-                  flags=np.int32(FLAG_FAST_ACCUM if fast_accum else 0))
-    return out
+    M, N = a2.shape[0], b2.shape[0]
+    return _native.ffi_call(
+        "gemm", jax.ShapeDtypeStruct((M, N), out_dtype),
+        a2, b2, EMPTY_F32 if a_s is None else a_s, EMPTY_F32 if b_s is None else b_s,
+        EMPTY_F32 if bias is None else bias,
+        workspace=(), flags=np.int32(FLAG_FAST_ACCUM if fast_accum else 0))
 
 
 def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8):
     """Pads FP8 operands to cuBLASLt's alignment (zeros add nothing) and routes the bias."""
     M, N = a2.shape[0], b2.shape[0]
     if fp8:
-        a2 = _pad_to(a2, 1, _FP8_ALIGN)
-        b2 = _pad_to(_pad_to(b2, 1, _FP8_ALIGN), 0, _FP8_ALIGN)
+        a2 = pad_to(a2, 1, _FP8_ALIGN)
+        b2 = pad_to(pad_to(b2, 1, _FP8_ALIGN), 0, _FP8_ALIGN)
     # Fused epilogue where cuBLASLt takes the bias type: BF16 bias always (FP8 and BF16 GEMMs),
     # or an F32 bias for an F32 output of a BF16 GEMM. Otherwise add it in F32 outside.
     fused_bias, outer_bias = None, None
@@ -185,7 +182,7 @@ def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8):
         else:
             outer_bias = bias
     if fused_bias is not None and b2.shape[0] != N:
-        fused_bias = _pad_to(fused_bias, 0, _FP8_ALIGN)
+        fused_bias = pad_to(fused_bias, 0, _FP8_ALIGN)
     ffi_out = out_dtype if outer_bias is None else _F32
     out = _ffi_gemm(a2, b2, a_s, b_s, fused_bias, ffi_out, fast_accum)
     if b2.shape[0] != N:
@@ -220,13 +217,13 @@ def _block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
 
 
 def gemm(
-    a,
-    b,
-    bias: Optional[jax.Array] = None,
+    a: Union[jax.Array, ScaledTensor],
+    b: Union[jax.Array, ScaledTensor],
+    bias: Optional[ArrayLike] = None,
     *,
     a_layout: Optional[str] = None,
     b_layout: Optional[str] = None,
-    out_dtype=jnp.bfloat16,
+    out_dtype: DTypeLike = jnp.bfloat16,
     fast_accum: bool = False,
 ) -> jax.Array:
     """``out = a . b^T (+ bias)``, contracting the last axis of both operands.

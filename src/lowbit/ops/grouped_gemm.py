@@ -24,13 +24,15 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import _native
+from lowbit import delayed_scaling as ds
+from lowbit._native import EMPTY_F32
+from lowbit.ops.gemm import pad_to
 from lowbit.ops.quantize import grouped_quantize
-from lowbit.quantize.scaling_modes import dtype_code
+from lowbit.quantization.scaling_modes import dtype_code
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
-
-_native.register_ops("grouped_gemm")
 
 _RAGGED_M, _RAGGED_K = 0, 1
 # Flag bits of the FFI `flags` attribute (csrc/ffi/grouped_gemm.cc).
@@ -38,9 +40,6 @@ _A_KMAJOR, _B_KMAJOR, _FAST_ACCUM = 1, 2, 4
 _BF16 = np.dtype(jnp.bfloat16)
 _F32 = np.dtype(jnp.float32)
 _IN_DTYPES = (_BF16, _F32)
-_EMPTY_F32 = np.zeros((0,), np.float32)
-ROLES = ("x", "kernel", "grad")
-STATE_KEYS = tuple(k for r in ROLES for k in (f"{r}_amax_history", f"{r}_scale"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,38 +49,32 @@ def _call(mode, a, b, group_sizes, a_s, b_s, *, m, n, k, lda, ldb, bgs=0, a_kmaj
           fast_accum=False):
     G = group_sizes.shape[0]
     flags = (_A_KMAJOR if a_kmajor else 0) | (_B_KMAJOR if b_kmajor else 0) | (_FAST_ACCUM if fast_accum else 0)
-    ws = _native.workspace_bytes("lowbit_grouped_gemm_workspace_bytes", mode, dtype_code(a.dtype),
-                                 dtype_code(b.dtype), flags, m, n, k, G)
-    _native.ensure_loaded()
     out_shape = (m, n) if mode == _RAGGED_M else (G, m, n)
-    call = jax.ffi.ffi_call(
-        "lowbit_grouped_gemm",
-        (jax.ShapeDtypeStruct(out_shape, jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
-        vmap_method="sequential")
-    out, _ = call(a, b, group_sizes, a_s, b_s, mode=np.int32(mode), m=np.int64(m), n=np.int64(n),
-                  k=np.int64(k), lda=np.int64(lda), ldb=np.int64(ldb), b_group_stride=np.int64(bgs),
-                  flags=np.int32(flags))
-    return out
+    return _native.ffi_call(
+        "grouped_gemm", jax.ShapeDtypeStruct(out_shape, jnp.bfloat16), a, b, group_sizes, a_s, b_s,
+        workspace=(mode, dtype_code(a.dtype), dtype_code(b.dtype), flags, m, n, k, G),
+        mode=np.int32(mode), m=np.int64(m), n=np.int64(n), k=np.int64(k),
+        lda=np.int64(lda), ldb=np.int64(ldb), b_group_stride=np.int64(bgs), flags=np.int32(flags))
 
 
 # BF16: lhs (M, K), rhs (G, K, N), dout (M, N), all row-major.
 def _bf16_fwd(lhs, rhs, gs):
     (M, K), (G, _, N) = lhs.shape, rhs.shape
-    return _call(_RAGGED_M, lhs, rhs, gs, _EMPTY_F32, _EMPTY_F32, m=M, n=N, k=K, lda=K, ldb=N,
+    return _call(_RAGGED_M, lhs, rhs, gs, EMPTY_F32, EMPTY_F32, m=M, n=N, k=K, lda=K, ldb=N,
                  bgs=K * N, a_kmajor=True, b_kmajor=False)
 
 
 def _bf16_dlhs(dout, rhs, gs):
     # dout (M, N) . rhs[g]^T: B(c, j) = rhs[g, j, c], K-major with row stride N.
     (M, N), (G, K, _) = dout.shape, rhs.shape
-    return _call(_RAGGED_M, dout, rhs, gs, _EMPTY_F32, _EMPTY_F32, m=M, n=K, k=N, lda=N, ldb=N,
+    return _call(_RAGGED_M, dout, rhs, gs, EMPTY_F32, EMPTY_F32, m=M, n=K, k=N, lda=N, ldb=N,
                  bgs=K * N, a_kmajor=True, b_kmajor=True)
 
 
 def _bf16_drhs(lhs, dout, gs):
     # lhs_g^T . dout_g, contraction over the group's rows: A(i, c) = lhs[c, i] (M-major).
     (M, K), (_, N) = lhs.shape, dout.shape
-    return _call(_RAGGED_K, lhs, dout, gs, _EMPTY_F32, _EMPTY_F32, m=K, n=N, k=M, lda=K, ldb=N,
+    return _call(_RAGGED_K, lhs, dout, gs, EMPTY_F32, EMPTY_F32, m=K, n=N, k=M, lda=K, ldb=N,
                  a_kmajor=False, b_kmajor=False)
 
 
@@ -120,9 +113,8 @@ class _Fp8Config:
 
 
 def _quantize(cfg, role, x, gs, state, layout):
-    scale = state[f"{role}_scale"] if cfg.delayed else None
     return grouped_quantize(x, gs, cfg.recipe.scaling_mode(role), cfg.recipe.q_dtype(role),
-                            scale=scale, layout=layout)
+                            scale=ds.scale_of(state, role), layout=layout)
 
 
 def _expert_sizes(rhs):
@@ -148,25 +140,11 @@ def _grouped_fp8(cfg, lhs, rhs, gs, state):
     return _fp8_forward(cfg, lhs, rhs, gs, state, both=False)[0]
 
 
-def _update_group_scales(cfg, role, state, amax):
-    # DelayedScaling's one-step update (lowbit.update_delayed_scale) for every group at once.
-    from lowbit.ops.dense import update_delayed_scale
-
-    q = cfg.recipe.q_dtype(role)
-    fn = jax.vmap(lambda h, s, a: update_delayed_scale(h, s, a, cfg.recipe, q), in_axes=(1, 0, 0), out_axes=(1, 0))
-    return fn(state[f"{role}_amax_history"], state[f"{role}_scale"], amax)
-
-
 def _grouped_fp8_fwd(cfg, lhs, rhs, gs, state):
     y, qx, qw = _fp8_forward(cfg, lhs, rhs, gs, state, both=True)
     new_state = None
     if cfg.delayed:
-        new_state = {}
-        for role, qt in (("x", qx), ("kernel", qw)):
-            h, s = _update_group_scales(cfg, role, state, qt.amax)
-            new_state[f"{role}_amax_history"], new_state[f"{role}_scale"] = h, s
-        new_state["grad_amax_history"] = state["grad_amax_history"]
-        new_state["grad_scale"] = state["grad_scale"]
+        new_state = ds.advance(cfg.recipe, state, {"x": qx.amax, "kernel": qw.amax}, grouped=True)
     # The backward reads lhs's colwise copy (wgrad) and rhs's rowwise copy (dgrad) only.
     res = (qx.colwise_data, qx.colwise_scale_inv, qw.data, qw.scale_inv, gs, new_state)
     return y, res
@@ -176,7 +154,6 @@ def _grouped_fp8_bwd(cfg, res, dout):
     x_col, x_col_s, w_row, w_row_s, gs, new_state = res
     K, M = x_col.shape
     N = w_row.shape[1]
-    G = gs.shape[0]
     qg = _quantize(cfg, "grad", dout, gs, new_state, "both")
     # dgrad: dout (M, N) . rhs[g]^T; B(c, j) = w_row[g*K + j, c]: K-major, row stride N.
     dlhs = _call(_RAGGED_M, qg.data, w_row, gs, qg.scale_inv, w_row_s, m=M, n=K, k=N, lda=N, ldb=N,
@@ -184,11 +161,7 @@ def _grouped_fp8_bwd(cfg, res, dout):
     # wgrad: A(i, c) = x_col[i, c], B(c, j) = dout_col[j, c]; both K-major, row stride M.
     drhs = _call(_RAGGED_K, x_col, qg.colwise_data, gs, x_col_s, qg.colwise_scale_inv, m=K, n=N, k=M,
                  lda=M, ldb=M, a_kmajor=True, b_kmajor=True)
-    state_ct = None
-    if cfg.delayed:
-        h, s = _update_group_scales(cfg, "grad", new_state, qg.amax)
-        state_ct = dict(new_state, grad_amax_history=h, grad_scale=s)
-    del G
+    state_ct = ds.advance(cfg.recipe, new_state, {"grad": qg.amax}, grouped=True) if cfg.delayed else None
     return dlhs.astype(cfg.lhs_dtype), drhs.astype(cfg.rhs_dtype), None, state_ct
 
 
@@ -196,51 +169,11 @@ _grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# DelayedScaling state: one amax history and one scale per group, per role
-# ---------------------------------------------------------------------------------------------
-def init_grouped_delayed_state(recipe: DelayedScaling, num_groups: int) -> dict:
-    """Fresh DelayedScaling state of one grouped GEMM: ``{x,kernel,grad}_amax_history`` float32
-    ``(L, G)`` (zeros) and ``{x,kernel,grad}_scale`` float32 ``(G,)`` (ones). Its "gradient"
-    through :func:`grouped_gemm` is the updated state."""
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"init_grouped_delayed_state needs a DelayedScaling recipe, got {type(recipe).__name__}")
-    out = {}
-    for r in ROLES:
-        out[f"{r}_amax_history"] = jnp.zeros((recipe.amax_history_len, num_groups), jnp.float32)
-        out[f"{r}_scale"] = jnp.ones((num_groups,), jnp.float32)
-    return out
-
-
-def _check_state(state, recipe: DelayedScaling, G: int) -> dict:
-    if state is None:
-        raise ValueError("grouped_gemm: DelayedScaling needs state=lowbit.init_grouped_delayed_state(recipe, G) "
-                         "(Flax: lowbit.flax.make_ragged_dot_cls keeps it in '_overwrite_with_gradient')")
-    missing = [k for k in STATE_KEYS if k not in state]
-    if missing:
-        raise ValueError(f"grouped_gemm: state is missing {missing}")
-    for k in STATE_KEYS:
-        want = (recipe.amax_history_len, G) if k.endswith("history") else (G,)
-        v = state[k]
-        if tuple(v.shape) != want or np.dtype(v.dtype) != _F32:
-            raise ValueError(f"grouped_gemm: state[{k!r}] must be float32 of shape {want}, got "
-                             f"{np.dtype(v.dtype).name} {tuple(v.shape)}")
-    return {k: state[k] for k in STATE_KEYS}
-
-
-# ---------------------------------------------------------------------------------------------
 # Public entry
 # ---------------------------------------------------------------------------------------------
-def _pad_to(x, axis, multiple):
-    pad = (-x.shape[axis]) % multiple
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
-
-
-def grouped_gemm(lhs, rhs, group_sizes, *, recipe: Optional[Recipe] = None, preferred_element_type=None,
-                 state: Optional[dict] = None, fast_accum: bool = True) -> jax.Array:
+def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, recipe: Optional[Recipe] = None,
+                 preferred_element_type: Optional[DTypeLike] = None, state: Optional[dict] = None,
+                 fast_accum: bool = True) -> jax.Array:
     """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` through lowbit's grouped GEMM.
 
     Args:
@@ -289,8 +222,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, recipe: Optional[Recipe] = None, pref
         if state is not None:
             raise ValueError("grouped_gemm: state is only used with DelayedScaling")
         # 16-byte rows for the GPU's TMA: K and N in multiples of 8 (zero padding is exact).
-        x, w = _pad_to(lhs.astype(jnp.bfloat16), 1, 8), rhs.astype(jnp.bfloat16)
-        w = _pad_to(_pad_to(w, 1, 8), 2, 8)
+        x, w = pad_to(lhs.astype(jnp.bfloat16), 1, 8), rhs.astype(jnp.bfloat16)
+        w = pad_to(pad_to(w, 1, 8), 2, 8)
         y = _grouped_bf16(x, w, gs, out_dtype)
         return y[:, :N] if y.shape[1] != N else y
 
@@ -300,15 +233,13 @@ def grouped_gemm(lhs, rhs, group_sizes, *, recipe: Optional[Recipe] = None, pref
     if recipe.fp8_format == Format.E5M2:
         raise ValueError("grouped_gemm: Format.E5M2 would multiply E5M2 by E5M2, which FP8 tensor cores do not "
                          "support; use Format.HYBRID or Format.E4M3")
-    if isinstance(recipe, DelayedScaling):
-        state = _check_state(state, recipe, G)
-    elif state is not None:
-        raise ValueError(f"grouped_gemm: state is only used with DelayedScaling, not {type(recipe).__name__}")
+    state = ds.check_state_arg("grouped_gemm", recipe, state,
+                               "lowbit.init_grouped_delayed_state(recipe, G)", num_groups=G)
     cfg = _Fp8Config(recipe=recipe, out_dtype=out_dtype, lhs_dtype=np.dtype(lhs.dtype),
                      rhs_dtype=np.dtype(rhs.dtype), fast_accum=bool(fast_accum))
     # 16-byte rows of FP8 (K, N) and of the colwise (K, M) copies (M): zero padding; padded
     # rows of lhs belong to no group, padded K/N columns are zero.
-    x = _pad_to(_pad_to(lhs, 0, 16), 1, 16)
-    w = _pad_to(_pad_to(rhs, 1, 16), 2, 16)
+    x = pad_to(pad_to(lhs, 0, 16), 1, 16)
+    w = pad_to(pad_to(rhs, 1, 16), 2, 16)
     y = _grouped_fp8(cfg, x, w, gs, state)
     return y[:M, :N] if y.shape != (M, N) else y

@@ -13,163 +13,49 @@ backward needs) and :func:`layernorm_bwd` (dx, dgamma, dbeta).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from lowbit import _native
-from lowbit.ops.quantize import _EMPTY_F32, _LAYOUTS, _check_input, _check_mode, _check_q_dtype
-from lowbit.ops.quantize import quantize as _quantize
-from lowbit.quantize.scaling_modes import INPUT_DTYPES, ScalingMode, dtype_code
-from lowbit.quantize.tensor import ScaledTensor, _prod
+from lowbit._native import EMPTY_F32, NO_RESULT_F32, NO_RESULT_U8
+from lowbit.ops.fused_quantize import (
+    QuantizeArg,
+    QuantizeSpec,
+    finish_output,
+    fused_operands,
+    fused_outputs,
+    is_fused,
+    parse_quantize_spec,
+    scales_only,
+    straight_through_grad,
+)
+from lowbit.ops.quantize import check_input
+from lowbit.quantization.tensor import ScaledTensor, prod
 
-_native.register_ops("norm_fwd", "norm_bwd")
-
-_NORM_TYPES = {"layernorm": 0, "rmsnorm": 1}
-_U8_EMPTY = jax.ShapeDtypeStruct((0,), jnp.uint8)
-_F32_EMPTY = jax.ShapeDtypeStruct((0,), jnp.float32)
-
-
-# ------------------------------------------------------------------------------------------------
-# quantize specs and fused ScaledTensors (shared with lowbit.ops.activation)
-# ------------------------------------------------------------------------------------------------
-class QuantizeSpec(NamedTuple):
-    """What a fused op quantizes its output to: ``(scaling_mode, q_dtype, scale[, layout])``.
-
-    ``scale`` is the float32 encode scale for DELAYED_TENSOR_SCALING and None otherwise;
-    ``layout`` is "rowwise", "colwise" or "both" (default: both, the copies a GEMM's forward and
-    backward need)."""
-
-    scaling_mode: Any
-    q_dtype: Any = None
-    scale: Any = None
-    layout: str = "both"
-
-
-def parse_quantize_spec(quantize, x_dtype, name: str = "quantize") -> Optional[QuantizeSpec]:
-    """Validates a quantize spec; returns a QuantizeSpec with checked mode, dtype and scale."""
-    if quantize is None:
-        return None
-    if isinstance(quantize, ScalingMode):
-        quantize = (quantize,)
-    if not isinstance(quantize, (tuple, list)) or not 1 <= len(quantize) <= 4:
-        raise TypeError(f"{name} must be None or a (scaling_mode, q_dtype, scale[, layout]) tuple, got {quantize!r}")
-    spec = QuantizeSpec(*quantize)
-    mode = _check_mode(spec.scaling_mode)
-    q = _check_q_dtype(mode, spec.q_dtype, x_dtype)
-    if spec.layout not in _LAYOUTS:
-        raise ValueError(f"{name}: layout must be one of {sorted(_LAYOUTS)}, got {spec.layout!r}")
-    scale = spec.scale
-    if mode == ScalingMode.DELAYED_TENSOR_SCALING:
-        if scale is None:
-            raise ValueError(f"{name}: DELAYED_TENSOR_SCALING needs a scale (float32 scalar)")
-        scale = jnp.asarray(scale)
-        if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
-            raise TypeError(f"{name}: scale must be a float32 scalar or shape (1,), got {scale.dtype} {scale.shape}")
-        scale = scale.reshape(1)
-    elif scale is not None:
-        raise ValueError(f"{name}: scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
-    return QuantizeSpec(mode, q, scale, spec.layout)
-
-
-def fused_outputs(spec: QuantizeSpec, rows: int, cols: int):
-    """Result types of the FP8 outputs of a fused kernel: data, scale_inv, colwise data,
-    colwise scale_inv, amax (empty where not requested)."""
-    row = spec.layout in ("rowwise", "both")
-    col = spec.layout in ("colwise", "both")
-    one = jax.ShapeDtypeStruct((1,), jnp.float32)
-    return (
-        jax.ShapeDtypeStruct((rows, cols), spec.q_dtype) if row else _U8_EMPTY,
-        one,
-        jax.ShapeDtypeStruct((cols, rows), spec.q_dtype) if col else _U8_EMPTY,
-        one,
-        one,
-    )
-
-
-def fused_scaled_tensor(spec: QuantizeSpec, shape, dq_dtype, data, s_inv, cw, cw_s_inv, amax) -> ScaledTensor:
-    """The ScaledTensor lowbit.quantize(..., flatten_axis=-1) would build from these outputs."""
-    shape = tuple(shape)
-    axis = len(shape) - 1
-    row = spec.layout in ("rowwise", "both")
-    col = spec.layout in ("colwise", "both")
-    return ScaledTensor(
-        data=data.reshape(shape) if row else None,
-        scale_inv=s_inv if row else None,
-        colwise_data=cw.reshape(shape[axis:] + shape[:axis]) if col else None,
-        colwise_scale_inv=cw_s_inv if col else None,
-        amax=amax,
-        global_scale_inv=None,
-        scaling_mode=spec.scaling_mode,
-        q_dtype=np.dtype(spec.q_dtype),
-        dq_dtype=np.dtype(dq_dtype),
-        shape=shape,
-        flatten_axis=axis,
-    )
-
-
-def _decode_scale(s_inv, gsi, mode: ScalingMode, rows: int, cols: int):
-    """Per-element decode scale of one copy, (rows, cols) float32 (or a scalar)."""
-    if mode == ScalingMode.NO_SCALING:
-        return jnp.float32(1.0)
-    if mode.is_tensor_scaling:
-        return s_inv[0]
-    s = jnp.repeat(s_inv.astype(jnp.float32), mode.block_size, axis=1)
-    return s * gsi if mode.is_nvfp4 else s
-
-
-def straight_through_grad(ct: ScaledTensor, res: ScaledTensor):
-    """Cotangent of the value a ScaledTensor stands for, from the cotangent of its arrays.
-
-    Quantization is taken as the identity on the dequantized value (straight-through), so the
-    cotangent of a copy's data is divided by that copy's decode scale (the inverse of the chain
-    rule through ``decode(data) * scale_inv``); both copies' contributions are summed. ``res``
-    holds the primal's scales (its data fields may be None)."""
-    mode, rows, cols = res.scaling_mode, res.rows, res.cols
-    g = jnp.zeros((rows, cols), jnp.float32)
-    gsi = res.global_scale_inv
-
-    def part(d, s_inv, k, r, c):
-        if d is None:
-            return None
-        scale = _decode_scale(s_inv, None if gsi is None else gsi[k], mode, r, c)
-        d = d.astype(jnp.float32).reshape(r, c)
-        return jnp.where(scale == 0, 0.0, d / jnp.where(scale == 0, 1.0, scale))
-
-    row = part(ct.data, res.scale_inv, 0, rows, cols)
-    col = part(ct.colwise_data, res.colwise_scale_inv, 1, cols, rows)
-    if row is not None:
-        g = g + row
-    if col is not None:
-        g = g + col.T
-    return g.reshape(res.shape)
-
-
-def scales_only(qt: ScaledTensor) -> ScaledTensor:
-    """The residual the straight-through backward keeps: scales, no data."""
-    return dataclasses.replace(qt, data=None, colwise_data=None)
+NORM_TYPES = {"layernorm": 0, "rmsnorm": 1}
 
 
 # ------------------------------------------------------------------------------------------------
 # argument checks
 # ------------------------------------------------------------------------------------------------
 def _check_norm_args(x, gamma, beta, norm_type, zero_centered_gamma, epsilon):
-    x = _check_input(x, "x")
+    x = check_input(x, "x")
     if x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError(f"x must have a non-empty last axis to normalize over, got shape {tuple(x.shape)}")
-    if norm_type not in _NORM_TYPES:
+    if norm_type not in NORM_TYPES:
         raise ValueError(f"norm_type must be 'layernorm' or 'rmsnorm', got {norm_type!r}")
     C = x.shape[-1]
-    gamma = _check_input(gamma, "gamma")
+    gamma = check_input(gamma, "gamma")
     if tuple(gamma.shape) != (C,):
         raise ValueError(f"gamma must have shape ({C},) (x's last axis), got {tuple(gamma.shape)}")
     if beta is not None:
         if norm_type == "rmsnorm":
             raise ValueError("beta must be None for norm_type='rmsnorm' (RMSNorm has no bias)")
-        beta = _check_input(beta, "beta")
+        beta = check_input(beta, "beta")
         if tuple(beta.shape) != (C,):
             raise ValueError(f"beta must have shape ({C},) (x's last axis), got {tuple(beta.shape)}")
     if not isinstance(zero_centered_gamma, (bool, np.bool_)):
@@ -184,41 +70,33 @@ def _check_norm_args(x, gamma, beta, norm_type, zero_centered_gamma, epsilon):
 # ------------------------------------------------------------------------------------------------
 def _fwd_call(x2, gamma, beta, spec, norm_type, zc, eps, want_y):
     R, C = x2.shape
-    fused = spec is not None and spec.scaling_mode.is_tensor_scaling
     ln = norm_type == "layernorm"
-    fp8 = fused_outputs(spec, R, C) if fused else (_U8_EMPTY, _F32_EMPTY, _U8_EMPTY, _F32_EMPTY, _F32_EMPTY)
     out_types = (
-        jax.ShapeDtypeStruct((R, C), x2.dtype) if want_y else _U8_EMPTY,
-        *fp8,
-        jax.ShapeDtypeStruct((R,), jnp.float32) if ln else _F32_EMPTY,
+        jax.ShapeDtypeStruct((R, C), x2.dtype) if want_y else NO_RESULT_U8,
+        *fused_outputs(spec, R, C),
+        jax.ShapeDtypeStruct((R,), jnp.float32) if ln else NO_RESULT_F32,
         jax.ShapeDtypeStruct((R,), jnp.float32),
     )
-    _native.ensure_loaded()
-    call = jax.ffi.ffi_call("lowbit_norm_fwd", out_types, vmap_method="sequential")
-    scale = spec.scale if (fused and spec.scale is not None) else _EMPTY_F32
-    mode = int(spec.scaling_mode) if fused else int(ScalingMode.NO_SCALING)
-    q = dtype_code(spec.q_dtype) if fused else 0
-    return call(
-        x2, gamma.astype(jnp.float32), _EMPTY_F32 if beta is None else beta.astype(jnp.float32), scale,
-        norm_type=np.int32(_NORM_TYPES[norm_type]), zero_centered_gamma=np.int32(bool(zc)),
-        epsilon=np.float32(eps), mode=np.int32(mode), q_dtype=np.int32(q))
+    scale, q_attrs = fused_operands(spec)
+    return _native.ffi_call(
+        "norm_fwd", out_types,
+        x2, gamma.astype(jnp.float32), EMPTY_F32 if beta is None else beta.astype(jnp.float32), scale,
+        norm_type=np.int32(NORM_TYPES[norm_type]), zero_centered_gamma=np.int32(bool(zc)),
+        epsilon=np.float32(eps), **q_attrs)
 
 
 def _bwd_call(dy2, x2, mean, rsigma, gamma, norm_type, zc):
     R, C = x2.shape
     ln = norm_type == "layernorm"
-    ws = _native.workspace_bytes("lowbit_norm_bwd_workspace_bytes", R, C)
-    _native.ensure_loaded()
     out_types = (
         jax.ShapeDtypeStruct((R, C), x2.dtype),
         jax.ShapeDtypeStruct((C,), jnp.float32),
-        jax.ShapeDtypeStruct((C,), jnp.float32) if ln else _F32_EMPTY,
-        jax.ShapeDtypeStruct((ws,), jnp.uint8),
+        jax.ShapeDtypeStruct((C,), jnp.float32) if ln else NO_RESULT_F32,
     )
-    call = jax.ffi.ffi_call("lowbit_norm_bwd", out_types, vmap_method="sequential")
-    dx, dg, db, _ = call(
-        dy2, x2, mean.reshape(R) if ln else _EMPTY_F32, rsigma.reshape(R), gamma.astype(jnp.float32),
-        norm_type=np.int32(_NORM_TYPES[norm_type]), zero_centered_gamma=np.int32(bool(zc)))
+    dx, dg, db = _native.ffi_call(
+        "norm_bwd", out_types,
+        dy2, x2, mean.reshape(R) if ln else EMPTY_F32, rsigma.reshape(R), gamma.astype(jnp.float32),
+        workspace=(R, C), norm_type=np.int32(NORM_TYPES[norm_type]), zero_centered_gamma=np.int32(bool(zc)))
     return dx, dg, (db if ln else None)
 
 
@@ -240,46 +118,41 @@ def layernorm_fwd(x, gamma, beta=None, *, norm_type: str = "layernorm", zero_cen
 def _fwd(x, gamma, beta, spec, norm_type, zc, eps, return_norm_output):
     shape = tuple(x.shape)
     C = shape[-1]
-    x2 = x.reshape(_prod(shape[:-1]), C)
-    fused = spec is not None and spec.scaling_mode.is_tensor_scaling
-    want_y = spec is None or not fused or return_norm_output
-    y, data, s_inv, cw, cw_s_inv, amax, mean, rsigma = _fwd_call(x2, gamma, beta, spec, norm_type, zc, eps, want_y)
+    x2 = x.reshape(prod(shape[:-1]), C)
+    want_y = not is_fused(spec) or return_norm_output
+    y, *fp8, mean, rsigma = _fwd_call(x2, gamma, beta, spec, norm_type, zc, eps, want_y)
     y = y.reshape(shape) if want_y else None
     mean = mean.reshape(shape[:-1]) if norm_type == "layernorm" else None
     rsigma = rsigma.reshape(shape[:-1])
-    if spec is None:
-        out = y
-    elif fused:
-        out = fused_scaled_tensor(spec, shape, x.dtype, data, s_inv, cw, cw_s_inv, amax)
-    else:
-        out = _quantize(y, spec.scaling_mode, spec.q_dtype, scale=spec.scale, layout=spec.layout)
+    out = finish_output(spec, y, tuple(fp8), shape, x.dtype)
     return out, (y if return_norm_output else None), mean, rsigma
 
 
 def layernorm_bwd(dy, x, mean, rsigma, gamma, *, norm_type: str = "layernorm", zero_centered_gamma: bool = False):
     """Backward building block: returns ``(dx, dgamma, dbeta)`` (dbeta None for rmsnorm);
     ``dy`` and ``dx`` have ``x``'s dtype, dgamma/dbeta ``gamma``'s."""
-    x = _check_input(x, "x")
-    dy = _check_input(dy, "dy")
+    x = check_input(x, "x")
+    dy = check_input(dy, "dy")
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise TypeError(f"dy must match x ({x.dtype} {tuple(x.shape)}), got {dy.dtype} {tuple(dy.shape)}")
-    if norm_type not in _NORM_TYPES:
+    if norm_type not in NORM_TYPES:
         raise ValueError(f"norm_type must be 'layernorm' or 'rmsnorm', got {norm_type!r}")
-    gamma = _check_input(gamma, "gamma")
+    gamma = check_input(gamma, "gamma")
     if tuple(gamma.shape) != (x.shape[-1],):
         raise ValueError(f"gamma must have shape ({x.shape[-1]},) (x's last axis), got {tuple(gamma.shape)}")
-    R = _prod(x.shape[:-1])
-    if norm_type == "layernorm" and (mean is None or _prod(jnp.shape(mean)) != R):
+    R = prod(x.shape[:-1])
+    if norm_type == "layernorm" and (mean is None or prod(jnp.shape(mean)) != R):
         raise ValueError(f"mean must have {R} entries (x.shape[:-1]) for layernorm")
-    if _prod(jnp.shape(rsigma)) != R:
+    if prod(jnp.shape(rsigma)) != R:
         raise ValueError(f"rsigma must have {R} entries (x.shape[:-1])")
     C = x.shape[-1]
     dx, dg, db = _bwd_call(dy.reshape(R, C), x.reshape(R, C), mean, rsigma, gamma, norm_type, zero_centered_gamma)
     return dx.reshape(x.shape), dg.astype(gamma.dtype), (None if db is None else db.astype(gamma.dtype))
 
 
-def layernorm(x, gamma, beta=None, *, norm_type: str = "layernorm", zero_centered_gamma: bool = False,
-              epsilon: float = 1e-6, quantize=None):
+def layernorm(x: ArrayLike, gamma: ArrayLike, beta: Optional[ArrayLike] = None, *,
+              norm_type: str = "layernorm", zero_centered_gamma: bool = False, epsilon: float = 1e-6,
+              quantize: Optional[QuantizeArg] = None) -> Union[jax.Array, ScaledTensor]:
     """LayerNorm or RMSNorm of ``x`` over its last axis, differentiable (custom VJP).
 
     Args:

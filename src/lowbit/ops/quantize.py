@@ -7,9 +7,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import _native
-from lowbit.quantize.scaling_modes import (
+from lowbit.quantization.scaling_modes import (
     DEFAULT_RHT_SIGN_MASK,
     FLAG_COLWISE,
     FLAG_DBIAS,
@@ -18,17 +19,17 @@ from lowbit.quantize.scaling_modes import (
     FLAG_STOCHASTIC,
     FP8_DTYPES,
     INPUT_DTYPES,
+    LAYOUT_FLAGS,
     ScalingMode,
     dtype_code,
 )
-from lowbit.quantize.tensor import ScaledTensor, _prod, fp4_pack, fp4_unpack
+from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod
 
-_LAYOUTS = {"rowwise": FLAG_ROWWISE, "colwise": FLAG_COLWISE, "both": FLAG_ROWWISE | FLAG_COLWISE}
-_EMPTY_F32 = np.zeros((0,), np.float32)
-_EMPTY_U32 = np.zeros((0,), np.uint32)
+# Argument checks shared by the ops that quantize (norm, activation, their fused outputs).
 
 
-def _check_input(x, name: str = "x") -> jax.Array:
+def check_input(x, name: str = "x") -> jax.Array:
+    """x as an array of an input dtype (float32, bfloat16, float16); ``name`` prefixes the error."""
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         x = jnp.asarray(x)
     if np.dtype(x.dtype) not in INPUT_DTYPES:
@@ -36,7 +37,7 @@ def _check_input(x, name: str = "x") -> jax.Array:
     return x
 
 
-def _check_mode(scaling_mode) -> ScalingMode:
+def check_scaling_mode(scaling_mode) -> ScalingMode:
     try:
         return ScalingMode(scaling_mode)
     except ValueError:
@@ -46,7 +47,8 @@ def _check_mode(scaling_mode) -> ScalingMode:
         ) from None
 
 
-def _check_q_dtype(mode: ScalingMode, q_dtype, x_dtype):
+def check_q_dtype(mode: ScalingMode, q_dtype, x_dtype) -> np.dtype:
+    """The quantized dtype (mode's default when None); x's dtype for NO_SCALING."""
     if mode == ScalingMode.NO_SCALING:
         return np.dtype(x_dtype)
     q = np.dtype(q_dtype if q_dtype is not None else mode.default_q_dtype)
@@ -56,6 +58,28 @@ def _check_q_dtype(mode: ScalingMode, q_dtype, x_dtype):
     elif q not in FP8_DTYPES:
         raise TypeError(f"q_dtype must be float8_e4m3fn or float8_e5m2 for {mode.name}, got {q.name}")
     return q
+
+
+def check_layout(layout: str, prefix: str = "") -> int:
+    """The FFI flag bits of a layout name."""
+    if layout not in LAYOUT_FLAGS:
+        raise ValueError(f"{prefix}layout must be one of {sorted(LAYOUT_FLAGS)}, got {layout!r}")
+    return LAYOUT_FLAGS[layout]
+
+
+def check_tensor_scale(mode: ScalingMode, scale, prefix: str = "") -> Optional[jax.Array]:
+    """The encode scale as float32 (1,): required for DELAYED_TENSOR_SCALING, refused otherwise."""
+    if mode == ScalingMode.DELAYED_TENSOR_SCALING:
+        if scale is None:
+            raise ValueError(f"{prefix}scale is required for DELAYED_TENSOR_SCALING (a float32 scalar)")
+        scale = jnp.asarray(scale)
+        if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
+            raise TypeError(f"{prefix}scale must be a float32 scalar or shape (1,), "
+                            f"got {scale.dtype} {scale.shape}")
+        return scale.reshape(1)
+    if scale is not None:
+        raise ValueError(f"{prefix}scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
+    return None
 
 
 def _check_flatten_axis(flatten_axis: int, ndim: int) -> int:
@@ -69,7 +93,7 @@ def _check_flatten_axis(flatten_axis: int, ndim: int) -> int:
 
 def _check_block_multiple(mode: ScalingMode, shape, axis: int, rowwise: bool, colwise: bool) -> None:
     b = mode.block_size
-    rows, cols = _prod(shape[:axis]), _prod(shape[axis:])
+    rows, cols = prod(shape[:axis]), prod(shape[axis:])
     if rowwise and cols % b:
         raise ValueError(
             f"x: the contraction axis (dims {tuple(range(axis, len(shape)))} of shape {tuple(shape)}, "
@@ -85,11 +109,11 @@ def _check_block_multiple(mode: ScalingMode, shape, axis: int, rowwise: bool, co
 
 
 def quantize(
-    x,
-    scaling_mode,
-    q_dtype=None,
+    x: ArrayLike,
+    scaling_mode: ScalingMode,
+    q_dtype: Optional[DTypeLike] = None,
     *,
-    scale: Optional[jax.Array] = None,
+    scale: Optional[ArrayLike] = None,
     layout: str = "rowwise",
     flatten_axis: int = -1,
     rng_key: Optional[jax.Array] = None,
@@ -114,17 +138,17 @@ def quantize(
 
 
 def quantize_dbias(
-    x,
-    scaling_mode,
-    q_dtype=None,
+    x: ArrayLike,
+    scaling_mode: ScalingMode,
+    q_dtype: Optional[DTypeLike] = None,
     *,
-    scale: Optional[jax.Array] = None,
+    scale: Optional[ArrayLike] = None,
     layout: str = "rowwise",
     flatten_axis: int = -1,
     rng_key: Optional[jax.Array] = None,
     rht: bool = False,
     rht_sign_mask: int = DEFAULT_RHT_SIGN_MASK,
-):
+) -> tuple[ScaledTensor, jax.Array]:
     """Fused quantize + bias gradient: returns (ScaledTensor, column sums of the 2-D view).
     Arguments as :func:`quantize`."""
     return _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht,
@@ -133,29 +157,18 @@ def quantize_dbias(
 
 def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht,
                    rht_sign_mask, dbias):
-    x = _check_input(x)
-    mode = _check_mode(scaling_mode)
-    q = _check_q_dtype(mode, q_dtype, x.dtype)
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
-    flags = _LAYOUTS[layout]
+    x = check_input(x)
+    mode = check_scaling_mode(scaling_mode)
+    q = check_q_dtype(mode, q_dtype, x.dtype)
+    flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
     shape = tuple(x.shape)
     axis = _check_flatten_axis(flatten_axis, x.ndim)
     _check_block_multiple(mode, shape, axis, rowwise, colwise)
-    rows, cols = _prod(shape[:axis]), _prod(shape[axis:])
-
-    if mode == ScalingMode.DELAYED_TENSOR_SCALING:
-        if scale is None:
-            raise ValueError("scale is required for DELAYED_TENSOR_SCALING (a float32 scalar)")
-        scale = jnp.asarray(scale)
-        if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
-            raise TypeError(f"scale must be a float32 scalar or shape (1,), got {scale.dtype} {scale.shape}")
-        scale = scale.reshape(1)
-    elif scale is not None:
-        raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
-    else:
-        scale = _EMPTY_F32
+    rows, cols = prod(shape[:axis]), prod(shape[axis:])
+    scale = check_tensor_scale(mode, scale)
+    if scale is None:
+        scale = _native.EMPTY_F32
 
     if rng_key is not None:
         if not mode.is_nvfp4:
@@ -163,7 +176,7 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
         seed = jax.random.bits(rng_key, (2,), jnp.uint32)
         flags |= FLAG_STOCHASTIC
     else:
-        seed = _EMPTY_U32
+        seed = _native.EMPTY_U32
     if rht:
         if mode != ScalingMode.NVFP4_1D_SCALING:
             raise ValueError(f"rht (random Hadamard transform) needs NVFP4_1D_SCALING, not {mode.name}")
@@ -192,19 +205,15 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
 
     row_d, row_s = copy_shapes(rows, cols, rowwise)
     col_d, col_s = copy_shapes(cols, rows, colwise)
-    ws = _native.workspace_bytes(
-        "lowbit_quantize_workspace_bytes", int(mode), dtype_code(q), flags, dtype_code(x.dtype), rows, cols)
-    _native.ensure_loaded()
     out_types = (
         row_d, row_s, col_d, col_s,
         jax.ShapeDtypeStruct((1,), f32),
         jax.ShapeDtypeStruct((2,) if mode.is_nvfp4 else (0,), f32),
         jax.ShapeDtypeStruct((cols,) if dbias else (0,), x.dtype),
-        jax.ShapeDtypeStruct((ws,), u8),
     )
-    call = jax.ffi.ffi_call("lowbit_quantize", out_types, vmap_method="sequential")
-    data, s_inv, cw_data, cw_s_inv, amax, gsi, db, _ = call(
-        x.reshape(rows, cols), scale, seed,
+    data, s_inv, cw_data, cw_s_inv, amax, gsi, db = _native.ffi_call(
+        "quantize", out_types, x.reshape(rows, cols), scale, seed,
+        workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), rows, cols),
         mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)), flags=np.int32(flags),
         rht_sign_mask=np.int32(rht_sign_mask & 0xFFFF))
 
@@ -232,7 +241,7 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
     return qt, (db if dbias else None)
 
 
-def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype=None) -> jax.Array:
+def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype: Optional[DTypeLike] = None) -> jax.Array:
     """Decodes one copy of ``qt`` back to its original shape (and dtype unless ``dtype`` is given)."""
     if not isinstance(qt, ScaledTensor):
         raise TypeError(f"qt must be a lowbit.ScaledTensor, got {type(qt).__name__}")
@@ -261,13 +270,11 @@ def _from_colwise(colwise, rows: int, cols: int, shape):
 
 
 def _dequantize_ffi(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask):
-    _native.ensure_loaded()
     d = fp4_pack(data, r, c) if mode.is_nvfp4 else data.reshape(r, c)
-    g = gsi[1:2] if (mode.is_nvfp4 and colwise) else (gsi[0:1] if mode.is_nvfp4 else _EMPTY_F32)
-    call = jax.ffi.ffi_call("lowbit_dequantize", jax.ShapeDtypeStruct((r, c), out_dtype),
-                            vmap_method="sequential")
-    return call(d, s_inv, g, mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)),
-                flags=np.int32(FLAG_RHT if rht else 0), rht_sign_mask=np.int32(mask))
+    g = gsi[1:2] if (mode.is_nvfp4 and colwise) else (gsi[0:1] if mode.is_nvfp4 else _native.EMPTY_F32)
+    return _native.ffi_call("dequantize", jax.ShapeDtypeStruct((r, c), out_dtype), d, s_inv, g,
+                            mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)),
+                            flags=np.int32(FLAG_RHT if rht else 0), rht_sign_mask=np.int32(mask))
 
 
 def _dequantize_vjp(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask, shape, axis):
@@ -287,7 +294,7 @@ def _dequantize_vjp(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, ma
 
     def bwd(res, g):
         data, s_inv, gsi = res
-        g2 = g.reshape(_prod(shape[:axis]), _prod(shape[axis:])).astype(jnp.float32)
+        g2 = g.reshape(prod(shape[:axis]), prod(shape[axis:])).astype(jnp.float32)
         g2 = g2.T if colwise else g2
         if mode.is_tensor_scaling:
             dec = data.reshape(r, c).astype(jnp.float32)
@@ -304,7 +311,8 @@ def _zeros_or_none(a):
     return None if a is None else jnp.zeros_like(a)
 
 
-def grouped_dequantize(qt: ScaledTensor, group_sizes, layout: str = "rowwise", dtype=None) -> jax.Array:
+def grouped_dequantize(qt: ScaledTensor, group_sizes: ArrayLike, layout: str = "rowwise",
+                       dtype: Optional[DTypeLike] = None) -> jax.Array:
     """Decodes a grouped_quantize result to (M, K); rows in no group decode to zero."""
     out_dtype = np.dtype(dtype if dtype is not None else qt.dq_dtype)
     M, K = qt.shape
@@ -321,11 +329,13 @@ def grouped_dequantize(qt: ScaledTensor, group_sizes, layout: str = "rowwise", d
     return (data.astype(jnp.float32) * row_scale[:, None]).astype(out_dtype)
 
 
-def grouped_quantize(x, group_sizes, scaling_mode, q_dtype=None, *, scale=None, layout="rowwise"):
+def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: ScalingMode,
+                     q_dtype: Optional[DTypeLike] = None, *, scale: Optional[ArrayLike] = None,
+                     layout: str = "rowwise") -> ScaledTensor:
     """Quantizes the row groups of ``x`` (M, K) as separate tensors; ``group_sizes`` int32 (G,)
     stays on the device. Returns a ScaledTensor whose scales and amax have one entry per group
     (tensor modes) and whose colwise copy is the (K, M) transpose."""
-    x = _check_input(x)
+    x = check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
     group_sizes = jnp.asarray(group_sizes)
@@ -333,13 +343,11 @@ def grouped_quantize(x, group_sizes, scaling_mode, q_dtype=None, *, scale=None, 
         raise TypeError(f"group_sizes must be int32 of shape (G,), got {group_sizes.dtype} {group_sizes.shape}")
     if group_sizes.shape[0] < 1:
         raise ValueError("group_sizes must have at least one group")
-    mode = _check_mode(scaling_mode)
+    mode = check_scaling_mode(scaling_mode)
     if not (mode.is_tensor_scaling or mode == ScalingMode.MXFP8_1D_SCALING):
         raise ValueError(f"grouped_quantize supports DELAYED/CURRENT_TENSOR_SCALING and MXFP8_1D_SCALING, not {mode.name}")
-    q = _check_q_dtype(mode, q_dtype, x.dtype)
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
-    flags = _LAYOUTS[layout]
+    q = check_q_dtype(mode, q_dtype, x.dtype)
+    flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
     M, K = x.shape
     G = group_sizes.shape[0]
@@ -357,7 +365,7 @@ def grouped_quantize(x, group_sizes, scaling_mode, q_dtype=None, *, scale=None, 
     elif scale is not None:
         raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
     else:
-        scale = _EMPTY_F32
+        scale = _native.EMPTY_F32
 
     f32, u8 = jnp.float32, jnp.uint8
     empty = jax.ShapeDtypeStruct((0,), u8)
@@ -365,20 +373,17 @@ def grouped_quantize(x, group_sizes, scaling_mode, q_dtype=None, *, scale=None, 
         row_s = jax.ShapeDtypeStruct((M, K // 32), jnp.float8_e8m0fnu)
     else:
         row_s = jax.ShapeDtypeStruct((G,), f32)
-    ws = _native.workspace_bytes("lowbit_grouped_quantize_workspace_bytes", int(mode), dtype_code(q),
-                                 flags, dtype_code(x.dtype), M, K, G)
-    _native.ensure_loaded()
     out_types = (
         jax.ShapeDtypeStruct((M, K), q) if rowwise else empty,
         row_s if rowwise else jax.ShapeDtypeStruct((0,), f32),
         jax.ShapeDtypeStruct((K, M), q) if colwise else empty,
         jax.ShapeDtypeStruct((G,), f32) if colwise else jax.ShapeDtypeStruct((0,), f32),
         jax.ShapeDtypeStruct((G,), f32),
-        jax.ShapeDtypeStruct((ws,), u8),
     )
-    call = jax.ffi.ffi_call("lowbit_grouped_quantize", out_types, vmap_method="sequential")
-    data, s_inv, cw, cw_s, amax, _ = call(x, group_sizes, scale, mode=np.int32(int(mode)),
-                                          q_dtype=np.int32(dtype_code(q)), flags=np.int32(flags))
+    data, s_inv, cw, cw_s, amax = _native.ffi_call(
+        "grouped_quantize", out_types, x, group_sizes, scale,
+        workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), M, K, G),
+        mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)), flags=np.int32(flags))
     return ScaledTensor(
         data=data if rowwise else None,
         scale_inv=s_inv if rowwise else None,

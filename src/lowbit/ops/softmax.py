@@ -9,15 +9,16 @@ a row with every entry masked out is all zeros (not NaN). The mask follows Trans
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from lowbit import _native
-from lowbit.ops.quantize import _EMPTY_F32, _check_input
-from lowbit.quantize.tensor import _prod
-
-_native.register_ops("softmax_fwd", "softmax_bwd")
+from lowbit.ops.quantize import check_input
+from lowbit.quantization.tensor import prod
 
 _TYPES = {"scaled": 0, "scaled_masked": 1, "scaled_upper_triang_masked": 2}
 
@@ -43,18 +44,17 @@ def _check_mask(mask, shape4):
 
 
 def _fwd_call(x4, mask4, type_code, scale):
-    _native.ensure_loaded()
-    call = jax.ffi.ffi_call("lowbit_softmax_fwd", jax.ShapeDtypeStruct(x4.shape, x4.dtype), vmap_method="sequential")
-    return call(x4, mask4, softmax_type=np.int32(type_code), scale_factor=np.float32(scale))
+    return _native.ffi_call("softmax_fwd", jax.ShapeDtypeStruct(x4.shape, x4.dtype), x4, mask4,
+                            softmax_type=np.int32(type_code), scale_factor=np.float32(scale))
 
 
 def _bwd_call(dy2, y2, scale):
-    _native.ensure_loaded()
-    call = jax.ffi.ffi_call("lowbit_softmax_bwd", jax.ShapeDtypeStruct(y2.shape, y2.dtype), vmap_method="sequential")
-    return call(dy2, y2, scale_factor=np.float32(scale))
+    return _native.ffi_call("softmax_bwd", jax.ShapeDtypeStruct(y2.shape, y2.dtype), dy2, y2,
+                            scale_factor=np.float32(scale))
 
 
-def softmax(x, scale_factor: float = 1.0, mask=None, softmax_type: str = "scaled"):
+def softmax(x: ArrayLike, scale_factor: float = 1.0, mask: Optional[ArrayLike] = None,
+            softmax_type: str = "scaled") -> jax.Array:
     """``softmax(scale_factor * x)`` over the last axis, differentiable (custom VJP).
 
     Args:
@@ -67,7 +67,7 @@ def softmax(x, scale_factor: float = 1.0, mask=None, softmax_type: str = "scaled
     if softmax_type not in _TYPES:
         raise ValueError(f"softmax_type must be one of {sorted(_TYPES)}, got {softmax_type!r}")
     scale = _check_scale(scale_factor)
-    x = _check_input(x, "x")
+    x = check_input(x, "x")
     shape = tuple(x.shape)
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension")
@@ -82,15 +82,15 @@ def softmax(x, scale_factor: float = 1.0, mask=None, softmax_type: str = "scaled
     else:
         if mask is not None:
             raise ValueError(f"mask is only used with softmax_type='scaled_masked', not {softmax_type!r}")
-        mask4 = _EMPTY_F32.astype(np.uint8)
+        mask4 = _native.EMPTY_U8
         if softmax_type == "scaled_upper_triang_masked":
             if x.ndim < 2 or shape[-2] != Sk:
                 raise ValueError(f"x must end in square (Sq, Sk) axes for the causal softmax, got shape {shape}")
-            shape4 = (_prod(shape[:-2]), 1, shape[-2], Sk)
+            shape4 = (prod(shape[:-2]), 1, shape[-2], Sk)
         else:
-            shape4 = (1, 1, _prod(shape[:-1]), Sk)
+            shape4 = (1, 1, prod(shape[:-1]), Sk)
     code = _TYPES[softmax_type]
-    rows = _prod(shape[:-1])
+    rows = prod(shape[:-1])
 
     @jax.custom_vjp
     def f(x):

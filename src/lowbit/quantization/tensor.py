@@ -8,7 +8,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from lowbit.quantize.scaling_modes import ScalingMode
+from lowbit.quantization.scaling_modes import ScalingMode
 
 
 @jax.tree_util.register_dataclass
@@ -47,31 +47,24 @@ class ScaledTensor:
 
     @property
     def rows(self) -> int:
-        return _prod(self.shape[: self.flatten_axis])
+        return prod(self.shape[: self.flatten_axis])
 
     @property
     def cols(self) -> int:
-        return _prod(self.shape[self.flatten_axis :])
-
-    @property
-    def colwise_shape(self) -> tuple:
-        return tuple(self.shape[self.flatten_axis :]) + tuple(self.shape[: self.flatten_axis])
+        return prod(self.shape[self.flatten_axis :])
 
     @property
     def has_rowwise(self) -> bool:
         return self.data is not None
 
-    @property
-    def has_colwise(self) -> bool:
-        return self.colwise_data is not None
-
     def dequantize(self, layout: str = "rowwise") -> jax.Array:
-        from lowbit.ops.quantize import dequantize
+        from lowbit.ops.quantize import dequantize  # the op layer sits above this one: import late
 
         return dequantize(self, layout=layout)
 
 
-def _prod(xs) -> int:
+def prod(xs) -> int:
+    """The product of a shape's sizes as a Python int (1 for an empty shape)."""
     out = 1
     for x in xs:
         out *= int(x)

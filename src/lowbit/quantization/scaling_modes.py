@@ -61,10 +61,8 @@ def dtype_code(dtype) -> int:
     return _DTYPE_CODES[np.dtype(dtype)]
 
 
-def fp8_max(dtype) -> float:
-    return float(jnp.finfo(dtype).max)
-
-
 # Flag bits of the FFI `flags` attribute (csrc/ffi/quantize.cc).
 FLAG_ROWWISE, FLAG_COLWISE, FLAG_DBIAS, FLAG_STOCHASTIC, FLAG_RHT = 1, 2, 4, 8, 16
+#: The copies a ``layout`` argument asks for, as those flag bits.
+LAYOUT_FLAGS = {"rowwise": FLAG_ROWWISE, "colwise": FLAG_COLWISE, "both": FLAG_ROWWISE | FLAG_COLWISE}
 DEFAULT_RHT_SIGN_MASK = 0xA759

@@ -1,0 +1,183 @@
+"""Quantized outputs of fused kernels (LayerNorm, activations): the quantize spec an op takes,
+the FP8 results and attributes the kernels share, the ScaledTensor built from them, and the
+straight-through gradient of such an output."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit._native import EMPTY_F32, NO_RESULT_F32, NO_RESULT_U8
+from lowbit.ops.quantize import (
+    check_layout,
+    check_q_dtype,
+    check_scaling_mode,
+    check_tensor_scale,
+    quantize,
+    quantize_dbias,
+)
+from lowbit.quantization.scaling_modes import ScalingMode, dtype_code
+from lowbit.quantization.tensor import ScaledTensor
+
+
+class QuantizeSpec(NamedTuple):
+    """What a fused op quantizes its output to: ``(scaling_mode, q_dtype, scale[, layout])``.
+
+    ``scale`` is the float32 encode scale for DELAYED_TENSOR_SCALING and None otherwise;
+    ``layout`` is "rowwise", "colwise" or "both" (default: both, the copies a GEMM's forward and
+    backward need)."""
+
+    scaling_mode: Any
+    q_dtype: Any = None
+    scale: Any = None
+    layout: str = "both"
+
+
+#: What a ``quantize`` argument may be: a spec tuple, or a bare ScalingMode (no scale needed).
+QuantizeArg = Union[QuantizeSpec, ScalingMode, tuple]
+
+
+def parse_quantize_spec(quantize: Optional[QuantizeArg], x_dtype,
+                        name: str = "quantize") -> Optional[QuantizeSpec]:
+    """Validates a quantize spec; returns a QuantizeSpec with checked mode, dtype and scale."""
+    if quantize is None:
+        return None
+    if isinstance(quantize, ScalingMode):
+        quantize = (quantize,)
+    if not isinstance(quantize, (tuple, list)) or not 1 <= len(quantize) <= 4:
+        raise TypeError(f"{name} must be None or a (scaling_mode, q_dtype, scale[, layout]) tuple, got {quantize!r}")
+    spec = QuantizeSpec(*quantize)
+    mode = check_scaling_mode(spec.scaling_mode)
+    q = check_q_dtype(mode, spec.q_dtype, x_dtype)
+    check_layout(spec.layout, f"{name}: ")
+    scale = check_tensor_scale(mode, spec.scale, f"{name}: ")
+    return QuantizeSpec(mode, q, scale, spec.layout)
+
+
+def is_fused(spec: Optional[QuantizeSpec]) -> bool:
+    """Whether the kernel quantizes itself: tensor scaling; other modes quantize its output."""
+    return spec is not None and spec.scaling_mode.is_tensor_scaling
+
+
+def fused_outputs(spec: Optional[QuantizeSpec], rows: int, cols: int) -> tuple:
+    """Result types of a fused kernel's FP8 outputs: data, scale_inv, colwise data, colwise
+    scale_inv, amax (zero-length where not requested, all of them when not fused)."""
+    if not is_fused(spec):
+        return (NO_RESULT_U8, NO_RESULT_F32, NO_RESULT_U8, NO_RESULT_F32, NO_RESULT_F32)
+    row = spec.layout in ("rowwise", "both")
+    col = spec.layout in ("colwise", "both")
+    one = jax.ShapeDtypeStruct((1,), jnp.float32)
+    return (
+        jax.ShapeDtypeStruct((rows, cols), spec.q_dtype) if row else NO_RESULT_U8,
+        one,
+        jax.ShapeDtypeStruct((cols, rows), spec.q_dtype) if col else NO_RESULT_U8,
+        one,
+        one,
+    )
+
+
+def fused_operands(spec: Optional[QuantizeSpec]) -> tuple[Any, dict]:
+    """The encode-scale operand and the ``mode``/``q_dtype`` attributes of a fused kernel."""
+    fused = is_fused(spec)
+    scale = spec.scale if (fused and spec.scale is not None) else EMPTY_F32
+    attrs = dict(mode=np.int32(int(spec.scaling_mode) if fused else int(ScalingMode.NO_SCALING)),
+                 q_dtype=np.int32(dtype_code(spec.q_dtype) if fused else 0))
+    return scale, attrs
+
+
+def quantize_output(spec: QuantizeSpec, y: jax.Array, dbias: bool = False):
+    """``lowbit.quantize`` (``quantize_dbias``) of an unfused kernel's output, as ``spec`` says."""
+    fn = quantize_dbias if dbias else quantize
+    return fn(y, spec.scaling_mode, spec.q_dtype, scale=spec.scale, layout=spec.layout)
+
+
+def finish_output(spec: Optional[QuantizeSpec], y, fp8: tuple, shape, dq_dtype):
+    """A fused op's output: ``y`` unquantized, the kernel's own FP8 copies (``fp8``: data,
+    scale_inv, colwise data, colwise scale_inv, amax) when fused, else y quantized."""
+    if spec is None:
+        return y
+    if is_fused(spec):
+        return fused_scaled_tensor(spec, shape, dq_dtype, *fp8)
+    return quantize_output(spec, y)
+
+
+def fused_scaled_tensor(spec: QuantizeSpec, shape, dq_dtype, data, s_inv, cw, cw_s_inv, amax) -> ScaledTensor:
+    """The ScaledTensor lowbit.quantize(..., flatten_axis=-1) would build from these outputs."""
+    shape = tuple(shape)
+    axis = len(shape) - 1
+    row = spec.layout in ("rowwise", "both")
+    col = spec.layout in ("colwise", "both")
+    return ScaledTensor(
+        data=data.reshape(shape) if row else None,
+        scale_inv=s_inv if row else None,
+        colwise_data=cw.reshape(shape[axis:] + shape[:axis]) if col else None,
+        colwise_scale_inv=cw_s_inv if col else None,
+        amax=amax,
+        global_scale_inv=None,
+        scaling_mode=spec.scaling_mode,
+        q_dtype=np.dtype(spec.q_dtype),
+        dq_dtype=np.dtype(dq_dtype),
+        shape=shape,
+        flatten_axis=axis,
+    )
+
+
+def _decode_scale(s_inv, gsi, mode: ScalingMode, rows: int, cols: int):
+    """Per-element decode scale of one copy, (rows, cols) float32 (or a scalar)."""
+    if mode == ScalingMode.NO_SCALING:
+        return jnp.float32(1.0)
+    if mode.is_tensor_scaling:
+        return s_inv[0]
+    s = jnp.repeat(s_inv.astype(jnp.float32), mode.block_size, axis=1)
+    return s * gsi if mode.is_nvfp4 else s
+
+
+def straight_through_grad(ct: ScaledTensor, res: ScaledTensor):
+    """Cotangent of the value a ScaledTensor stands for, from the cotangent of its arrays.
+
+    Quantization is taken as the identity on the dequantized value (straight-through), so the
+    cotangent of a copy's data is divided by that copy's decode scale (the inverse of the chain
+    rule through ``decode(data) * scale_inv``); both copies' contributions are summed. ``res``
+    holds the primal's scales (its data fields may be None)."""
+    mode, rows, cols = res.scaling_mode, res.rows, res.cols
+    g = jnp.zeros((rows, cols), jnp.float32)
+    gsi = res.global_scale_inv
+
+    def part(d, s_inv, k, r, c):
+        if d is None:
+            return None
+        scale = _decode_scale(s_inv, None if gsi is None else gsi[k], mode, r, c)
+        d = d.astype(jnp.float32).reshape(r, c)
+        return jnp.where(scale == 0, 0.0, d / jnp.where(scale == 0, 1.0, scale))
+
+    row = part(ct.data, res.scale_inv, 0, rows, cols)
+    col = part(ct.colwise_data, res.colwise_scale_inv, 1, cols, rows)
+    if row is not None:
+        g = g + row
+    if col is not None:
+        g = g + col.T
+    return g.reshape(res.shape)
+
+
+def scales_only(qt: ScaledTensor) -> ScaledTensor:
+    """The residual the straight-through backward keeps: scales, no data."""
+    return dataclasses.replace(qt, data=None, colwise_data=None)
+
+
+__all__ = [
+    "QuantizeArg",
+    "QuantizeSpec",
+    "finish_output",
+    "fused_operands",
+    "fused_outputs",
+    "fused_scaled_tensor",
+    "is_fused",
+    "parse_quantize_spec",
+    "quantize_output",
+    "scales_only",
+    "straight_through_grad",
+]
