@@ -8,6 +8,7 @@
 # With no stage named, all run. Works from a plain checkout: no pip install needed.
 # LOWBIT_BUILD_DIR=dir uses libraries and check programs built elsewhere (same nvcc) and skips
 # nothing else: name the stages without `build` to save the device the compile.
+# LOWBIT_WHEEL=file.whl runs the Python stages from that wheel, installed with pip --no-deps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -16,7 +17,15 @@ PY=${PYTHON:-python3}
 STAGES=${*:-build check sanitize pytest bench}
 BUILD=${LOWBIT_BUILD_DIR:-build/gpu}
 CUTLASS_INC=${LOWBIT_CUTLASS_INCLUDE:-$PWD/.carry/cutlass/include}
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$(realpath -m "$BUILD") PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
+if [ -n "${LOWBIT_WHEEL:-}" ]; then
+  # The fleet install: the wheel built elsewhere, installed without a compiler or dependencies;
+  # Python imports lowbit from there (not from src/), with the libraries the wheel carries.
+  "$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/lowbit-site "$LOWBIT_WHEEL" || exit 1
+  export PYTHONPATH=/tmp/lowbit-site${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$(realpath -m "$BUILD")
+fi
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 step() { echo; echo "=== $1 ($(date +%T))"; }
@@ -24,6 +33,7 @@ step() { echo; echo "=== $1 ($(date +%T))"; }
 step "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
+"$PY" -c "import lowbit, lowbit._native as n; n.ensure_loaded(); print('lowbit from', lowbit.__file__, '| CUDA library:', n.cuda_library())"
 
 if has build; then
   step "build"
