@@ -67,7 +67,7 @@ def wrap_function_in_te_state_module(f: Callable, quantization_recipe: Optional[
                 qs = quantizer_set_for_recipe(r, state)
                 if (isinstance(r, NVFP4BlockScaling) and not r.disable_stochastic_rounding
                         and self.has_rng(SR_RNG)):
-                    qs = QuantizerSet(qs.x, qs.kernel, _with_rng(qs.dgrad, self.make_rng(SR_RNG)))
+                    qs = QuantizerSet(qs.x, qs.kernel, _with_rng(qs.dgrad, self.make_rng(SR_RNG)), qs.recipe)
                 return qs
 
             return f(generate_quantizer_set, *args, **kwargs)

@@ -71,6 +71,8 @@ class QuantizerSet:
     x: Optional[Quantizer] = None
     kernel: Optional[Quantizer] = None
     dgrad: Optional[Quantizer] = None
+    # The recipe the set was made from, when there was one (keeps NVFP4's options).
+    recipe: Optional[Recipe] = dataclasses.field(default=None, metadata=dict(static=True))
 
     def is_noop(self) -> bool:
         return self.x is None and self.kernel is None and self.dgrad is None
@@ -120,7 +122,7 @@ def quantizer_set_for_recipe(recipe: Optional[Recipe], state: Optional[Mapping] 
                 scale = jnp.ones((1,), jnp.float32)
                 hist = jnp.zeros((recipe.amax_history_len,), jnp.float32)
         parts[field] = Quantizer(recipe.scaling_mode(role), recipe.q_dtype(role), scale=scale, amax_history=hist)
-    return QuantizerSet(**parts)
+    return QuantizerSet(**parts, recipe=recipe)
 
 
 def recipe_of(quantizer_set: Optional[QuantizerSet]) -> Tuple[Optional[Recipe], Optional[dict]]:
@@ -134,6 +136,8 @@ def recipe_of(quantizer_set: Optional[QuantizerSet]) -> Tuple[Optional[Recipe], 
         raise NotImplementedError("lowbit quantizes all three GEMM operands or none; "
                                   "a QuantizerSet with some quantizers None is not supported")
     mode = qs["x"].scaling_mode
+    if quantizer_set.recipe is not None and not isinstance(quantizer_set.recipe, DelayedScaling):
+        return quantizer_set.recipe, None
     if mode.is_nvfp4:
         return NVFP4BlockScaling(disable_2d_quantization=qs["kernel"].scaling_mode != ScalingMode.NVFP4_2D_SCALING), None
     if any(q.scaling_mode != mode for q in qs.values()):
