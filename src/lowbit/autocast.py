@@ -28,6 +28,8 @@ def _resolve(enabled, recipe) -> Optional[Recipe]:
         if recipe is not None:
             raise TypeError("autocast: the recipe was given twice (as the first argument and as recipe=)")
         enabled, recipe = True, enabled
+    elif enabled is None and recipe is None:  # the same short form with no recipe: off
+        enabled = False
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast: enabled must be a bool (TransformerEngine's order is "
                         f"autocast(enabled, recipe, mesh_resource)), got {enabled!r}")
@@ -55,7 +57,7 @@ def autocast(enabled: Union[bool, Recipe] = False, recipe: Optional[Recipe] = No
 
     ``enabled=True`` without a recipe uses ``DelayedScaling()``; ``enabled=False`` turns
     quantization off in the block. ``autocast(recipe)`` (a recipe as the first argument) is
-    short for ``autocast(enabled=True, recipe=recipe)``. ``mesh_resource`` sets
+    short for ``autocast(enabled=True, recipe=recipe)``, ``autocast(None)`` for off. ``mesh_resource`` sets
     :func:`lowbit.sharding.global_mesh_resource` for the block as well (None keeps the outer one).
     Yields the active recipe (None when off).
     """
