@@ -16,7 +16,8 @@ from lowbit.te import quantize as te_q
 from lowbit.te.sharding import BATCH_AXES, HIDDEN_TP_AXES, W_FSDP_AXES, W_TP_AXES, MeshResource
 
 pytestmark = pytest.mark.usefixtures("on_cpu")
-ALL = (recipe.DelayedScaling, recipe.Float8CurrentScaling, recipe.MXFP8BlockScaling, recipe.NVFP4BlockScaling)
+ALL = (recipe.DelayedScaling, recipe.Float8CurrentScaling, recipe.MXFP8BlockScaling,
+       recipe.NVFP4BlockScaling)
 
 
 def test_capability_queries_answer_every_recipe_on_cpu():
@@ -78,7 +79,8 @@ def test_recipe_fields_and_predicates():
         assert getattr(r, kind)() and cls.__dict__.get(kind) is None
         assert [getattr(r, k)() for k in kinds].count(True) == 1
         assert not r.float8_block_scaling() and not r.custom()
-    assert recipe.DelayedScaling.float8_per_tensor_scaling() and not recipe.MXFP8BlockScaling.float8_per_tensor_scaling()
+    assert recipe.DelayedScaling.float8_per_tensor_scaling()
+    assert not recipe.MXFP8BlockScaling.float8_per_tensor_scaling()
 
 
 @pytest.mark.parametrize("cls,field,value", [
@@ -113,7 +115,8 @@ def test_unsupported_recipes_and_formats():
 
 def test_quantizer_factory():
     qs = te_q.QuantizerFactory.create_set(scaling_mode=te_q.ScalingMode.CURRENT_TENSOR_SCALING,
-                                          fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2, is_2x2x=True)
+                                          fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2,
+                                          is_2x2x=True)
     assert te_q.recipe_of(qs) == (recipe.Float8CurrentScaling(), None)
     assert te_q.QuantizerFactory.create_set() == te_q.noop_quantizer_set  # no autocast: unquantized
     with te.autocast(enabled=True, recipe=recipe.MXFP8BlockScaling()):

@@ -112,8 +112,8 @@ class WrappedNet(nn.Module):
     def __call__(self, x):
         k1 = self.param("k1", nn.initializers.lecun_normal(), (32, 64))
         k2 = self.param("k2", nn.initializers.lecun_normal(), (64, 32))
-        cls = te_flax.wrap_function_in_te_state_module(_te_dense_fn, recipe.DelayedScaling(amax_history_len=4),
-                                                       "dense")
+        r = recipe.DelayedScaling(amax_history_len=4)
+        cls = te_flax.wrap_function_in_te_state_module(_te_dense_fn, r, "dense")
         h = nn.relu(cls(name="d1")(x, k1))
         return cls(name="d2")(h, k2)
 

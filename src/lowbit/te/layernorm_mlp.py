@@ -22,7 +22,8 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], ker
                   dot_2_input_axes: Axes = None, kernel_1_axes: Axes = None, kernel_2_axes: Axes = None,
                   ffn1_ckpt_name: str = "ffn1", ffn2_ckpt_name: str = "ffn2",
                   activation_type: Sequence[Union[str, Callable]] = ("gelu",), batch_first: bool = True,
-                  quantizer_sets: Tuple[QuantizerSet, QuantizerSet] = (noop_quantizer_set, noop_quantizer_set),
+                  quantizer_sets: Tuple[QuantizerSet, QuantizerSet] = (noop_quantizer_set,
+                                                                        noop_quantizer_set),
                   ) -> jax.Array:
     """x (..., H); kernels (H, len(activation_type), I) and (I, H); biases (len(act), I) and (H,)
     or None. Each GEMM quantized by its own set of ``quantizer_sets``."""

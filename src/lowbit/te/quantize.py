@@ -95,8 +95,8 @@ def _recipe_for_mode(mode: ScalingMode, fwd_dtype, bwd_dtype, history_len: int) 
     if mode.is_nvfp4:
         return NVFP4BlockScaling()
     fwd = fwd_dtype if fwd_dtype is not None else jnp.float8_e4m3fn
-    bwd = bwd_dtype if bwd_dtype is not None else (jnp.float8_e4m3fn if mode == ScalingMode.MXFP8_1D_SCALING
-                                                   else jnp.float8_e5m2)
+    mx = mode == ScalingMode.MXFP8_1D_SCALING
+    bwd = bwd_dtype if bwd_dtype is not None else (jnp.float8_e4m3fn if mx else jnp.float8_e5m2)
     fmt = _format_of(fwd, bwd)
     if mode == ScalingMode.DELAYED_TENSOR_SCALING:
         return DelayedScaling(fp8_format=fmt, amax_history_len=history_len)
@@ -121,7 +121,8 @@ def quantizer_set_for_recipe(recipe: Optional[Recipe], state: Optional[Mapping] 
             else:
                 scale = jnp.ones((1,), jnp.float32)
                 hist = jnp.zeros((recipe.amax_history_len,), jnp.float32)
-        parts[field] = Quantizer(recipe.scaling_mode(role), recipe.q_dtype(role), scale=scale, amax_history=hist)
+        parts[field] = Quantizer(recipe.scaling_mode(role), recipe.q_dtype(role), scale=scale,
+                                 amax_history=hist)
     return QuantizerSet(**parts, recipe=recipe)
 
 
@@ -130,7 +131,8 @@ def recipe_of(quantizer_set: Optional[QuantizerSet]) -> Tuple[Optional[Recipe], 
     if quantizer_set is None or quantizer_set.is_noop():
         return None, None
     if not isinstance(quantizer_set, QuantizerSet):
-        raise TypeError(f"quantizer_set must be a lowbit.te.quantize.QuantizerSet, got {type(quantizer_set).__name__}")
+        raise TypeError(f"quantizer_set must be a lowbit.te.quantize.QuantizerSet, "
+                        f"got {type(quantizer_set).__name__}")
     qs = {"x": quantizer_set.x, "kernel": quantizer_set.kernel, "grad": quantizer_set.dgrad}
     if any(q is None for q in qs.values()):
         raise NotImplementedError("lowbit quantizes all three GEMM operands or none; "
@@ -139,7 +141,8 @@ def recipe_of(quantizer_set: Optional[QuantizerSet]) -> Tuple[Optional[Recipe], 
     if quantizer_set.recipe is not None and not isinstance(quantizer_set.recipe, DelayedScaling):
         return quantizer_set.recipe, None
     if mode.is_nvfp4:
-        return NVFP4BlockScaling(disable_2d_quantization=qs["kernel"].scaling_mode != ScalingMode.NVFP4_2D_SCALING), None
+        two_d = qs["kernel"].scaling_mode == ScalingMode.NVFP4_2D_SCALING
+        return NVFP4BlockScaling(disable_2d_quantization=not two_d), None
     if any(q.scaling_mode != mode for q in qs.values()):
         raise NotImplementedError("lowbit needs one scaling mode for x, kernel and dgrad, got "
                                   f"{[q.scaling_mode.name for q in qs.values()]}")
@@ -164,7 +167,8 @@ class QuantizerFactory:
                    n_groups: Optional[int] = None, fp8_recipe: Optional[Recipe] = None,
                    **kwargs: Any) -> Union[QuantizerSet, Tuple[QuantizerSet, ...]]:
         if n_groups is not None:
-            raise NotImplementedError("QuantizerFactory.create_set(n_groups=...): grouped quantizer sets are not "
+            raise NotImplementedError("QuantizerFactory.create_set(n_groups=...): grouped quantizer sets "
+                                      "are not "
                                       "supported by lowbit.te; use lowbit.grouped_gemm with a recipe")
         if kwargs:
             raise NotImplementedError(f"QuantizerFactory.create_set: unsupported arguments {sorted(kwargs)}")
@@ -243,14 +247,16 @@ def update_collections(new: Collection, original: Collection) -> Collection:
     ``original``): how a training step writes back the updated ``_overwrite_with_gradient``."""
     for name, c in (("new", new), ("original", original)):
         if not isinstance(c, (dict, FrozenDict)):
-            raise TypeError(f"update_collections: {name} must be a dict or FrozenDict, got {type(c).__name__}")
+            raise TypeError(f"update_collections: {name} must be a dict or FrozenDict, "
+                            f"got {type(c).__name__}")
     merged = {**dict(original), **dict(new)}
     return FrozenDict(merged) if isinstance(original, FrozenDict) else merged
 
 
 __all__ = [
     "NVTE_FP8_COLLECTION_NAME", "QuantizeLayout", "TensorSource", "Quantizer", "QuantizerSet",
-    "noop_quantizer_set", "QuantizerFactory", "QuantizeConfig", "ScalingMode", "autocast", "fp8_autocast",
+    "noop_quantizer_set", "QuantizerFactory", "QuantizeConfig", "ScalingMode", "autocast",
+    "fp8_autocast",
     "get_quantize_config", "get_quantize_config_with_recipe", "get_global_quantize_recipe",
     "get_delayed_scaling", "update_collections", "is_fp8_available", "is_scaling_mode_supported",
     "get_supported_scaling_modes", "get_supported_quantization_recipes",
