@@ -9,6 +9,8 @@ from lowbit.delayed_scaling import init_delayed_state, init_grouped_delayed_stat
 from lowbit.ops.dense import dense
 from lowbit.sharding import MeshResource, global_mesh_resource, global_shard_guard
 from lowbit.autocast import autocast, get_recipe
+from lowbit.capabilities import (get_supported_quantization_recipes, get_supported_scaling_modes,
+                                 is_fp8_available, is_scaling_mode_supported)
 from lowbit import checkpoint_policies
 from lowbit import flax
 from lowbit.ops.norm import layernorm
@@ -43,6 +45,10 @@ __all__ = [
     "global_shard_guard",
     "autocast",
     "get_recipe",
+    "get_supported_quantization_recipes",
+    "get_supported_scaling_modes",
+    "is_fp8_available",
+    "is_scaling_mode_supported",
     "checkpoint_policies",
     "flax",
     "layernorm",

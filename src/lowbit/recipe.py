@@ -8,35 +8,56 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax.numpy as jnp
 
 from lowbit.quantization.scaling_modes import ScalingMode
 
 
-class Format(enum.Enum):
-    """FP8 formats for the forward (activations, weights) and backward (gradients) tensors."""
+class _FormatMax(NamedTuple):
+    """Largest finite magnitude of the forward and backward tensors' format."""
 
-    E4M3 = ("E4M3", "E4M3")
-    E5M2 = ("E5M2", "E5M2")
-    HYBRID = ("E4M3", "E5M2")
+    max_fwd: float
+    max_bwd: float
+
+
+class Format(enum.Enum):
+    """Element formats for the forward (activations, weights) and backward (gradients) tensors.
+
+    ``Format.X.value.max_fwd`` / ``.max_bwd`` are the formats' largest magnitudes, as in
+    TransformerEngine; ``fwd_dtype`` / ``bwd_dtype`` the JAX dtypes.
+    """
+
+    E2M1 = _FormatMax(6.0, 6.0)
+    E4M3 = _FormatMax(448.0, 448.0)
+    E5M2 = _FormatMax(57344.0, 57344.0)
+    HYBRID = _FormatMax(448.0, 57344.0)
 
     @property
     def fwd_dtype(self):
-        return jnp.float8_e4m3fn if self.value[0] == "E4M3" else jnp.float8_e5m2
+        return _DTYPE_OF_MAX[self.value.max_fwd]
 
     @property
     def bwd_dtype(self):
-        return jnp.float8_e4m3fn if self.value[1] == "E4M3" else jnp.float8_e5m2
+        return _DTYPE_OF_MAX[self.value.max_bwd]
+
+
+_DTYPE_OF_MAX = {6.0: jnp.float4_e2m1fn, 448.0: jnp.float8_e4m3fn, 57344.0: jnp.float8_e5m2}
+_FP8_FORMATS = (Format.E4M3, Format.E5M2, Format.HYBRID)
 
 
 def _check_format(fmt, name="fp8_format"):
-    if not isinstance(fmt, Format):
+    if not isinstance(fmt, Format) or fmt not in _FP8_FORMATS:
         raise TypeError(f"{name} must be a lowbit.recipe.Format (E4M3, E5M2 or HYBRID), got {fmt!r}")
 
 
 class Recipe:
-    """Base class: every recipe names its scaling modes."""
+    """Base class: every recipe names its scaling modes.
+
+    The kind predicates (``delayed()``, ``mxfp8()`` ...) are TransformerEngine's; they work on
+    the class and on instances.
+    """
 
     def scaling_mode(self, role: str) -> ScalingMode:  # role: "x", "kernel" or "grad"
         raise NotImplementedError
@@ -48,14 +69,74 @@ class Recipe:
     def stateful(self) -> bool:
         return False
 
+    @classmethod
+    def delayed(cls) -> bool:
+        return issubclass(cls, DelayedScaling)
+
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        return issubclass(cls, Float8CurrentScaling)
+
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+
+    @classmethod
+    def mxfp8(cls) -> bool:
+        return issubclass(cls, MXFP8BlockScaling)
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        return issubclass(cls, NVFP4BlockScaling)
+
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        return issubclass(cls, Float8BlockScaling)
+
+    @classmethod
+    def custom(cls) -> bool:
+        return issubclass(cls, CustomRecipe)
+
+
+@dataclasses.dataclass(frozen=True)
+class MMParams:
+    """GEMM options of a recipe (TransformerEngine's): split accumulation in FP8 GEMMs."""
+
+    use_split_accumulator: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class QParams:
+    """Quantization options of one tensor role (TransformerEngine's)."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+
+def _refuse_unless_default(recipe, fields: dict, why: str) -> None:
+    """Fields lowbit cannot honour: an error naming the field, never a silent ignore."""
+    for name, default in fields.items():
+        value = getattr(recipe, name)
+        if value != default:
+            raise NotImplementedError(
+                f"{type(recipe).__name__}({name}={value!r}): lowbit does not support this field "
+                f"(only the default {default!r}); {why}")
+
+
+_NO_FP8_ATTENTION = "lowbit has no FP8 attention (attention runs in the input precision)"
+_BACKWARD = "lowbit's backward always uses the quantized operands"
+
+
+def _check_common(recipe) -> None:
+    _refuse_unless_default(recipe, {"fp8_dpa": False, "fp8_mha": False}, _NO_FP8_ATTENTION)
+    _refuse_unless_default(recipe, {"backward_override": None}, _BACKWARD)
+
 
 class _FP8FormatRecipe(Recipe):
     """A recipe with an ``fp8_format``: gradients in its backward dtype, the rest forward."""
-
-    fp8_format: Format
-
-    def __post_init__(self):
-        _check_format(self.fp8_format)
 
     def q_dtype(self, role):
         return self.fp8_format.bwd_dtype if role == "grad" else self.fp8_format.fwd_dtype
@@ -66,22 +147,36 @@ class DelayedScaling(_FP8FormatRecipe):
     """Per-tensor scales from a history of past amaxes (state in ``_overwrite_with_gradient``).
 
     scale = (fp8_max / amax) / 2**margin, amax = max of the history ("max") or its newest entry
-    ("most_recent"); the previous scale is kept while amax is 0 or not finite.
+    ("most_recent"); the previous scale is kept while amax is 0 or not finite. Under a mesh the
+    amax is reduced over the mesh (``reduce_amax=True``, the only value lowbit supports).
     """
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
+    amax_compute_algo: Union[str, Callable] = "max"
+    scaling_factor_compute_algo: Optional[Callable] = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
 
     def __post_init__(self):
-        super().__post_init__()
-        if not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin must be a non-negative int, got {self.margin!r}")
+        _check_format(self.fp8_format)
+        m = self.margin
+        integral = isinstance(m, (int, float)) and not isinstance(m, bool) and float(m).is_integer()
+        if not integral or m < 0:
+            raise ValueError(f"margin must be a non-negative integer, got {m!r}")
+        object.__setattr__(self, "margin", int(m))  # 2.0 and 2 are the same recipe
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be a positive int, got {self.amax_history_len!r}")
         if self.amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
+            raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent' (lowbit takes no callable), "
+                             f"got {self.amax_compute_algo!r}")
+        _refuse_unless_default(self, {"scaling_factor_compute_algo": None},
+                               "the scale is always (fp8_max / amax) / 2**margin")
+        _refuse_unless_default(self, {"reduce_amax": True}, "amaxes are always reduced over the mesh")
+        _check_common(self)
 
     def scaling_mode(self, role):
         return ScalingMode.DELAYED_TENSOR_SCALING
@@ -91,11 +186,41 @@ class DelayedScaling(_FP8FormatRecipe):
         return True
 
 
+_CURRENT_Q = QParams()
+
+
 @dataclasses.dataclass(frozen=True)
 class Float8CurrentScaling(_FP8FormatRecipe):
-    """Per-tensor scales from each tensor's own amax, computed on the device every step."""
+    """Per-tensor scales from each tensor's own amax, computed on the device every step.
 
+    The forward GEMM uses fast accumulation (``fp8_gemm_fprop.use_split_accumulator=False``),
+    the gradient GEMMs split accumulation, as TransformerEngine's defaults say.
+    """
+
+    use_power_2_scales: bool = False
     fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp: QParams = _CURRENT_Q
+    fp8_quant_fwd_weight: QParams = _CURRENT_Q
+    fp8_quant_bwd_grad: QParams = _CURRENT_Q
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        why = "lowbit's current scaling uses scale = fp8_max / amax with no power-of-2 rounding or epsilon"
+        _refuse_unless_default(self, {"use_power_2_scales": False, "fp8_quant_fwd_inp": _CURRENT_Q,
+                                      "fp8_quant_fwd_weight": _CURRENT_Q, "fp8_quant_bwd_grad": _CURRENT_Q},
+                               why)
+        _refuse_unless_default(
+            self, {"fp8_gemm_fprop": MMParams(False), "fp8_gemm_dgrad": MMParams(True),
+                   "fp8_gemm_wgrad": MMParams(True)},
+            "lowbit accumulates the forward GEMM fast and the gradient GEMMs split "
+            "(lowbit.dense(fast_accum=False) makes the forward split too)")
+        _check_common(self)
 
     def scaling_mode(self, role):
         return ScalingMode.CURRENT_TENSOR_SCALING
@@ -105,7 +230,16 @@ class Float8CurrentScaling(_FP8FormatRecipe):
 class MXFP8BlockScaling(_FP8FormatRecipe):
     """OCP MXFP8: one E8M0 scale per 32 elements along the contraction axis."""
 
+    margin: int = 0
     fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        _refuse_unless_default(self, {"margin": 0}, "MXFP8 scales are the OCP MX power-of-two choice")
+        _check_common(self)
 
     def scaling_mode(self, role):
         return ScalingMode.MXFP8_1D_SCALING
@@ -117,17 +251,50 @@ class NVFP4BlockScaling(Recipe):
 
     Gradients use stochastic rounding (needs the ``sr_rng`` RNG stream), the inputs of the
     weight-gradient GEMM a random Hadamard transform, and weights 16x16 2-D blocks, unless
-    disabled.
+    disabled. ``fp4_quant_{fwd_inp,fwd_weight,bwd_grad}`` describe the result per role.
     """
 
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
+    row_scaled_activation: bool = False
+    nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
+    fp4_format: Format = Format.E2M1
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
 
     def __post_init__(self):
         for f in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"{f} must be a bool, got {getattr(self, f)!r}")
+        if self.fp4_format is not Format.E2M1:
+            raise ValueError(f"fp4_format must be Format.E2M1 for NVFP4, got {self.fp4_format!r}")
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError(f"fp8_format (the block scales' format) must be Format.E4M3 for NVFP4, "
+                             f"got {self.fp8_format!r}")
+        _refuse_unless_default(self, {"row_scaled_activation": False},
+                               "activations carry one FP32 tensor scale")
+        _refuse_unless_default(self, {"nvfp4_4over6": "none", "nvfp4_4over6_e4m3_use_256": "all",
+                                      "nvfp4_4over6_err_mode": "MAE"},
+                               "lowbit has no 4over6 adaptive block scaling")
+        _check_common(self)
+
+    @property
+    def fp4_quant_fwd_inp(self) -> QParams:
+        return QParams(random_hadamard_transform=not self.disable_rht)
+
+    @property
+    def fp4_quant_fwd_weight(self) -> QParams:
+        return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
+
+    @property
+    def fp4_quant_bwd_grad(self) -> QParams:
+        return QParams(random_hadamard_transform=not self.disable_rht,
+                       stochastic_rounding=not self.disable_stochastic_rounding)
 
     def scaling_mode(self, role):
         if role == "kernel" and not self.disable_2d_quantization:
@@ -136,3 +303,25 @@ class NVFP4BlockScaling(Recipe):
 
     def q_dtype(self, role):
         return jnp.float4_e2m1fn
+
+
+class _Unsupported(Recipe):
+    """A TransformerEngine recipe lowbit does not implement: constructing one says so."""
+
+    _why = ""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError(f"{type(self).__name__} is not supported by lowbit: {self._why}")
+
+
+class Float8BlockScaling(_Unsupported):
+    """TransformerEngine's 1x128 / 128x128 block-scaled FP8 recipe (not in lowbit)."""
+
+    _why = ("1x128/128x128 FP8 block scaling is not implemented; use MXFP8BlockScaling (1x32 blocks) "
+            "or Float8CurrentScaling")
+
+
+class CustomRecipe(_Unsupported):
+    """TransformerEngine's quantizer-factory recipe (not in lowbit)."""
+
+    _why = "lowbit has no per-role quantizer factories; pick one of lowbit's four recipes"

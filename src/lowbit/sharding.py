@@ -24,12 +24,14 @@ from lowbit.quantization.scaling_modes import ScalingMode
 class MeshResource:
     """Mesh axis names per parallelism kind; ``None`` where that kind is not used."""
 
+    # TransformerEngine's positional order: MeshResource("dp", "tp") means what it means there.
     dp_resource: Optional[str] = None    # data parallel (batch)
     tp_resource: Optional[str] = None    # tensor parallel (features)
-    fsdp_resource: Optional[str] = None  # fully sharded data parallel (parameters)
     tpsp_resource: Optional[str] = None  # tensor + sequence parallel
-    cp_resource: Optional[str] = None    # context parallel (sequence)
+    fsdp_resource: Optional[str] = None  # fully sharded data parallel (parameters)
     pp_resource: Optional[str] = None    # pipeline stages
+    cp_resource: Optional[str] = None    # context parallel (sequence)
+    ep_resource: Optional[str] = None    # expert parallel (MoE dispatch)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
