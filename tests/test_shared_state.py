@@ -10,6 +10,8 @@ import optax
 
 import lowbit
 import lowbit.flax as lf
+from lowbit.te import flax as te_flax
+from lowbit.te.dense import dense as te_dense
 
 OWG = lf.OVERWRITE_WITH_GRADIENT
 DN = (((1,), (0,)), ((), ()))
@@ -47,6 +49,26 @@ class SeparateRagged(nn.Module):
         w = self.param("w", nn.initializers.normal(0.3), (2, 32, 32))
         h = lf.make_ragged_dot_cls(RECIPE)(name="rd")(x, w, gs)
         return lf.make_ragged_dot_cls(RECIPE)(name="rd1")(jnp.tanh(h), w, gs)
+
+
+def _te_fn(generate_quantizer_set, x, kernel):
+    return te_dense(x, kernel, contracting_dims=((1,), (0,)), quantizer_set=generate_quantizer_set())
+
+
+class SharedTE(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        k = self.param("kernel", nn.initializers.normal(0.3), (32, 32))
+        d = te_flax.wrap_function_in_te_state_module(_te_fn, RECIPE)(name="dg")
+        return d(jnp.tanh(d(x, k)), k)
+
+
+class SeparateTE(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        k = self.param("kernel", nn.initializers.normal(0.3), (32, 32))
+        cls = te_flax.wrap_function_in_te_state_module(_te_fn, RECIPE)
+        return cls(name="dg1")(jnp.tanh(cls(name="dg")(x, k)), k)
 
 
 def _train(model, *extra, steps=4):
@@ -98,6 +120,10 @@ def test_shared_dot_general_matches_separate_modules():
 def test_shared_ragged_dot_matches_separate_modules():
     gs = jnp.array([12, 20], jnp.int32)
     _check_same(_train(SharedRagged(), gs), _train(SeparateRagged(), gs), "rd", "rd1")
+
+
+def test_shared_te_state_module_matches_separate_modules():
+    _check_same(_train(SharedTE()), _train(SeparateTE()), "dg", "dg1")
 
 
 def test_shared_nn_dense_gets_one_state_per_call():

@@ -37,16 +37,17 @@ class QuantizeContext:
 _CALLS_KEY = ("lowbit", "delayed_state_calls")
 
 
-def _call_index(module: nn.Module) -> int:
-    """How many times ``module``'s state was read before in this init/apply: 0 on the first call.
+def call_index(module: nn.Module, site: str = "") -> int:
+    """How many times ``module``'s state (``site``: which of its states) was read before in this
+    init/apply: 0 on the first call.
 
     Kept beside Flax's own per-call counters (those that give each call of a shared module its
     own ``make_rng`` key): shared by every scope object of the same module path in one
     init/apply, and replayed by ``nn.jit`` on a cache hit.
     """
-    counters = module.scope.rng_counters
-    i = counters.get(_CALLS_KEY, 0)
-    counters[_CALLS_KEY] = i + 1
+    counters, key = module.scope.rng_counters, _CALLS_KEY + (site,)
+    i = counters.get(key, 0)
+    counters[key] = i + 1
     return i
 
 
@@ -65,7 +66,7 @@ def delayed_state_variables(module: nn.Module, recipe: DelayedScaling,
     a state read twice (a shared or tied module), so a shared module keeps the state that
     separate modules would.
     """
-    call = _call_index(module)
+    call = call_index(module)
     return {k: module.variable(OVERWRITE_WITH_GRADIENT, state_variable_name(k, call), init, shape,
                                jnp.float32).value
             for k, (shape, init) in state_layout(recipe, num_groups).items()}
