@@ -191,7 +191,9 @@ def _sharded_2d_fwd(cfg, plan, x, kernel, bias, state):
 def _sharded_2d_bwd(cfg, plan, saved, dy):
     res, (ax, ak), state = saved
     dx, dk, db, ag = _bwd(cfg, plan, res, dy, ds.scale_of(state, "grad"))
-    state_ct = ds.advance_step(cfg.recipe, state, {"x": ax, "kernel": ak, "grad": ag}) if cfg.delayed else None
+    state_ct = None
+    if cfg.delayed:
+        state_ct = ds.advance_step(cfg.recipe, state, {"x": ax, "kernel": ak, "grad": ag})
     return dx, dk, db, state_ct
 
 
