@@ -1,25 +1,26 @@
 """``lowbit.autocast(enabled, recipe, mesh_resource)``: the recipe lowbit's GEMMs use where none
 is given, with TransformerEngine's argument order and defaults.
 
-Read at trace time: a function jitted inside the context keeps the recipe it was traced with.
+Read at trace time; the recipe is part of ``jax.jit``'s cache key, so a function traced under
+one recipe is traced again under another (or with quantization off).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 from typing import Iterator, Optional, Union
 
+from lowbit._trace_context import TraceKeyedContext
 from lowbit.recipe import DelayedScaling, Recipe
 from lowbit.sharding import MeshResource, global_shard_guard
 
-_local = threading.local()
+_RECIPE = TraceKeyedContext(None)
 
 
 def get_recipe() -> Optional[Recipe]:
     """The active recipe, or None outside an enabled :func:`autocast` (no quantization)."""
-    return getattr(_local, "recipe", None)
+    return _RECIPE.value
 
 
 def _resolve(enabled, recipe) -> Optional[Recipe]:
@@ -62,13 +63,9 @@ def autocast(enabled: Union[bool, Recipe] = False, recipe: Optional[Recipe] = No
     Yields the active recipe (None when off).
     """
     active = _resolve(enabled, recipe)
-    prev = get_recipe()
-    _local.recipe = active
-    try:
+    with _RECIPE(active):
         if mesh_resource is not None:
             with global_shard_guard(mesh_resource):
                 yield active
         else:
             yield active
-    finally:
-        _local.recipe = prev

@@ -4,7 +4,8 @@ One history and one scale per role (x, kernel, grad): ``<role>_amax_history`` fl
 (zeros) and ``<role>_scale`` float32 ``(1,)`` (ones). A grouped GEMM keeps one of each per group:
 ``(L, G)`` and ``(G,)``. An op reads the scales, and returns the state advanced by one step
 (:func:`advance`) as the cotangent of the state, which Flax's ``_overwrite_with_gradient``
-collection writes back.
+collection writes back. A non-finite amax never enters a history: the optimizer skips such a
+step (``optax.apply_if_finite``), and the state must not remember it for L steps either.
 """
 
 from __future__ import annotations
@@ -57,13 +58,19 @@ def update_delayed_scale(history: ArrayLike, scale: ArrayLike, amax: ArrayLike, 
 
     scale = (fp8_max / a) / 2**margin, a = max(history) ("max") or history[0] ("most_recent"),
     clamped to the largest float32; the previous scale is kept where a is 0 or not finite.
+    A non-finite ``amax`` leaves history and scale unchanged (an Inf would pin the scale for
+    L steps).
     """
-    history = jnp.roll(history, 1).at[0].set(jnp.reshape(amax, ()).astype(jnp.float32))
+    amax = jnp.reshape(amax, ()).astype(jnp.float32)
+    old = jnp.asarray(history, jnp.float32)
+    history = jnp.roll(old, 1).at[0].set(amax)
     a = jnp.max(history) if recipe.amax_compute_algo == "max" else history[0]
     fmax = float(jnp.finfo(q_dtype).max)
     new = jnp.minimum((jnp.float32(fmax) / a) / jnp.float32(2.0 ** recipe.margin), jnp.float32(_FLT_MAX))
     ok = jnp.isfinite(a) & (a > 0)
-    return history, jnp.where(ok, new, scale).astype(jnp.float32)
+    scale = jnp.asarray(scale, jnp.float32)
+    finite = jnp.isfinite(amax)
+    return jnp.where(finite, history, old), jnp.where(finite & ok, new, scale).astype(jnp.float32)
 
 
 def advance(recipe: DelayedScaling, state: dict, amaxes: dict, grouped: bool = False) -> dict:
@@ -81,6 +88,15 @@ def advance(recipe: DelayedScaling, state: dict, amaxes: dict, grouped: bool = F
         out[f"{role}_amax_history"], out[f"{role}_scale"] = step(
             state[f"{role}_amax_history"], state[f"{role}_scale"], amax)
     return out
+
+
+def advance_step(recipe: DelayedScaling, state: dict, amaxes: dict, grouped: bool = False) -> dict:
+    """:func:`advance` for one GEMM's whole step (all its roles), or ``state`` unchanged when any
+    of the amaxes is not finite: that step's loss is non-finite and the optimizer skips it, so
+    the state stays as if the step never ran."""
+    new = advance(recipe, state, amaxes, grouped)
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in amaxes.values()]))
+    return {k: jnp.where(ok, new[k], v) for k, v in state.items()}
 
 
 def scale_of(state: Optional[dict], role: str) -> Optional[jax.Array]:
@@ -114,6 +130,7 @@ __all__ = [
     "ROLES",
     "STATE_KEYS",
     "advance",
+    "advance_step",
     "check_state_arg",
     "init_delayed_state",
     "init_grouped_delayed_state",

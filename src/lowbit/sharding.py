@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from typing import Any, Iterator, Optional
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from lowbit._trace_context import TraceKeyedContext
 from lowbit.quantization.scaling_modes import ScalingMode
 
 
@@ -40,12 +40,14 @@ class MeshResource:
                 raise TypeError(f"MeshResource.{f.name} must be a mesh axis name (str) or None, got {v!r}")
 
 
-_local = threading.local()
+# Read at trace time, so both are part of jax.jit's cache key (lowbit._trace_context).
+_RESOURCE = TraceKeyedContext(None)
+_TP_LAYOUT = TraceKeyedContext(None)
 
 
 def global_mesh_resource() -> MeshResource:
     """The MeshResource in effect (an empty one when none was set)."""
-    return getattr(_local, "resource", None) or MeshResource()
+    return _RESOURCE.value or MeshResource()
 
 
 @contextlib.contextmanager
@@ -53,12 +55,8 @@ def global_shard_guard(resource: Optional[MeshResource]) -> Iterator[MeshResourc
     """Sets the MeshResource for the enclosed code (restored on exit)."""
     if resource is not None and not isinstance(resource, MeshResource):
         raise TypeError(f"resource must be a lowbit.MeshResource or None, got {type(resource).__name__}")
-    prev = getattr(_local, "resource", None)
-    _local.resource = resource
-    try:
+    with _RESOURCE(resource):
         yield global_mesh_resource()
-    finally:
-        _local.resource = prev
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,7 +67,7 @@ TP_LAYOUTS = ("column", "row")
 
 def tp_layout() -> str:
     """How ``tp_resource`` splits a dense kernel (K, N): "column" (N; the default) or "row" (K)."""
-    return getattr(_local, "tp_layout", None) or "column"
+    return _TP_LAYOUT.value or "column"
 
 
 @contextlib.contextmanager
@@ -80,12 +78,8 @@ def tensor_parallel_layout(layout: str) -> Iterator[str]:
     out otherwise are resharded by XLA: correct, but with communication."""
     if layout not in TP_LAYOUTS:
         raise ValueError(f"layout must be one of {TP_LAYOUTS}, got {layout!r}")
-    prev = getattr(_local, "tp_layout", None)
-    _local.tp_layout = layout
-    try:
+    with _TP_LAYOUT(layout):
         yield layout
-    finally:
-        _local.tp_layout = prev
 
 
 def current_mesh():

@@ -33,11 +33,42 @@ class QuantizeContext:
         return dict(recipe=self.recipe, state=self.state, rng=self.rng)
 
 
+#: Key of the call counter in a scope's ``rng_counters`` (a tuple: never an RNG stream's name).
+_CALLS_KEY = ("lowbit", "delayed_state_calls")
+
+
+def call_index(module: nn.Module, site: str = "") -> int:
+    """How many times ``module``'s state (``site``: which of its states) was read before in this
+    init/apply: 0 on the first call.
+
+    Kept beside Flax's own per-call counters (those that give each call of a shared module its
+    own ``make_rng`` key): shared by every scope object of the same module path in one
+    init/apply, and replayed by ``nn.jit`` on a cache hit.
+    """
+    counters, key = module.scope.rng_counters, _CALLS_KEY + (site,)
+    i = counters.get(key, 0)
+    counters[key] = i + 1
+    return i
+
+
+def state_variable_name(key: str, call: int) -> str:
+    """The variable holding ``key`` of the ``call``-th call of a module (first call: ``key``)."""
+    return key if call == 0 else f"{key}_call{call}"
+
+
 def delayed_state_variables(module: nn.Module, recipe: DelayedScaling,
                             num_groups: Optional[int] = None) -> dict[str, jax.Array]:
     """The DelayedScaling state as variables of ``module`` in ``_overwrite_with_gradient``
-    (created at init, read after); ``num_groups``: one history and scale per group."""
-    return {k: module.variable(OVERWRITE_WITH_GRADIENT, k, init, shape, jnp.float32).value
+    (created at init, read after); ``num_groups``: one history and scale per group.
+
+    Each call of the module in one step gets its own state (``<key>_call<i>`` from the second
+    call on): the new state is the "gradient" of the state, and Flax would sum the gradients of
+    a state read twice (a shared or tied module), so a shared module keeps the state that
+    separate modules would.
+    """
+    call = call_index(module)
+    return {k: module.variable(OVERWRITE_WITH_GRADIENT, state_variable_name(k, call), init, shape,
+                               jnp.float32).value
             for k, (shape, init) in state_layout(recipe, num_groups).items()}
 
 
@@ -47,7 +78,8 @@ def wrap_function_in_state_module(f: Callable, recipe: Optional[Recipe] = None,
     ``f(ctx, *args, **kwargs)`` with ``ctx`` a :class:`QuantizeContext`.
 
     The module creates no parameters. With DelayedScaling it keeps ``{x,kernel,grad}_amax_history
-    (L,)`` and ``{x,kernel,grad}_scale (1,)`` in the ``_overwrite_with_gradient`` collection; with
+    (L,)`` and ``{x,kernel,grad}_scale (1,)`` in the ``_overwrite_with_gradient`` collection (one
+    set per call in a step: :func:`delayed_state_variables`); with
     NVFP4 (stochastic rounding on) it draws a key from the ``sr_rng`` stream when one is given.
     ``recipe=None`` uses the recipe of the enclosing :func:`lowbit.autocast` at trace time.
     """

@@ -26,6 +26,7 @@ from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
 from lowbit.ops import dense_sharded
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
+from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import check_input, quantize, quantize_dbias
 from lowbit.quantization.scaling_modes import INPUT_DTYPES, ScalingMode
 from lowbit.quantization.tensor import prod
@@ -69,8 +70,8 @@ def _quantize_role(cfg: _Config, role: str, state, **kw):
 
 
 def _forward(cfg: _Config, x, kernel, bias, state):
-    qx = quantize(x, **_quantize_role(cfg, "x", state, rht=cfg.rht))
-    qk = quantize(kernel, **_quantize_role(cfg, "kernel", state))
+    qx = poison_nonfinite(quantize(x, **_quantize_role(cfg, "x", state, rht=cfg.rht)))
+    qk = poison_nonfinite(quantize(kernel, **_quantize_role(cfg, "kernel", state)))
     y = gemm(qx, qk, gemm_bias(bias), a_layout="rowwise", b_layout="colwise",
              out_dtype=gemm_out_dtype(cfg.out_dtype), fast_accum=cfg.fast_accum)
     return y.astype(cfg.out_dtype), qx, qk
@@ -86,27 +87,28 @@ def _dense_2d_fwd(cfg: _Config, x, kernel, bias, state, rng):
     # Keep only the copies the backward reads: x's colwise (wgrad), the kernel's rowwise (dgrad).
     qx_c = dataclasses.replace(qx, data=None, scale_inv=None)
     qk_r = dataclasses.replace(qk, colwise_data=None, colwise_scale_inv=None)
-    new_state = ds.advance(cfg.recipe, state, {"x": qx.amax, "kernel": qk.amax}) if cfg.delayed else None
-    return y, (qx_c, qk_r, new_state, rng)
+    return y, (qx_c, qk_r, state, rng)
 
 
 def _dense_2d_bwd(cfg: _Config, res, dy):
-    qx_c, qk_r, new_state, rng = res
+    qx_c, qk_r, state, rng = res
     if cfg.stochastic and rng is None:
         raise ValueError(
             "dense: NVFP4BlockScaling rounds gradients stochastically and needs an rng key "
             "(Flax: pass rngs={'sr_rng': key} to apply; or NVFP4BlockScaling(disable_stochastic_rounding=True))")
     kw = dict(rht=cfg.rht, rng_key=rng if cfg.stochastic else None)
-    q_kw = _quantize_role(cfg, "grad", new_state, **kw)
+    q_kw = _quantize_role(cfg, "grad", state, **kw)
     if cfg.bias_dtype is not None:
         mode, q = q_kw.pop("scaling_mode"), q_kw.pop("q_dtype")
         qdy, dbias = quantize_dbias(dy, mode, q, **q_kw)
-        dbias = dbias.astype(cfg.bias_dtype)
+        qdy, dbias = poison_nonfinite(qdy), dbias.astype(cfg.bias_dtype)
     else:
-        qdy, dbias = quantize(dy, **q_kw), None
+        qdy, dbias = poison_nonfinite(quantize(dy, **q_kw)), None
     dx = gemm(qdy, qk_r, a_layout="rowwise", b_layout="rowwise", out_dtype=gemm_out_dtype(cfg.x_dtype))
     dk = gemm(qx_c, qdy, a_layout="colwise", b_layout="colwise", out_dtype=gemm_out_dtype(cfg.kernel_dtype))
-    state_ct = ds.advance(cfg.recipe, new_state, {"grad": qdy.amax}) if cfg.delayed else None
+    state_ct = None
+    if cfg.delayed:
+        state_ct = ds.advance_step(cfg.recipe, state, {"x": qx_c.amax, "kernel": qk_r.amax, "grad": qdy.amax})
     return dx.astype(cfg.x_dtype), dk.astype(cfg.kernel_dtype), dbias, state_ct, None
 
 

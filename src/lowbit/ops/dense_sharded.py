@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from lowbit import delayed_scaling as ds
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
+from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import quantize, quantize_dbias
 from lowbit.quantization.scaling_modes import ScalingMode
 from lowbit.quantization.tensor import ScaledTensor
@@ -79,7 +80,7 @@ def _quantize(cfg, role, v, scale, axes, dbias=False):
         qt, db = quantize(v, mode, q, **kw), None
     if mode.is_tensor_scaling:
         qt = dataclasses.replace(qt, amax=_pmax(qt.amax, axes))
-    return qt, db
+    return poison_nonfinite(qt), db
 
 
 def _mm(a, b, a_layout, b_layout, out_dtype, sum_axes, bias=None, fast_accum=False):
@@ -183,15 +184,16 @@ def _sharded_2d(cfg, plan, x, kernel, bias, state):
 
 
 def _sharded_2d_fwd(cfg, plan, x, kernel, bias, state):
-    y, res, (ax, ak) = _fwd(cfg, plan, x, kernel, bias, state)
-    new_state = ds.advance(cfg.recipe, state, {"x": ax, "kernel": ak}) if cfg.delayed else None
-    return y, (res, new_state)
+    y, res, amaxes = _fwd(cfg, plan, x, kernel, bias, state)
+    return y, (res, amaxes, state)
 
 
 def _sharded_2d_bwd(cfg, plan, saved, dy):
-    res, new_state = saved
-    dx, dk, db, ag = _bwd(cfg, plan, res, dy, ds.scale_of(new_state, "grad"))
-    state_ct = ds.advance(cfg.recipe, new_state, {"grad": ag}) if cfg.delayed else None
+    res, (ax, ak), state = saved
+    dx, dk, db, ag = _bwd(cfg, plan, res, dy, ds.scale_of(state, "grad"))
+    state_ct = None
+    if cfg.delayed:
+        state_ct = ds.advance_step(cfg.recipe, state, {"x": ax, "kernel": ak, "grad": ag})
     return dx, dk, db, state_ct
 
 

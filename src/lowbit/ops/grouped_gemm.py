@@ -30,6 +30,7 @@ from lowbit import _native
 from lowbit import delayed_scaling as ds
 from lowbit._native import EMPTY_F32
 from lowbit.ops.gemm import pad_to
+from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import grouped_quantize
 from lowbit.quantization.scaling_modes import dtype_code
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
@@ -113,8 +114,9 @@ class _Fp8Config:
 
 
 def _quantize(cfg, role, x, gs, state, layout):
-    return grouped_quantize(x, gs, cfg.recipe.scaling_mode(role), cfg.recipe.q_dtype(role),
-                            scale=ds.scale_of(state, role), layout=layout)
+    # A group with a non-finite amax gets NaN decode scales: its output rows are NaN, not saturated.
+    return poison_nonfinite(grouped_quantize(x, gs, cfg.recipe.scaling_mode(role), cfg.recipe.q_dtype(role),
+                                             scale=ds.scale_of(state, role), layout=layout))
 
 
 def _expert_sizes(rhs):
@@ -142,26 +144,25 @@ def _grouped_fp8(cfg, lhs, rhs, gs, state):
 
 def _grouped_fp8_fwd(cfg, lhs, rhs, gs, state):
     y, qx, qw = _fp8_forward(cfg, lhs, rhs, gs, state, both=True)
-    new_state = None
-    if cfg.delayed:
-        new_state = ds.advance(cfg.recipe, state, {"x": qx.amax, "kernel": qw.amax}, grouped=True)
     # The backward reads lhs's colwise copy (wgrad) and rhs's rowwise copy (dgrad) only.
-    res = (qx.colwise_data, qx.colwise_scale_inv, qw.data, qw.scale_inv, gs, new_state)
+    res = (qx.colwise_data, qx.colwise_scale_inv, qw.data, qw.scale_inv, gs, state, (qx.amax, qw.amax))
     return y, res
 
 
 def _grouped_fp8_bwd(cfg, res, dout):
-    x_col, x_col_s, w_row, w_row_s, gs, new_state = res
+    x_col, x_col_s, w_row, w_row_s, gs, state, (ax, aw) = res
     K, M = x_col.shape
     N = w_row.shape[1]
-    qg = _quantize(cfg, "grad", dout, gs, new_state, "both")
+    qg = _quantize(cfg, "grad", dout, gs, state, "both")
     # dgrad: dout (M, N) . rhs[g]^T; B(c, j) = w_row[g*K + j, c]: K-major, row stride N.
     dlhs = _call(_RAGGED_M, qg.data, w_row, gs, qg.scale_inv, w_row_s, m=M, n=K, k=N, lda=N, ldb=N,
                  bgs=K * N, a_kmajor=True, b_kmajor=True)
     # wgrad: A(i, c) = x_col[i, c], B(c, j) = dout_col[j, c]; both K-major, row stride M.
     drhs = _call(_RAGGED_K, x_col, qg.colwise_data, gs, x_col_s, qg.colwise_scale_inv, m=K, n=N, k=M,
                  lda=M, ldb=M, a_kmajor=True, b_kmajor=True)
-    state_ct = ds.advance(cfg.recipe, new_state, {"grad": qg.amax}, grouped=True) if cfg.delayed else None
+    state_ct = None
+    if cfg.delayed:
+        state_ct = ds.advance_step(cfg.recipe, state, {"x": ax, "kernel": aw, "grad": qg.amax}, grouped=True)
     return dlhs.astype(cfg.lhs_dtype), drhs.astype(cfg.rhs_dtype), None, state_ct
 
 

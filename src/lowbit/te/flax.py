@@ -16,6 +16,7 @@ from lowbit.autocast import get_recipe
 from lowbit.flax import (SR_RNG, DenseGeneral, DotProductAttention, LayerNorm, LayerNormDenseGeneral,
                          LayerNormMLP, MultiHeadAttention, OVERWRITE_WITH_GRADIENT, Softmax,
                          TransformerLayer, make_dot_general_cls, make_ragged_dot_cls)
+from lowbit.flax.state_module import call_index, state_variable_name
 from lowbit.recipe import DelayedScaling, NVFP4BlockScaling, Recipe
 from lowbit.te.quantize import QuantizerSet, quantizer_set_for_recipe
 from lowbit.te.sharding import extend_logical_axis_rules
@@ -24,11 +25,13 @@ _ROLES = ("x", "kernel", "grad")
 
 
 def _delayed_state(module: nn.Module, recipe: DelayedScaling, postfix: str, collection: str) -> dict:
-    state = {}
+    # One state per call (lowbit.flax.delayed_state_variables says why): "<name>_call<i>" after the first.
+    call, state = call_index(module, postfix), {}
     for role in _ROLES:
-        h = module.variable(collection, f"{postfix}{role}_amax_history", jnp.zeros,
+        h = module.variable(collection, state_variable_name(f"{postfix}{role}_amax_history", call), jnp.zeros,
                             (recipe.amax_history_len,), jnp.float32)
-        s = module.variable(collection, f"{postfix}{role}_scale", jnp.ones, (1,), jnp.float32)
+        s = module.variable(collection, state_variable_name(f"{postfix}{role}_scale", call), jnp.ones, (1,),
+                            jnp.float32)
         state[f"{role}_amax_history"], state[f"{role}_scale"] = h.value, s.value
     return state
 
