@@ -20,6 +20,7 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import _native
 from lowbit._native import EMPTY_F32
 from lowbit.ops.quantize import dequantize
+from lowbit.quantization.checks import validate
 from lowbit.quantization.scaling_modes import FP8_DTYPES, ScalingMode
 from lowbit.quantization.tensor import ScaledTensor, prod
 
@@ -73,10 +74,9 @@ def _scaled_operand(qt: ScaledTensor, name: str, layout: Optional[str]) -> _Oper
         layout = "rowwise" if qt.has_rowwise else "colwise"
     if layout not in ("rowwise", "colwise"):
         raise ValueError(f"gemm: {name}_layout must be 'rowwise' or 'colwise', got {layout!r}")
+    validate(qt, layout, "gemm", name)
     colwise = layout == "colwise"
     data = qt.colwise_data if colwise else qt.data
-    if data is None:
-        raise ValueError(f"gemm: {name} has no {layout} copy; quantize it with layout='{layout}' or 'both'")
     ax = qt.flatten_axis
     lead = tuple(qt.shape[ax:]) if colwise else tuple(qt.shape[:ax])
     k = qt.rows if colwise else qt.cols

@@ -23,6 +23,7 @@ from lowbit.quantization.scaling_modes import (
     ScalingMode,
     dtype_code,
 )
+from lowbit.quantization.checks import validate
 from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod
 
 # Argument checks shared by the ops that quantize (norm, activation, their fused outputs).
@@ -250,12 +251,11 @@ def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype: Optional[DTypeL
     out_dtype = np.dtype(dtype if dtype is not None else qt.dq_dtype)
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
+    validate(qt, layout, "dequantize")
     colwise = layout == "colwise"
     data = qt.colwise_data if colwise else qt.data
     s_inv = qt.colwise_scale_inv if colwise else qt.scale_inv
-    if data is None:
-        raise ValueError(f"qt has no {layout} copy; quantize with layout='{layout}' or 'both'")
-    mode = qt.scaling_mode
+    mode = ScalingMode(qt.scaling_mode)
     if mode == ScalingMode.NO_SCALING:
         out = data.astype(out_dtype)
         return _from_colwise(out, qt.rows, qt.cols, qt.shape) if colwise else out
@@ -313,20 +313,62 @@ def _zeros_or_none(a):
 
 def grouped_dequantize(qt: ScaledTensor, group_sizes: ArrayLike, layout: str = "rowwise",
                        dtype: Optional[DTypeLike] = None) -> jax.Array:
-    """Decodes a grouped_quantize result to (M, K); rows in no group decode to zero."""
+    """Decodes a grouped_quantize result to (M, K); rows in no group decode to zero.
+
+    Groups are laid out as grouped_quantize lays them: negative sizes count as 0 and the group
+    ends are clamped to M, so a sum past M (even past 2**31) never wraps."""
+    op = "grouped_dequantize"
+    if not isinstance(qt, ScaledTensor):
+        raise TypeError(f"{op}: qt must be a lowbit.ScaledTensor, got {type(qt).__name__}")
+    if layout not in ("rowwise", "colwise"):
+        raise ValueError(f"{op}: layout must be 'rowwise' or 'colwise', got {layout!r}")
+    if not isinstance(qt.shape, tuple) or len(qt.shape) != 2:
+        raise ValueError(f"{op}: qt.shape must be 2-D (M, K) as grouped_quantize makes it, got {qt.shape!r}")
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"{op}: group_sizes must be an integer array of shape (G,), got {_desc(group_sizes)}")
+    G = group_sizes.shape[0]
     out_dtype = np.dtype(dtype if dtype is not None else qt.dq_dtype)
+    if out_dtype not in INPUT_DTYPES:
+        raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
     M, K = qt.shape
     if qt.scaling_mode == ScalingMode.MXFP8_1D_SCALING:
+        validate(qt, layout, op)
         return dequantize(qt, layout, dtype=out_dtype)
-    # Group id of every row (G for rows in no group), computed on the device.
-    ends = jnp.cumsum(jnp.maximum(jnp.asarray(group_sizes, jnp.int32), 0))
-    gid = jnp.searchsorted(ends, jnp.arange(M, dtype=jnp.int32), side="right")
-    if layout == "rowwise":
-        data, s_inv = qt.data, qt.scale_inv
-    else:
-        data, s_inv = qt.colwise_data.T, qt.colwise_scale_inv
+    if not ScalingMode(qt.scaling_mode).is_tensor_scaling:
+        raise ValueError(f"{op}: qt.scaling_mode must be one grouped_quantize makes (DELAYED/CURRENT_TENSOR_"
+                         f"SCALING or MXFP8_1D_SCALING), got {ScalingMode(qt.scaling_mode).name}")
+    s_field = "colwise_scale_inv" if layout == "colwise" else "scale_inv"
+    s_inv = getattr(qt, s_field)
+    if s_inv is not None and getattr(s_inv, "ndim", None) == 1 and s_inv.shape[0] != G:
+        raise ValueError(f"{op}: group_sizes has {G} groups but qt.{s_field} has {s_inv.shape[0]} "
+                         f"(one decode scale per group); pass the group_sizes given to grouped_quantize")
+    validate(qt, layout, op, num_groups=G)
+    gid = group_ids(group_sizes, M)
+    data = qt.data if layout == "rowwise" else qt.colwise_data.T
     row_scale = jnp.concatenate([s_inv, jnp.zeros((1,), jnp.float32)])[gid]
     return (data.astype(jnp.float32) * row_scale[:, None]).astype(out_dtype)
+
+
+def group_ends(group_sizes: jax.Array, extent: int) -> jax.Array:
+    """Group ends as the kernels compute them: sizes below 0 count as 0 and the running sum
+    saturates at ``extent``, so it never overflows int32 (a plain cumsum wraps past 2**31)."""
+    sizes = jnp.clip(group_sizes, 0, extent).astype(jnp.int32)
+
+    def sat_add(a, b):  # a, b in [0, extent]: a + min(b, extent - a) cannot overflow
+        return a + jnp.minimum(b, jnp.int32(extent) - a)
+
+    return jax.lax.associative_scan(sat_add, sizes)
+
+
+def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group of every row, (rows,) int32; G for rows in no group."""
+    ends = group_ends(group_sizes, rows)
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right")
+
+
+def _desc(a) -> str:
+    return f"{np.dtype(a.dtype).name} {tuple(a.shape)}"
 
 
 def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: ScalingMode,
