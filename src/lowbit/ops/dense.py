@@ -185,6 +185,9 @@ def dense(
     """
     x = check_input(jnp.asarray(x), "dense: x")
     kernel = check_input(jnp.asarray(kernel), "dense: kernel")
+    for name, a, need in (("x", x, "(..., K)"), ("kernel", kernel, "(K, N...)")):
+        if a.ndim < 1:  # a scalar has no axis to contract
+            raise ValueError(f"dense: {name} must have shape {need} (at least one axis), got a rank-0 array")
     lhs, rhs = _normalize_dims(contracting_dims, x.ndim, kernel.ndim)
     for i, j in zip(lhs, rhs):
         if x.shape[i] != kernel.shape[j]:

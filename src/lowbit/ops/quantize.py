@@ -23,7 +23,7 @@ from lowbit.quantization.scaling_modes import (
     ScalingMode,
     dtype_code,
 )
-from lowbit.quantization.checks import validate
+from lowbit.quantization.checks import check_scale_value, validate
 from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod
 
 # Argument checks shared by the ops that quantize (norm, activation, their fused outputs).
@@ -77,7 +77,7 @@ def check_tensor_scale(mode: ScalingMode, scale, prefix: str = "") -> Optional[j
         if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
             raise TypeError(f"{prefix}scale must be a float32 scalar or shape (1,), "
                             f"got {scale.dtype} {scale.shape}")
-        return scale.reshape(1)
+        return check_scale_value(scale.reshape(1), f"{prefix}scale")
     if scale is not None:
         raise ValueError(f"{prefix}scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
     return None
@@ -404,6 +404,7 @@ def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: Scaling
         scale = jnp.asarray(scale)
         if scale.shape != (G,) or np.dtype(scale.dtype) != np.float32:
             raise TypeError(f"scale must be float32 of shape ({G},), got {scale.dtype} {scale.shape}")
+        scale = check_scale_value(scale, "scale")
     elif scale is not None:
         raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
     else:

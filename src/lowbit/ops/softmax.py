@@ -26,7 +26,10 @@ _TYPES = {"scaled": 0, "scaled_masked": 1, "scaled_upper_triang_masked": 2}
 def _check_scale(scale_factor):
     if isinstance(scale_factor, (bool, np.bool_)) or not isinstance(scale_factor, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale_factor must be a Python float (a static value), got {type(scale_factor).__name__}")
-    return float(scale_factor)
+    scale = float(scale_factor)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale_factor must be finite, got {scale}")
+    return scale
 
 
 def _check_mask(mask, shape4):

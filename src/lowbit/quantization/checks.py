@@ -103,3 +103,20 @@ def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt",
     if mode.is_nvfp4:
         _expect(op, f"{name}.global_scale_inv", qt.global_scale_inv, (2,), _F32,
                 "NVFP4's rowwise and colwise tensor decode scales")
+
+
+def check_scale_value(scale, name: str):
+    """An encode scale that is 0, negative, NaN or Inf makes every code 0 or NaN. A concrete
+    value is refused here; a traced one (unknown until run) is replaced by 1, the initial
+    DelayedScaling scale, so the step stays finite and records its amax (docs/numerics.md)."""
+    import jax
+
+    scale = jnp.asarray(scale)
+    if not isinstance(scale, jax.core.Tracer):
+        v = np.asarray(scale, np.float64)
+        bad = ~np.isfinite(v) | (v <= 0)
+        if bad.any():
+            raise ValueError(f"{name} must be positive and finite (an encode scale), got "
+                             f"{v.reshape(-1)[bad.reshape(-1)][:4].tolist()}")
+        return scale
+    return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, jnp.ones_like(scale))
