@@ -139,7 +139,8 @@ def _normalize_dims(contracting_dims, x_ndim: int, k_ndim: int):
             f"dense: x must be contracted over its trailing axes (got x dims {lhs} of rank {x_ndim}); "
             "move the contracted axes to the end of x first")
     if len(rhs) == k_ndim:
-        raise ValueError("dense: the kernel needs at least one non-contracted (output feature) axis")
+        raise ValueError(f"dense: kernel of rank {k_ndim} needs at least one axis outside contracting_dims "
+                         f"{contracting_dims!r} (its output features)")
     return lhs, rhs
 
 

@@ -58,7 +58,8 @@ def _operand(x, name: str, layout: Optional[str]) -> _Operand:
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"gemm: {name} must be a bfloat16 array or a lowbit.ScaledTensor, got {type(x).__name__}")
     if layout is not None:
-        raise ValueError(f"gemm: {name}_layout applies to ScaledTensor operands only")
+        raise ValueError(f"gemm: {name}_layout must be None for an array operand {name} (it picks a copy "
+                         f"of a ScaledTensor), got {layout!r}")
     if np.dtype(x.dtype) != _BF16:
         raise TypeError(
             f"gemm: array operand {name} must be bfloat16, got {np.dtype(x.dtype).name}; cast it, or "
@@ -110,17 +111,19 @@ def _check_pair(a: _Operand, b: _Operand) -> None:
             if q not in FP8_DTYPES:
                 raise TypeError(f"gemm: {n} must hold float8_e4m3fn or float8_e5m2 data, got {q.name}")
         if qa == _E5M2 and qb == _E5M2:
-            raise TypeError("gemm: E5M2 x E5M2 is not supported (the FP8 tensor cores need E4M3 on one side)")
+            raise TypeError("gemm: a and b are both float8_e5m2 (their q_dtype): E5M2 x E5M2 is not supported "
+                            "(the FP8 tensor cores need float8_e4m3fn on one side)")
     if a.kind == "block":
         fa, fb = _block_family(a.mode), _block_family(b.mode)
         if fa != fb:
-            raise TypeError(f"gemm: block-scaled operands must use the same format, got {fa} and {fb}")
+            raise TypeError(f"gemm: a and b must use the same block-scaled format (their scaling_mode); "
+                            f"a is {fa} ({a.mode.name}), b is {fb} ({b.mode.name})")
         ra = a.qt.rht and a.layout == "colwise"
         rb = b.qt.rht and b.layout == "colwise"
         if ra != rb or (ra and a.qt.rht_sign_mask != b.qt.rht_sign_mask):
             raise ValueError(
                 "gemm: both NVFP4 operands must carry the same random Hadamard transform (or neither); "
-                f"a: rht={ra}, b: rht={rb}")
+                f"a.rht={ra}, b.rht={rb} (on the copies used)")
 
 
 def _check_out_dtype(out_dtype):

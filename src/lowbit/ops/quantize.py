@@ -85,7 +85,7 @@ def check_tensor_scale(mode: ScalingMode, scale, prefix: str = "") -> Optional[j
 
 def _check_flatten_axis(flatten_axis: int, ndim: int) -> int:
     if ndim < 1:
-        raise ValueError("x must have at least one dimension")
+        raise ValueError("x must have at least one dimension, got a rank-0 array (shape ())")
     axis = flatten_axis + ndim if flatten_axis < 0 else flatten_axis
     if not 0 <= axis < ndim:
         raise ValueError(f"flatten_axis={flatten_axis} is out of range for an array of rank {ndim}")
@@ -384,10 +384,11 @@ def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: Scaling
     if group_sizes.ndim != 1 or np.dtype(group_sizes.dtype) != np.int32:
         raise TypeError(f"group_sizes must be int32 of shape (G,), got {group_sizes.dtype} {group_sizes.shape}")
     if group_sizes.shape[0] < 1:
-        raise ValueError("group_sizes must have at least one group")
+        raise ValueError("group_sizes must have shape (G,) with at least one group, got shape (0,)")
     mode = check_scaling_mode(scaling_mode)
     if not (mode.is_tensor_scaling or mode == ScalingMode.MXFP8_1D_SCALING):
-        raise ValueError(f"grouped_quantize supports DELAYED/CURRENT_TENSOR_SCALING and MXFP8_1D_SCALING, not {mode.name}")
+        raise ValueError(f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING or MXFP8_1D_SCALING for "
+                         f"grouped_quantize, got {mode.name}")
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
@@ -395,7 +396,8 @@ def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: Scaling
     G = group_sizes.shape[0]
     if mode == ScalingMode.MXFP8_1D_SCALING:
         if colwise:
-            raise ValueError("grouped MXFP8 quantization is rowwise only (colwise blocks would straddle groups)")
+            raise ValueError(f"layout must be 'rowwise' for grouped MXFP8_1D_SCALING, got {layout!r} "
+                             "(colwise blocks would straddle groups)")
         if K % 32:
             raise ValueError(f"x: size {K} of the contraction axis (1) must be a multiple of 32 for MXFP8_1D_SCALING")
     if mode == ScalingMode.DELAYED_TENSOR_SCALING:

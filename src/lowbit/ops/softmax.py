@@ -73,7 +73,7 @@ def softmax(x: ArrayLike, scale_factor: float = 1.0, mask: Optional[ArrayLike] =
     x = check_input(x, "x")
     shape = tuple(x.shape)
     if x.ndim < 1:
-        raise ValueError("x must have at least one dimension")
+        raise ValueError("x must have at least one dimension (..., Sk), got a rank-0 array (shape ())")
     Sk = shape[-1]
     if softmax_type == "scaled_masked":
         if mask is None:
