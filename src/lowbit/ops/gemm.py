@@ -20,7 +20,7 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import _native
 from lowbit._native import EMPTY_F32
 from lowbit.ops.quantize import dequantize
-from lowbit.quantization.checks import validate
+from lowbit.quantization.checks import as_array, as_dtype, validate
 from lowbit.quantization.scaling_modes import FP8_DTYPES, ScalingMode
 from lowbit.quantization.tensor import ScaledTensor, prod
 
@@ -127,7 +127,7 @@ def _check_pair(a: _Operand, b: _Operand) -> None:
 
 
 def _check_out_dtype(out_dtype):
-    d = np.dtype(out_dtype)
+    d = as_dtype(out_dtype, "gemm: out_dtype")
     if d not in (_BF16, _F32):
         raise TypeError(f"gemm: out_dtype must be bfloat16 or float32, got {d.name}")
     return d
@@ -254,7 +254,7 @@ def gemm(
     _check_pair(pa, pb)
     M, N, K = pa.rows, pb.rows, pa.k
     if bias is not None:
-        bias = jnp.asarray(bias)
+        bias = as_array(bias, "gemm: bias")
         if np.dtype(bias.dtype) not in (_BF16, _F32):
             raise TypeError(f"gemm: bias must be bfloat16 or float32, got {np.dtype(bias.dtype).name}")
         if bias.size != N:

@@ -31,6 +31,7 @@ from lowbit import delayed_scaling as ds
 from lowbit._native import EMPTY_F32
 from lowbit.ops.gemm import pad_to
 from lowbit.ops.quantize import grouped_quantize
+from lowbit.quantization.checks import as_array, as_dtype
 from lowbit.quantization.scaling_modes import dtype_code
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
@@ -192,7 +193,7 @@ def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, reci
     Returns:
       (M, N) in ``preferred_element_type``.
     """
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs, rhs = as_array(lhs, "grouped_gemm: lhs"), as_array(rhs, "grouped_gemm: rhs")
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if np.dtype(x.dtype) not in _IN_DTYPES:
             raise TypeError(f"grouped_gemm: {name} must be bfloat16 or float32, got {np.dtype(x.dtype).name}")
@@ -204,7 +205,7 @@ def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, reci
     if K != K2:
         raise ValueError(f"grouped_gemm: contraction sizes differ: lhs {tuple(lhs.shape)} has K={K}, "
                          f"rhs {tuple(rhs.shape)} has K={K2}")
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = as_array(group_sizes, "grouped_gemm: group_sizes")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"grouped_gemm: group_sizes must be an integer array, got {np.dtype(group_sizes.dtype).name}")
     if group_sizes.shape != (G,):
@@ -214,8 +215,8 @@ def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, reci
         raise ValueError(f"grouped_gemm: rhs and group_sizes must hold at least one group (G >= 1), "
                          f"got rhs {tuple(rhs.shape)}")
     gs = group_sizes.astype(jnp.int32)
-    out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
-                         else jnp.result_type(lhs, rhs))
+    out_dtype = as_dtype(preferred_element_type if preferred_element_type is not None
+                         else jnp.result_type(lhs, rhs), "grouped_gemm: preferred_element_type")
     if out_dtype not in _IN_DTYPES:
         raise TypeError(f"grouped_gemm: preferred_element_type must be float32 or bfloat16, got {out_dtype.name}")
 

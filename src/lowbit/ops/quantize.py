@@ -23,7 +23,7 @@ from lowbit.quantization.scaling_modes import (
     ScalingMode,
     dtype_code,
 )
-from lowbit.quantization.checks import check_scale_value, validate
+from lowbit.quantization.checks import as_array, as_dtype, as_int, check_scale_value, validate
 from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod
 
 # Argument checks shared by the ops that quantize (norm, activation, their fused outputs).
@@ -31,8 +31,7 @@ from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod
 
 def check_input(x, name: str = "x") -> jax.Array:
     """x as an array of an input dtype (float32, bfloat16, float16); ``name`` prefixes the error."""
-    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        x = jnp.asarray(x)
+    x = as_array(x, name)
     if np.dtype(x.dtype) not in INPUT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {np.dtype(x.dtype).name}")
     return x
@@ -52,7 +51,7 @@ def check_q_dtype(mode: ScalingMode, q_dtype, x_dtype) -> np.dtype:
     """The quantized dtype (mode's default when None); x's dtype for NO_SCALING."""
     if mode == ScalingMode.NO_SCALING:
         return np.dtype(x_dtype)
-    q = np.dtype(q_dtype if q_dtype is not None else mode.default_q_dtype)
+    q = as_dtype(q_dtype if q_dtype is not None else mode.default_q_dtype, "q_dtype")
     if mode.is_nvfp4:
         if q != np.dtype(jnp.float4_e2m1fn):
             raise TypeError(f"q_dtype must be float4_e2m1fn for {mode.name}, got {q.name}")
@@ -73,7 +72,7 @@ def check_tensor_scale(mode: ScalingMode, scale, prefix: str = "") -> Optional[j
     if mode == ScalingMode.DELAYED_TENSOR_SCALING:
         if scale is None:
             raise ValueError(f"{prefix}scale is required for DELAYED_TENSOR_SCALING (a float32 scalar)")
-        scale = jnp.asarray(scale)
+        scale = as_array(scale, f"{prefix}scale")
         if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
             raise TypeError(f"{prefix}scale must be a float32 scalar or shape (1,), "
                             f"got {scale.dtype} {scale.shape}")
@@ -84,6 +83,7 @@ def check_tensor_scale(mode: ScalingMode, scale, prefix: str = "") -> Optional[j
 
 
 def _check_flatten_axis(flatten_axis: int, ndim: int) -> int:
+    flatten_axis = as_int(flatten_axis, "flatten_axis")
     if ndim < 1:
         raise ValueError("x must have at least one dimension, got a rank-0 array (shape ())")
     axis = flatten_axis + ndim if flatten_axis < 0 else flatten_axis
@@ -178,6 +178,7 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
         flags |= FLAG_STOCHASTIC
     else:
         seed = _native.EMPTY_U32
+    rht_sign_mask = as_int(rht_sign_mask, "rht_sign_mask")
     if rht:
         if mode != ScalingMode.NVFP4_1D_SCALING:
             raise ValueError(f"rht (random Hadamard transform) needs NVFP4_1D_SCALING, not {mode.name}")
@@ -248,7 +249,7 @@ def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype: Optional[DTypeL
         raise TypeError(f"qt must be a lowbit.ScaledTensor, got {type(qt).__name__}")
     if layout not in ("rowwise", "colwise"):
         raise ValueError(f"layout must be 'rowwise' or 'colwise', got {layout!r}")
-    out_dtype = np.dtype(dtype if dtype is not None else qt.dq_dtype)
+    out_dtype = as_dtype(dtype if dtype is not None else qt.dq_dtype, "dtype")
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
     validate(qt, layout, "dequantize")
@@ -324,11 +325,11 @@ def grouped_dequantize(qt: ScaledTensor, group_sizes: ArrayLike, layout: str = "
         raise ValueError(f"{op}: layout must be 'rowwise' or 'colwise', got {layout!r}")
     if not isinstance(qt.shape, tuple) or len(qt.shape) != 2:
         raise ValueError(f"{op}: qt.shape must be 2-D (M, K) as grouped_quantize makes it, got {qt.shape!r}")
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = as_array(group_sizes, f"{op}: group_sizes")
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"{op}: group_sizes must be an integer array of shape (G,), got {_desc(group_sizes)}")
     G = group_sizes.shape[0]
-    out_dtype = np.dtype(dtype if dtype is not None else qt.dq_dtype)
+    out_dtype = as_dtype(dtype if dtype is not None else qt.dq_dtype, f"{op}: dtype")
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
     M, K = qt.shape
@@ -380,7 +381,7 @@ def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: Scaling
     x = check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = as_array(group_sizes, "group_sizes")
     if group_sizes.ndim != 1 or np.dtype(group_sizes.dtype) != np.int32:
         raise TypeError(f"group_sizes must be int32 of shape (G,), got {group_sizes.dtype} {group_sizes.shape}")
     if group_sizes.shape[0] < 1:
@@ -403,7 +404,7 @@ def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: Scaling
     if mode == ScalingMode.DELAYED_TENSOR_SCALING:
         if scale is None:
             raise ValueError("scale (float32, shape (G,)) is required for DELAYED_TENSOR_SCALING")
-        scale = jnp.asarray(scale)
+        scale = as_array(scale, "scale")
         if scale.shape != (G,) or np.dtype(scale.dtype) != np.float32:
             raise TypeError(f"scale must be float32 of shape ({G},), got {scale.dtype} {scale.shape}")
         scale = check_scale_value(scale, "scale")

@@ -18,6 +18,7 @@ from jax.typing import ArrayLike
 
 from lowbit import _native
 from lowbit.ops.quantize import check_input
+from lowbit.quantization.checks import as_array
 from lowbit.quantization.tensor import prod
 
 _TYPES = {"scaled": 0, "scaled_masked": 1, "scaled_upper_triang_masked": 2}
@@ -33,7 +34,7 @@ def _check_scale(scale_factor):
 
 
 def _check_mask(mask, shape4):
-    mask = jnp.asarray(mask) if not hasattr(mask, "dtype") else mask
+    mask = as_array(mask, "mask")
     dt = np.dtype(mask.dtype)
     if not (dt == np.bool_ or np.issubdtype(dt, np.integer)):
         raise TypeError(f"mask must be boolean (True = masked out) or integer (nonzero = masked out), got {dt.name}")

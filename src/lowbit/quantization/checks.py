@@ -120,3 +120,31 @@ def check_scale_value(scale, name: str):
                              f"{v.reshape(-1)[bad.reshape(-1)][:4].tolist()}")
         return scale
     return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, jnp.ones_like(scale))
+
+
+def as_array(a, name: str):
+    """``a`` as a JAX array; anything that is not one (None, a string) is refused naming ``name``."""
+    if hasattr(a, "dtype") and hasattr(a, "shape"):
+        return a
+    try:
+        if a is None or isinstance(a, (str, bytes)):
+            raise TypeError
+        return jnp.asarray(a)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be an array, got {type(a).__name__} {a!r:.40}") from None
+
+
+def as_dtype(d, name: str) -> np.dtype:
+    """``np.dtype(d)``, refused naming ``name`` when ``d`` is no dtype."""
+    try:
+        if d is None:
+            raise TypeError
+        return np.dtype(d)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a dtype such as jnp.float8_e4m3fn, got {d!r:.40}") from None
+
+
+def as_int(v, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r:.40}")
+    return int(v)
