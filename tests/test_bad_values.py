@@ -36,7 +36,8 @@ def test_concrete_state_scale_refused(role, bad):
     state = dict(lowbit.init_delayed_state(r), **{f"{role}_scale": jnp.full((1,), bad, jnp.float32)})
     with pytest.raises(ValueError, match=f"state\\['{role}_scale'\\] must be positive and finite"):
         lowbit.dense(X, X, recipe=r, state=state)
-    gstate = dict(lowbit.init_grouped_delayed_state(r, 2), **{f"{role}_scale": jnp.array([1.0, bad], jnp.float32)})
+    gstate = dict(lowbit.init_grouped_delayed_state(r, 2),
+                  **{f"{role}_scale": jnp.array([1.0, bad], jnp.float32)})
     with pytest.raises(ValueError, match=f"state\\['{role}_scale'\\]"):
         lowbit.grouped_gemm(X, jnp.ones((2, 32, 16)), jnp.array([16, 16], jnp.int32), recipe=r, state=gstate)
 

@@ -195,7 +195,8 @@ def dense(
         if x.shape[i] != kernel.shape[j]:
             raise ValueError(f"dense: contraction size mismatch: x axis {i} has {x.shape[i]}, kernel axis {j} "
                              f"has {kernel.shape[j]} (x {tuple(x.shape)}, kernel {tuple(kernel.shape)})")
-    out_dtype = as_dtype(out_dtype if out_dtype is not None else jnp.result_type(x, kernel), "dense: out_dtype")
+    out_dtype = as_dtype(out_dtype if out_dtype is not None else jnp.result_type(x, kernel),
+                         "dense: out_dtype")
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"dense: out_dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
     if recipe is None:

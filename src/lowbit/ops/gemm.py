@@ -111,7 +111,8 @@ def _check_pair(a: _Operand, b: _Operand) -> None:
             if q not in FP8_DTYPES:
                 raise TypeError(f"gemm: {n} must hold float8_e4m3fn or float8_e5m2 data, got {q.name}")
         if qa == _E5M2 and qb == _E5M2:
-            raise TypeError("gemm: a and b are both float8_e5m2 (their q_dtype): E5M2 x E5M2 is not supported "
+            raise TypeError("gemm: a and b are both float8_e5m2 (their q_dtype): E5M2 x E5M2 is not "
+                            "supported "
                             "(the FP8 tensor cores need float8_e4m3fn on one side)")
     if a.kind == "block":
         fa, fb = _block_family(a.mode), _block_family(b.mode)

@@ -10,6 +10,7 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import _native
+from lowbit.quantization.checks import as_array, as_dtype, as_int, check_scale_value, validate
 from lowbit.quantization.scaling_modes import (
     DEFAULT_RHT_SIGN_MASK,
     FLAG_COLWISE,
@@ -23,7 +24,6 @@ from lowbit.quantization.scaling_modes import (
     ScalingMode,
     dtype_code,
 )
-from lowbit.quantization.checks import as_array, as_dtype, as_int, check_scale_value, validate
 from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod
 
 # Argument checks shared by the ops that quantize (norm, activation, their fused outputs).

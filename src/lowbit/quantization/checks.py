@@ -7,7 +7,6 @@ so this costs nothing under jit) and gets an error naming the field and what it 
 
 from __future__ import annotations
 
-from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +42,8 @@ def _check_static(op: str, name: str, qt: ScaledTensor) -> ScalingMode:
     try:
         mode = ScalingMode(qt.scaling_mode)
     except ValueError:
-        raise ValueError(f"{op}: {name}.scaling_mode must be a lowbit.ScalingMode, got {qt.scaling_mode!r}") from None
+        raise ValueError(f"{op}: {name}.scaling_mode must be a lowbit.ScalingMode, "
+                         f"got {qt.scaling_mode!r}") from None
     shape = qt.shape
     if not isinstance(shape, tuple) or not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
         raise ValueError(f"{op}: {name}.shape must be a tuple of non-negative ints, got {shape!r}")
@@ -67,7 +67,7 @@ def _q_dtype(op: str, name: str, qt: ScaledTensor, mode: ScalingMode) -> np.dtyp
 
 
 def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt",
-             num_groups: Optional[int] = None) -> None:
+             num_groups: int | None = None) -> None:
     """Checks the ``layout`` copy of ``qt`` (data, scale_inv, global_scale_inv) against its mode.
 
     ``num_groups``: a grouped_quantize result, whose tensor-scaling scales are ``(G,)``.
@@ -87,13 +87,15 @@ def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt",
         raise ValueError(f"{op}: {data_field} is None: {name} has no {layout} copy; "
                          f"quantize with layout='{layout}' or 'both'")
     data_shape = shape[ax:] + shape[:ax] if colwise else shape
-    _expect(op, data_field, data, data_shape, q, f"the {layout} copy of a {mode.name} tensor of shape {shape}")
+    _expect(op, data_field, data, data_shape, q,
+            f"the {layout} copy of a {mode.name} tensor of shape {shape}")
     if mode == ScalingMode.NO_SCALING:
         return
     b = mode.block_size
     if mode.is_tensor_scaling:
         s_shape = (num_groups,) if num_groups is not None else (1,)
-        _expect(op, scale_field, s_inv, s_shape, _F32, f"the decode scale{'s per group' if num_groups else ''}")
+        why = "the decode scales, one per group" if num_groups is not None else "the decode scale"
+        _expect(op, scale_field, s_inv, s_shape, _F32, why)
         return
     if c % b:
         raise ValueError(f"{op}: {name}'s {layout} copy has {c} columns, not a multiple of {mode.name}'s "
