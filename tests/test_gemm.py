@@ -266,5 +266,5 @@ def test_errors(rng):
     n_plain = lowbit.quantize(jnp.ones((32, 32)), SM.NVFP4_1D_SCALING, layout="both")
     with pytest.raises(ValueError, match="Hadamard"):
         lowbit.gemm(n_rht, n_plain, a_layout="colwise", b_layout="colwise")
-    with pytest.raises(TypeError, match="same format"):
+    with pytest.raises(TypeError, match="same block-scaled format"):
         lowbit.gemm(lowbit.quantize(jnp.ones((32, 32)), SM.MXFP8_1D_SCALING), n_plain)

@@ -434,11 +434,20 @@ def test_scale_product_overflow(device, rng):
     assert np.all(bits(qt.data) & 0x7F == 0x7E)
 
 
-@pytest.mark.parametrize("scale", [-1.7, 0.0, -0.0, np.inf, np.nan, 1e-30], ids=str)
-def test_delayed_unusual_scale(device, rng, scale):
+def test_delayed_tiny_scale(device, rng):
     """The delayed formula taken literally: q = enc(x * scale), scale_inv = 1 / scale."""
     x = make_x(rng, (16, 32), F32)
-    qt, _ = check(device, x, SM.DELAYED_TENSOR_SCALING, E4M3, layout="both", scale=np.float32(scale))
+    check(device, x, SM.DELAYED_TENSOR_SCALING, E4M3, layout="both", scale=np.float32(1e-30))
+
+
+@pytest.mark.parametrize("scale", [-1.7, 0.0, -0.0, np.inf, np.nan], ids=str)
+def test_delayed_bad_traced_scale_acts_as_one(device, rng, scale):
+    """A traced scale that is not positive and finite is replaced by 1 (docs/numerics.md); a
+    concrete one is refused (tests/test_bad_values.py)."""
+    x = make_x(rng, (16, 32), F32)
+    one, _ = check(device, x, SM.DELAYED_TENSOR_SCALING, E4M3, layout="both", scale=np.float32(1.0))
+    bad, _ = q_run(device, x, SM.DELAYED_TENSOR_SCALING, E4M3, layout="both", scale=np.float32(scale))
+    assert_same_tree(bad, one)
 
 
 def test_rne_ties_e2m1(device, rng):

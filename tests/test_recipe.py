@@ -54,8 +54,20 @@ def test_other_defaults():
 ])
 def test_formats(fmt, fwd, bwd):
     assert np.dtype(fmt.fwd_dtype) == np.dtype(fwd) and np.dtype(fmt.bwd_dtype) == np.dtype(bwd)
-    r = R.Float8CurrentScaling(fp8_format=fmt)
+    # MXFP8 decodes before its GEMM, so every format runs there; per-tensor GEMMs refuse E5M2.
+    r = R.MXFP8BlockScaling(fp8_format=fmt)
     assert np.dtype(r.q_dtype("x")) == np.dtype(fwd) and np.dtype(r.q_dtype("grad")) == np.dtype(bwd)
+    if fmt is not R.Format.E5M2:
+        r = R.Float8CurrentScaling(fp8_format=fmt)
+        assert np.dtype(r.q_dtype("x")) == np.dtype(fwd) and np.dtype(r.q_dtype("grad")) == np.dtype(bwd)
+
+
+@pytest.mark.parametrize("cls", [R.DelayedScaling, R.Float8CurrentScaling], ids=lambda c: c.__name__)
+def test_per_tensor_e5m2_refused_when_built(cls):
+    # No GEMM could run it (E5M2 x E5M2): refused here, not at the first GEMM.
+    with pytest.raises(ValueError, match="fp8_format=Format.E5M2") as e:
+        cls(fp8_format=R.Format.E5M2)
+    assert "HYBRID" in str(e.value)
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)

@@ -111,6 +111,16 @@ def test_unsupported_recipes_and_formats():
         recipe.NVFP4BlockScaling(fp4_format=recipe.Format.E4M3)
     with pytest.raises(TypeError, match="fp8_format"):
         recipe.DelayedScaling(fp8_format=recipe.Format.E2M1)
+    # TE has Format.E5M2 for per-tensor recipes; lowbit refuses it when built (no GEMM runs
+    # E5M2 x E5M2), also when TE code asks for it through a scaling mode and dtypes.
+    for cls in (recipe.DelayedScaling, recipe.Float8CurrentScaling):
+        with pytest.raises(ValueError, match="fp8_format=Format.E5M2"):
+            cls(fp8_format=recipe.Format.E5M2)
+    for mode in (te_q.ScalingMode.DELAYED_TENSOR_SCALING, te_q.ScalingMode.CURRENT_TENSOR_SCALING):
+        with pytest.raises(ValueError, match="fp8_format"):
+            te_q.QuantizerFactory.create_set(scaling_mode=mode, fwd_dtype=jnp.float8_e5m2,
+                                             bwd_dtype=jnp.float8_e5m2)
+    assert recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E5M2).fp8_format is recipe.Format.E5M2
 
 
 def test_quantizer_factory():

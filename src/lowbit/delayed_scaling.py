@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
+from lowbit.quantization.checks import check_scale_value
 from lowbit.recipe import DelayedScaling, Recipe
 
 ROLES = ("x", "kernel", "grad")
@@ -123,6 +124,8 @@ def check_state_arg(op: str, recipe: Recipe, state: Optional[dict], init_hint: s
         if tuple(v.shape) != want or np.dtype(v.dtype) != np.float32:
             raise ValueError(f"{op}: state[{k!r}] must be float32 of shape {want}, got "
                              f"{np.dtype(v.dtype).name} {tuple(v.shape)}")
+    for role in ROLES:  # concrete scales only; traced ones are guarded where quantize reads them
+        check_scale_value(state[f"{role}_scale"], f"{op}: state[{role + '_scale'!r}]")
     return {k: state[k] for k in STATE_KEYS}
 
 

@@ -52,6 +52,15 @@ def _check_format(fmt, name="fp8_format"):
         raise TypeError(f"{name} must be a lowbit.recipe.Format (E4M3, E5M2 or HYBRID), got {fmt!r}")
 
 
+def _check_per_tensor_format(recipe) -> None:
+    """Per-tensor FP8 GEMMs need E4M3 on one side; all-E5M2 would fail at the first GEMM."""
+    _check_format(recipe.fp8_format)
+    if recipe.fp8_format is Format.E5M2:
+        raise ValueError(
+            f"{type(recipe).__name__}(fp8_format=Format.E5M2): every GEMM would multiply E5M2 by E5M2, "
+            "which FP8 tensor cores do not support; use Format.HYBRID (E5M2 gradients) or Format.E4M3")
+
+
 class Recipe:
     """Base class: every recipe names its scaling modes.
 
@@ -162,7 +171,7 @@ class DelayedScaling(_FP8FormatRecipe):
     backward_override: Optional[str] = None
 
     def __post_init__(self):
-        _check_format(self.fp8_format)
+        _check_per_tensor_format(self)
         m = self.margin
         integral = isinstance(m, (int, float)) and not isinstance(m, bool) and float(m).is_integer()
         if not integral or m < 0:
@@ -210,7 +219,7 @@ class Float8CurrentScaling(_FP8FormatRecipe):
     backward_override: Optional[str] = None
 
     def __post_init__(self):
-        _check_format(self.fp8_format)
+        _check_per_tensor_format(self)
         why = "lowbit's current scaling uses scale = fp8_max / amax with no power-of-2 rounding or epsilon"
         _refuse_unless_default(self, {"use_power_2_scales": False, "fp8_quant_fwd_inp": _CURRENT_Q,
                                       "fp8_quant_fwd_weight": _CURRENT_Q, "fp8_quant_bwd_grad": _CURRENT_Q},

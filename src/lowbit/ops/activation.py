@@ -92,7 +92,7 @@ def parse_activations(activations):
 def _check_x(x, gated):
     x = check_input(x, "x")
     if x.ndim < 1:
-        raise ValueError("x must have at least one dimension")
+        raise ValueError("x must have at least one dimension (..., W), got a rank-0 array (shape ())")
     if gated and x.shape[-1] % 2:
         raise ValueError(f"x: a gated activation needs an even last axis holding (act, linear) halves, "
                          f"got shape {tuple(x.shape)}")

@@ -28,6 +28,7 @@ from lowbit.ops import dense_sharded
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
 from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import check_input, quantize, quantize_dbias
+from lowbit.quantization.checks import as_dtype
 from lowbit.quantization.scaling_modes import INPUT_DTYPES, ScalingMode
 from lowbit.quantization.tensor import prod
 from lowbit.recipe import DelayedScaling, NVFP4BlockScaling, Recipe
@@ -120,7 +121,7 @@ _dense_2d.defvjp(_dense_2d_fwd, _dense_2d_bwd)
 # ---------------------------------------------------------------------------------------------
 def _normalize_dims(contracting_dims, x_ndim: int, k_ndim: int):
     if contracting_dims is None:
-        return (x_ndim - 1,), (0,)
+        contracting_dims = ((x_ndim - 1,), (0,))
     try:
         lhs, rhs = contracting_dims
         lhs = tuple(int(d) for d in (lhs if isinstance(lhs, (tuple, list)) else (lhs,)))
@@ -141,7 +142,8 @@ def _normalize_dims(contracting_dims, x_ndim: int, k_ndim: int):
             f"dense: x must be contracted over its trailing axes (got x dims {lhs} of rank {x_ndim}); "
             "move the contracted axes to the end of x first")
     if len(rhs) == k_ndim:
-        raise ValueError("dense: the kernel needs at least one non-contracted (output feature) axis")
+        raise ValueError(f"dense: kernel of rank {k_ndim} needs at least one axis outside contracting_dims "
+                         f"{contracting_dims!r} (its output features)")
     return lhs, rhs
 
 
@@ -185,14 +187,18 @@ def dense(
     Returns:
       ``x.shape[:-c] + F...``.
     """
-    x = check_input(jnp.asarray(x), "dense: x")
-    kernel = check_input(jnp.asarray(kernel), "dense: kernel")
+    x = check_input(x, "dense: x")
+    kernel = check_input(kernel, "dense: kernel")
+    for name, a, need in (("x", x, "(..., K)"), ("kernel", kernel, "(K, N...)")):
+        if a.ndim < 1:  # a scalar has no axis to contract
+            raise ValueError(f"dense: {name} must have shape {need} (at least one axis), got a rank-0 array")
     lhs, rhs = _normalize_dims(contracting_dims, x.ndim, kernel.ndim)
     for i, j in zip(lhs, rhs):
         if x.shape[i] != kernel.shape[j]:
             raise ValueError(f"dense: contraction size mismatch: x axis {i} has {x.shape[i]}, kernel axis {j} "
                              f"has {kernel.shape[j]} (x {tuple(x.shape)}, kernel {tuple(kernel.shape)})")
-    out_dtype = np.dtype(out_dtype if out_dtype is not None else jnp.result_type(x, kernel))
+    out_dtype = as_dtype(out_dtype if out_dtype is not None else jnp.result_type(x, kernel),
+                         "dense: out_dtype")
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"dense: out_dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
     if recipe is None:
@@ -205,7 +211,7 @@ def dense(
     lead, feat = tuple(x.shape[: x.ndim - c]), tuple(kernel.shape[c:])
     M, K, N = prod(lead), prod(x.shape[x.ndim - c:]), prod(feat)
     if bias is not None:
-        bias = check_input(jnp.asarray(bias), "dense: bias")
+        bias = check_input(bias, "dense: bias")
         if bias.shape not in (feat, (N,)):
             raise ValueError(f"dense: bias must have shape {feat} (the kernel's feature axes), got {tuple(bias.shape)}")
         bias = bias.reshape(N)

@@ -20,6 +20,7 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import _native
 from lowbit._native import EMPTY_F32
 from lowbit.ops.quantize import dequantize
+from lowbit.quantization.checks import as_array, as_dtype, validate
 from lowbit.quantization.scaling_modes import FP8_DTYPES, ScalingMode
 from lowbit.quantization.tensor import ScaledTensor, prod
 
@@ -57,7 +58,8 @@ def _operand(x, name: str, layout: Optional[str]) -> _Operand:
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"gemm: {name} must be a bfloat16 array or a lowbit.ScaledTensor, got {type(x).__name__}")
     if layout is not None:
-        raise ValueError(f"gemm: {name}_layout applies to ScaledTensor operands only")
+        raise ValueError(f"gemm: {name}_layout must be None for an array operand {name} (it picks a copy "
+                         f"of a ScaledTensor), got {layout!r}")
     if np.dtype(x.dtype) != _BF16:
         raise TypeError(
             f"gemm: array operand {name} must be bfloat16, got {np.dtype(x.dtype).name}; cast it, or "
@@ -73,10 +75,9 @@ def _scaled_operand(qt: ScaledTensor, name: str, layout: Optional[str]) -> _Oper
         layout = "rowwise" if qt.has_rowwise else "colwise"
     if layout not in ("rowwise", "colwise"):
         raise ValueError(f"gemm: {name}_layout must be 'rowwise' or 'colwise', got {layout!r}")
+    validate(qt, layout, "gemm", name)
     colwise = layout == "colwise"
     data = qt.colwise_data if colwise else qt.data
-    if data is None:
-        raise ValueError(f"gemm: {name} has no {layout} copy; quantize it with layout='{layout}' or 'both'")
     ax = qt.flatten_axis
     lead = tuple(qt.shape[ax:]) if colwise else tuple(qt.shape[:ax])
     k = qt.rows if colwise else qt.cols
@@ -110,21 +111,24 @@ def _check_pair(a: _Operand, b: _Operand) -> None:
             if q not in FP8_DTYPES:
                 raise TypeError(f"gemm: {n} must hold float8_e4m3fn or float8_e5m2 data, got {q.name}")
         if qa == _E5M2 and qb == _E5M2:
-            raise TypeError("gemm: E5M2 x E5M2 is not supported (the FP8 tensor cores need E4M3 on one side)")
+            raise TypeError("gemm: a and b are both float8_e5m2 (their q_dtype): E5M2 x E5M2 is not "
+                            "supported "
+                            "(the FP8 tensor cores need float8_e4m3fn on one side)")
     if a.kind == "block":
         fa, fb = _block_family(a.mode), _block_family(b.mode)
         if fa != fb:
-            raise TypeError(f"gemm: block-scaled operands must use the same format, got {fa} and {fb}")
+            raise TypeError(f"gemm: a and b must use the same block-scaled format (their scaling_mode); "
+                            f"a is {fa} ({a.mode.name}), b is {fb} ({b.mode.name})")
         ra = a.qt.rht and a.layout == "colwise"
         rb = b.qt.rht and b.layout == "colwise"
         if ra != rb or (ra and a.qt.rht_sign_mask != b.qt.rht_sign_mask):
             raise ValueError(
                 "gemm: both NVFP4 operands must carry the same random Hadamard transform (or neither); "
-                f"a: rht={ra}, b: rht={rb}")
+                f"a.rht={ra}, b.rht={rb} (on the copies used)")
 
 
 def _check_out_dtype(out_dtype):
-    d = np.dtype(out_dtype)
+    d = as_dtype(out_dtype, "gemm: out_dtype")
     if d not in (_BF16, _F32):
         raise TypeError(f"gemm: out_dtype must be bfloat16 or float32, got {d.name}")
     return d
@@ -251,7 +255,7 @@ def gemm(
     _check_pair(pa, pb)
     M, N, K = pa.rows, pb.rows, pa.k
     if bias is not None:
-        bias = jnp.asarray(bias)
+        bias = as_array(bias, "gemm: bias")
         if np.dtype(bias.dtype) not in (_BF16, _F32):
             raise TypeError(f"gemm: bias must be bfloat16 or float32, got {np.dtype(bias.dtype).name}")
         if bias.size != N:

@@ -32,8 +32,9 @@ from lowbit._native import EMPTY_F32
 from lowbit.ops.gemm import pad_to
 from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import grouped_quantize
+from lowbit.quantization.checks import as_array, as_dtype
 from lowbit.quantization.scaling_modes import dtype_code
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 _RAGGED_M, _RAGGED_K = 0, 1
 # Flag bits of the FFI `flags` attribute (csrc/ffi/grouped_gemm.cc).
@@ -193,7 +194,7 @@ def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, reci
     Returns:
       (M, N) in ``preferred_element_type``.
     """
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs, rhs = as_array(lhs, "grouped_gemm: lhs"), as_array(rhs, "grouped_gemm: rhs")
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if np.dtype(x.dtype) not in _IN_DTYPES:
             raise TypeError(f"grouped_gemm: {name} must be bfloat16 or float32, got {np.dtype(x.dtype).name}")
@@ -205,23 +206,25 @@ def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, reci
     if K != K2:
         raise ValueError(f"grouped_gemm: contraction sizes differ: lhs {tuple(lhs.shape)} has K={K}, "
                          f"rhs {tuple(rhs.shape)} has K={K2}")
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = as_array(group_sizes, "grouped_gemm: group_sizes")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"grouped_gemm: group_sizes must be an integer array, got {np.dtype(group_sizes.dtype).name}")
     if group_sizes.shape != (G,):
         raise ValueError(f"grouped_gemm: group_sizes must have shape (G,) = ({G},) to match rhs "
                          f"{tuple(rhs.shape)}, got {tuple(group_sizes.shape)}")
     if G < 1:
-        raise ValueError("grouped_gemm: need at least one group")
+        raise ValueError(f"grouped_gemm: rhs and group_sizes must hold at least one group (G >= 1), "
+                         f"got rhs {tuple(rhs.shape)}")
     gs = group_sizes.astype(jnp.int32)
-    out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
-                         else jnp.result_type(lhs, rhs))
+    out_dtype = as_dtype(preferred_element_type if preferred_element_type is not None
+                         else jnp.result_type(lhs, rhs), "grouped_gemm: preferred_element_type")
     if out_dtype not in _IN_DTYPES:
         raise TypeError(f"grouped_gemm: preferred_element_type must be float32 or bfloat16, got {out_dtype.name}")
 
     if recipe is None:
         if state is not None:
-            raise ValueError("grouped_gemm: state is only used with DelayedScaling")
+            raise ValueError("grouped_gemm: state is only used with DelayedScaling; with recipe=None (BF16) "
+                             "pass state=None")
         # 16-byte rows for the GPU's TMA: K and N in multiples of 8 (zero padding is exact).
         x, w = pad_to(lhs.astype(jnp.bfloat16), 1, 8), rhs.astype(jnp.bfloat16)
         w = pad_to(pad_to(w, 1, 8), 2, 8)
@@ -231,9 +234,7 @@ def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, reci
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise ValueError(f"grouped_gemm: recipe must be None (BF16), Float8CurrentScaling or DelayedScaling "
                          f"(per-group tensor scales); {type(recipe).__name__} is not supported by the grouped GEMM")
-    if recipe.fp8_format == Format.E5M2:
-        raise ValueError("grouped_gemm: Format.E5M2 would multiply E5M2 by E5M2, which FP8 tensor cores do not "
-                         "support; use Format.HYBRID or Format.E4M3")
+    # All-E5M2 recipes cannot be built (lowbit.recipe refuses fp8_format=Format.E5M2).
     state = ds.check_state_arg("grouped_gemm", recipe, state,
                                "lowbit.init_grouped_delayed_state(recipe, G)", num_groups=G)
     cfg = _Fp8Config(recipe=recipe, out_dtype=out_dtype, lhs_dtype=np.dtype(lhs.dtype),

@@ -142,9 +142,11 @@ def layernorm_bwd(dy, x, mean, rsigma, gamma, *, norm_type: str = "layernorm", z
         raise ValueError(f"gamma must have shape ({x.shape[-1]},) (x's last axis), got {tuple(gamma.shape)}")
     R = prod(x.shape[:-1])
     if norm_type == "layernorm" and (mean is None or prod(jnp.shape(mean)) != R):
-        raise ValueError(f"mean must have {R} entries (x.shape[:-1]) for layernorm")
+        raise ValueError(f"mean must have {R} entries (x.shape[:-1]) for layernorm, got "
+                         f"{None if mean is None else tuple(jnp.shape(mean))}")
     if prod(jnp.shape(rsigma)) != R:
-        raise ValueError(f"rsigma must have {R} entries (x.shape[:-1])")
+        raise ValueError(f"rsigma must have {R} entries (x.shape[:-1]), got "
+                         f"{None if rsigma is None else tuple(jnp.shape(rsigma))}")
     C = x.shape[-1]
     dx, dg, db = _bwd_call(dy.reshape(R, C), x.reshape(R, C), mean, rsigma, gamma, norm_type, zero_centered_gamma)
     return dx.reshape(x.shape), dg.astype(gamma.dtype), (None if db is None else db.astype(gamma.dtype))

@@ -10,6 +10,7 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import _native
+from lowbit.quantization.checks import as_array, as_dtype, as_int, check_scale_value, validate
 from lowbit.quantization.scaling_modes import (
     DEFAULT_RHT_SIGN_MASK,
     FLAG_COLWISE,
@@ -30,8 +31,7 @@ from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod
 
 def check_input(x, name: str = "x") -> jax.Array:
     """x as an array of an input dtype (float32, bfloat16, float16); ``name`` prefixes the error."""
-    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        x = jnp.asarray(x)
+    x = as_array(x, name)
     if np.dtype(x.dtype) not in INPUT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {np.dtype(x.dtype).name}")
     return x
@@ -51,7 +51,7 @@ def check_q_dtype(mode: ScalingMode, q_dtype, x_dtype) -> np.dtype:
     """The quantized dtype (mode's default when None); x's dtype for NO_SCALING."""
     if mode == ScalingMode.NO_SCALING:
         return np.dtype(x_dtype)
-    q = np.dtype(q_dtype if q_dtype is not None else mode.default_q_dtype)
+    q = as_dtype(q_dtype if q_dtype is not None else mode.default_q_dtype, "q_dtype")
     if mode.is_nvfp4:
         if q != np.dtype(jnp.float4_e2m1fn):
             raise TypeError(f"q_dtype must be float4_e2m1fn for {mode.name}, got {q.name}")
@@ -72,19 +72,20 @@ def check_tensor_scale(mode: ScalingMode, scale, prefix: str = "") -> Optional[j
     if mode == ScalingMode.DELAYED_TENSOR_SCALING:
         if scale is None:
             raise ValueError(f"{prefix}scale is required for DELAYED_TENSOR_SCALING (a float32 scalar)")
-        scale = jnp.asarray(scale)
+        scale = as_array(scale, f"{prefix}scale")
         if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
             raise TypeError(f"{prefix}scale must be a float32 scalar or shape (1,), "
                             f"got {scale.dtype} {scale.shape}")
-        return scale.reshape(1)
+        return check_scale_value(scale.reshape(1), f"{prefix}scale")
     if scale is not None:
         raise ValueError(f"{prefix}scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
     return None
 
 
 def _check_flatten_axis(flatten_axis: int, ndim: int) -> int:
+    flatten_axis = as_int(flatten_axis, "flatten_axis")
     if ndim < 1:
-        raise ValueError("x must have at least one dimension")
+        raise ValueError("x must have at least one dimension, got a rank-0 array (shape ())")
     axis = flatten_axis + ndim if flatten_axis < 0 else flatten_axis
     if not 0 <= axis < ndim:
         raise ValueError(f"flatten_axis={flatten_axis} is out of range for an array of rank {ndim}")
@@ -177,6 +178,7 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
         flags |= FLAG_STOCHASTIC
     else:
         seed = _native.EMPTY_U32
+    rht_sign_mask = as_int(rht_sign_mask, "rht_sign_mask")
     if rht:
         if mode != ScalingMode.NVFP4_1D_SCALING:
             raise ValueError(f"rht (random Hadamard transform) needs NVFP4_1D_SCALING, not {mode.name}")
@@ -247,15 +249,14 @@ def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype: Optional[DTypeL
         raise TypeError(f"qt must be a lowbit.ScaledTensor, got {type(qt).__name__}")
     if layout not in ("rowwise", "colwise"):
         raise ValueError(f"layout must be 'rowwise' or 'colwise', got {layout!r}")
-    out_dtype = np.dtype(dtype if dtype is not None else qt.dq_dtype)
+    out_dtype = as_dtype(dtype if dtype is not None else qt.dq_dtype, "dtype")
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
+    validate(qt, layout, "dequantize")
     colwise = layout == "colwise"
     data = qt.colwise_data if colwise else qt.data
     s_inv = qt.colwise_scale_inv if colwise else qt.scale_inv
-    if data is None:
-        raise ValueError(f"qt has no {layout} copy; quantize with layout='{layout}' or 'both'")
-    mode = qt.scaling_mode
+    mode = ScalingMode(qt.scaling_mode)
     if mode == ScalingMode.NO_SCALING:
         out = data.astype(out_dtype)
         return _from_colwise(out, qt.rows, qt.cols, qt.shape) if colwise else out
@@ -313,20 +314,62 @@ def _zeros_or_none(a):
 
 def grouped_dequantize(qt: ScaledTensor, group_sizes: ArrayLike, layout: str = "rowwise",
                        dtype: Optional[DTypeLike] = None) -> jax.Array:
-    """Decodes a grouped_quantize result to (M, K); rows in no group decode to zero."""
-    out_dtype = np.dtype(dtype if dtype is not None else qt.dq_dtype)
+    """Decodes a grouped_quantize result to (M, K); rows in no group decode to zero.
+
+    Groups are laid out as grouped_quantize lays them: negative sizes count as 0 and the group
+    ends are clamped to M, so a sum past M (even past 2**31) never wraps."""
+    op = "grouped_dequantize"
+    if not isinstance(qt, ScaledTensor):
+        raise TypeError(f"{op}: qt must be a lowbit.ScaledTensor, got {type(qt).__name__}")
+    if layout not in ("rowwise", "colwise"):
+        raise ValueError(f"{op}: layout must be 'rowwise' or 'colwise', got {layout!r}")
+    if not isinstance(qt.shape, tuple) or len(qt.shape) != 2:
+        raise ValueError(f"{op}: qt.shape must be 2-D (M, K) as grouped_quantize makes it, got {qt.shape!r}")
+    group_sizes = as_array(group_sizes, f"{op}: group_sizes")
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"{op}: group_sizes must be an integer array of shape (G,), got {_desc(group_sizes)}")
+    G = group_sizes.shape[0]
+    out_dtype = as_dtype(dtype if dtype is not None else qt.dq_dtype, f"{op}: dtype")
+    if out_dtype not in INPUT_DTYPES:
+        raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
     M, K = qt.shape
     if qt.scaling_mode == ScalingMode.MXFP8_1D_SCALING:
+        validate(qt, layout, op)
         return dequantize(qt, layout, dtype=out_dtype)
-    # Group id of every row (G for rows in no group), computed on the device.
-    ends = jnp.cumsum(jnp.maximum(jnp.asarray(group_sizes, jnp.int32), 0))
-    gid = jnp.searchsorted(ends, jnp.arange(M, dtype=jnp.int32), side="right")
-    if layout == "rowwise":
-        data, s_inv = qt.data, qt.scale_inv
-    else:
-        data, s_inv = qt.colwise_data.T, qt.colwise_scale_inv
+    if not ScalingMode(qt.scaling_mode).is_tensor_scaling:
+        raise ValueError(f"{op}: qt.scaling_mode must be one grouped_quantize makes (DELAYED/CURRENT_TENSOR_"
+                         f"SCALING or MXFP8_1D_SCALING), got {ScalingMode(qt.scaling_mode).name}")
+    s_field = "colwise_scale_inv" if layout == "colwise" else "scale_inv"
+    s_inv = getattr(qt, s_field)
+    if s_inv is not None and getattr(s_inv, "ndim", None) == 1 and s_inv.shape[0] != G:
+        raise ValueError(f"{op}: group_sizes has {G} groups but qt.{s_field} has {s_inv.shape[0]} "
+                         f"(one decode scale per group); pass the group_sizes given to grouped_quantize")
+    validate(qt, layout, op, num_groups=G)
+    gid = group_ids(group_sizes, M)
+    data = qt.data if layout == "rowwise" else qt.colwise_data.T
     row_scale = jnp.concatenate([s_inv, jnp.zeros((1,), jnp.float32)])[gid]
     return (data.astype(jnp.float32) * row_scale[:, None]).astype(out_dtype)
+
+
+def group_ends(group_sizes: jax.Array, extent: int) -> jax.Array:
+    """Group ends as the kernels compute them: sizes below 0 count as 0 and the running sum
+    saturates at ``extent``, so it never overflows int32 (a plain cumsum wraps past 2**31)."""
+    sizes = jnp.clip(group_sizes, 0, extent).astype(jnp.int32)
+
+    def sat_add(a, b):  # a, b in [0, extent]: a + min(b, extent - a) cannot overflow
+        return a + jnp.minimum(b, jnp.int32(extent) - a)
+
+    return jax.lax.associative_scan(sat_add, sizes)
+
+
+def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group of every row, (rows,) int32; G for rows in no group."""
+    ends = group_ends(group_sizes, rows)
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right")
+
+
+def _desc(a) -> str:
+    return f"{np.dtype(a.dtype).name} {tuple(a.shape)}"
 
 
 def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: ScalingMode,
@@ -338,14 +381,15 @@ def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: Scaling
     x = check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = as_array(group_sizes, "group_sizes")
     if group_sizes.ndim != 1 or np.dtype(group_sizes.dtype) != np.int32:
         raise TypeError(f"group_sizes must be int32 of shape (G,), got {group_sizes.dtype} {group_sizes.shape}")
     if group_sizes.shape[0] < 1:
-        raise ValueError("group_sizes must have at least one group")
+        raise ValueError("group_sizes must have shape (G,) with at least one group, got shape (0,)")
     mode = check_scaling_mode(scaling_mode)
     if not (mode.is_tensor_scaling or mode == ScalingMode.MXFP8_1D_SCALING):
-        raise ValueError(f"grouped_quantize supports DELAYED/CURRENT_TENSOR_SCALING and MXFP8_1D_SCALING, not {mode.name}")
+        raise ValueError(f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING or MXFP8_1D_SCALING for "
+                         f"grouped_quantize, got {mode.name}")
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
@@ -353,15 +397,17 @@ def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: Scaling
     G = group_sizes.shape[0]
     if mode == ScalingMode.MXFP8_1D_SCALING:
         if colwise:
-            raise ValueError("grouped MXFP8 quantization is rowwise only (colwise blocks would straddle groups)")
+            raise ValueError(f"layout must be 'rowwise' for grouped MXFP8_1D_SCALING, got {layout!r} "
+                             "(colwise blocks would straddle groups)")
         if K % 32:
             raise ValueError(f"x: size {K} of the contraction axis (1) must be a multiple of 32 for MXFP8_1D_SCALING")
     if mode == ScalingMode.DELAYED_TENSOR_SCALING:
         if scale is None:
             raise ValueError("scale (float32, shape (G,)) is required for DELAYED_TENSOR_SCALING")
-        scale = jnp.asarray(scale)
+        scale = as_array(scale, "scale")
         if scale.shape != (G,) or np.dtype(scale.dtype) != np.float32:
             raise TypeError(f"scale must be float32 of shape ({G},), got {scale.dtype} {scale.shape}")
+        scale = check_scale_value(scale, "scale")
     elif scale is not None:
         raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
     else:

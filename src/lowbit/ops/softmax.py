@@ -18,6 +18,7 @@ from jax.typing import ArrayLike
 
 from lowbit import _native
 from lowbit.ops.quantize import check_input
+from lowbit.quantization.checks import as_array
 from lowbit.quantization.tensor import prod
 
 _TYPES = {"scaled": 0, "scaled_masked": 1, "scaled_upper_triang_masked": 2}
@@ -26,11 +27,14 @@ _TYPES = {"scaled": 0, "scaled_masked": 1, "scaled_upper_triang_masked": 2}
 def _check_scale(scale_factor):
     if isinstance(scale_factor, (bool, np.bool_)) or not isinstance(scale_factor, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale_factor must be a Python float (a static value), got {type(scale_factor).__name__}")
-    return float(scale_factor)
+    scale = float(scale_factor)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale_factor must be finite, got {scale}")
+    return scale
 
 
 def _check_mask(mask, shape4):
-    mask = jnp.asarray(mask) if not hasattr(mask, "dtype") else mask
+    mask = as_array(mask, "mask")
     dt = np.dtype(mask.dtype)
     if not (dt == np.bool_ or np.issubdtype(dt, np.integer)):
         raise TypeError(f"mask must be boolean (True = masked out) or integer (nonzero = masked out), got {dt.name}")
@@ -70,7 +74,7 @@ def softmax(x: ArrayLike, scale_factor: float = 1.0, mask: Optional[ArrayLike] =
     x = check_input(x, "x")
     shape = tuple(x.shape)
     if x.ndim < 1:
-        raise ValueError("x must have at least one dimension")
+        raise ValueError("x must have at least one dimension (..., Sk), got a rank-0 array (shape ())")
     Sk = shape[-1]
     if softmax_type == "scaled_masked":
         if mask is None:

@@ -97,7 +97,7 @@ def _recipe_for_mode(mode: ScalingMode, fwd_dtype, bwd_dtype, history_len: int) 
     fwd = fwd_dtype if fwd_dtype is not None else jnp.float8_e4m3fn
     mx = mode == ScalingMode.MXFP8_1D_SCALING
     bwd = bwd_dtype if bwd_dtype is not None else (jnp.float8_e4m3fn if mx else jnp.float8_e5m2)
-    fmt = _format_of(fwd, bwd)
+    fmt = _format_of(fwd, bwd)  # E5M2/E5M2 per-tensor: the recipe refuses it (no GEMM runs it)
     if mode == ScalingMode.DELAYED_TENSOR_SCALING:
         return DelayedScaling(fp8_format=fmt, amax_history_len=history_len)
     if mode == ScalingMode.CURRENT_TENSOR_SCALING:

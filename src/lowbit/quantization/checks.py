@@ -1,0 +1,152 @@
+"""Trace-time checks of a ScaledTensor's fields against its scaling mode.
+
+The kernels trust the buffers they are given: a scale array that is too small would be read past
+its end. Every op that takes a ScaledTensor calls :func:`validate` (shapes and dtypes are static,
+so this costs nothing under jit) and gets an error naming the field and what it should be.
+"""
+
+from __future__ import annotations
+
+
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.quantization.scaling_modes import FP8_DTYPES, INPUT_DTYPES, ScalingMode
+from lowbit.quantization.tensor import ScaledTensor, prod
+
+_F32 = np.dtype(jnp.float32)
+_E2M1 = np.dtype(jnp.float4_e2m1fn)
+_SCALE_DTYPES = {ScalingMode.MXFP8_1D_SCALING: np.dtype(jnp.float8_e8m0fnu),
+                 ScalingMode.NVFP4_1D_SCALING: np.dtype(jnp.float8_e4m3fn),
+                 ScalingMode.NVFP4_2D_SCALING: np.dtype(jnp.float8_e4m3fn)}
+
+
+def _desc(a) -> str:
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        return type(a).__name__
+    return f"{np.dtype(a.dtype).name} {tuple(a.shape)}"
+
+
+def _expect(op: str, field: str, a, shape: tuple, dtype: np.dtype, why: str) -> None:
+    if a is None:
+        raise ValueError(f"{op}: {field} is None; {why} needs {dtype.name} of shape {shape}")
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{op}: {field} must be an array ({dtype.name} {shape}), got {type(a).__name__}")
+    if tuple(a.shape) != tuple(shape) or np.dtype(a.dtype) != dtype:
+        raise ValueError(f"{op}: {field} must be {dtype.name} of shape {shape} ({why}), got {_desc(a)}")
+
+
+def _check_static(op: str, name: str, qt: ScaledTensor) -> ScalingMode:
+    if not isinstance(qt, ScaledTensor):
+        raise TypeError(f"{op}: {name} must be a lowbit.ScaledTensor, got {type(qt).__name__}")
+    try:
+        mode = ScalingMode(qt.scaling_mode)
+    except ValueError:
+        raise ValueError(f"{op}: {name}.scaling_mode must be a lowbit.ScalingMode, "
+                         f"got {qt.scaling_mode!r}") from None
+    shape = qt.shape
+    if not isinstance(shape, tuple) or not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
+        raise ValueError(f"{op}: {name}.shape must be a tuple of non-negative ints, got {shape!r}")
+    ax = qt.flatten_axis
+    if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)) or not 0 <= ax < len(shape):
+        raise ValueError(f"{op}: {name}.flatten_axis must be an int in [0, {len(shape)}) for shape {shape}, "
+                         f"got {ax!r}")
+    return mode
+
+
+def _q_dtype(op: str, name: str, qt: ScaledTensor, mode: ScalingMode) -> np.dtype:
+    try:
+        q = np.dtype(qt.q_dtype)
+    except TypeError:
+        raise TypeError(f"{op}: {name}.q_dtype must be a dtype, got {qt.q_dtype!r}") from None
+    ok = (q in INPUT_DTYPES if mode == ScalingMode.NO_SCALING
+          else q == _E2M1 if mode.is_nvfp4 else q in FP8_DTYPES)
+    if not ok:
+        raise TypeError(f"{op}: {name}.q_dtype {q.name} does not fit {mode.name}")
+    return q
+
+
+def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt",
+             num_groups: int | None = None) -> None:
+    """Checks the ``layout`` copy of ``qt`` (data, scale_inv, global_scale_inv) against its mode.
+
+    ``num_groups``: a grouped_quantize result, whose tensor-scaling scales are ``(G,)``.
+    Raises TypeError/ValueError naming ``op``, the field and the expected shape and dtype.
+    """
+    mode = _check_static(op, name, qt)
+    q = _q_dtype(op, name, qt, mode)
+    colwise = layout == "colwise"
+    shape, ax = qt.shape, qt.flatten_axis
+    rows, cols = prod(shape[:ax]), prod(shape[ax:])
+    r, c = (cols, rows) if colwise else (rows, cols)
+    prefix = "colwise_" if colwise else ""
+    data_field, scale_field = f"{name}.{prefix}data", f"{name}.{prefix}scale_inv"
+    data = qt.colwise_data if colwise else qt.data
+    s_inv = qt.colwise_scale_inv if colwise else qt.scale_inv
+    if data is None:
+        raise ValueError(f"{op}: {data_field} is None: {name} has no {layout} copy; "
+                         f"quantize with layout='{layout}' or 'both'")
+    data_shape = shape[ax:] + shape[:ax] if colwise else shape
+    _expect(op, data_field, data, data_shape, q,
+            f"the {layout} copy of a {mode.name} tensor of shape {shape}")
+    if mode == ScalingMode.NO_SCALING:
+        return
+    b = mode.block_size
+    if mode.is_tensor_scaling:
+        s_shape = (num_groups,) if num_groups is not None else (1,)
+        why = "the decode scales, one per group" if num_groups is not None else "the decode scale"
+        _expect(op, scale_field, s_inv, s_shape, _F32, why)
+        return
+    if c % b:
+        raise ValueError(f"{op}: {name}'s {layout} copy has {c} columns, not a multiple of {mode.name}'s "
+                         f"block of {b}")
+    _expect(op, scale_field, s_inv, (r, c // b), _SCALE_DTYPES[mode],
+            f"one scale per {b} elements of the ({r}, {c}) {layout} copy")
+    if mode.is_nvfp4:
+        _expect(op, f"{name}.global_scale_inv", qt.global_scale_inv, (2,), _F32,
+                "NVFP4's rowwise and colwise tensor decode scales")
+
+
+def check_scale_value(scale, name: str):
+    """An encode scale that is 0, negative, NaN or Inf makes every code 0 or NaN. A concrete
+    value is refused here; a traced one (unknown until run) is replaced by 1, the initial
+    DelayedScaling scale, so the step stays finite and records its amax (docs/numerics.md)."""
+    import jax
+
+    scale = jnp.asarray(scale)
+    if not isinstance(scale, jax.core.Tracer):
+        v = np.asarray(scale, np.float64)
+        bad = ~np.isfinite(v) | (v <= 0)
+        if bad.any():
+            raise ValueError(f"{name} must be positive and finite (an encode scale), got "
+                             f"{v.reshape(-1)[bad.reshape(-1)][:4].tolist()}")
+        return scale
+    return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, jnp.ones_like(scale))
+
+
+def as_array(a, name: str):
+    """``a`` as a JAX array; anything that is not one (None, a string) is refused naming ``name``."""
+    if hasattr(a, "dtype") and hasattr(a, "shape"):
+        return a
+    try:
+        if a is None or isinstance(a, (str, bytes)):
+            raise TypeError
+        return jnp.asarray(a)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be an array, got {type(a).__name__} {a!r:.40}") from None
+
+
+def as_dtype(d, name: str) -> np.dtype:
+    """``np.dtype(d)``, refused naming ``name`` when ``d`` is no dtype."""
+    try:
+        if d is None:
+            raise TypeError
+        return np.dtype(d)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a dtype such as jnp.float8_e4m3fn, got {d!r:.40}") from None
+
+
+def as_int(v, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r:.40}")
+    return int(v)
