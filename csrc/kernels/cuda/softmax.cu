@@ -47,9 +47,13 @@ __device__ __forceinline__ bool keep(const RowMask& k, int64_t j) {
 
 // kLog2e, ex2_approx (2^x, MUFU): common.cuh.
 
+// NaN-propagating max (fmaxf drops NaN): a kept NaN makes the row maximum NaN, hence every kept
+// output NaN, as on the CPU and in jax.nn.softmax. Masked-out entries never enter it.
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(kFull, v, o));
   return v;
 }
 __device__ __forceinline__ float warp_sum(float v) {
@@ -83,6 +87,9 @@ __global__ void __launch_bounds__(kWarps * 32) softmax_fwd_fast(const FwdArgs a)
   float v[NV][E];
   const float ninf = -INFINITY;
   float m = ninf;
+  // Which entries are kept (NV * E <= 64): a masked-out entry must give 0 also in a row whose
+  // maximum is NaN, so it cannot be told apart by its value (-inf) alone.
+  uint64_t kept = 0;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t vi = lane + 32 * k;
@@ -92,21 +99,26 @@ __global__ void __launch_bounds__(kWarps * 32) softmax_fwd_fast(const FwdArgs a)
     for (int e = 0; e < E; ++e) {
       const int64_t j = vi * E + e;
       const bool in = vi < nvec && keep(km, j);
+      if (in) kept |= uint64_t(1) << (k * E + e);
       v[k][e] = in ? __fmul_rn(v[k][e], a.scale) : ninf;
-      m = fmaxf(m, v[k][e]);
+      m = nan_max(m, v[k][e]);
     }
   }
   m = warp_max(m);
   float s = 0.0f;
+  // m == -inf: nothing kept or every kept entry -inf: all zeros. m NaN: kept entries NaN. A kept
+  // -inf entry under a finite or +inf m gives ex2(-inf) = 0, as exp on the CPU.
 #pragma unroll
   for (int k = 0; k < NV; ++k)
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      v[k][e] = (m == ninf || v[k][e] == ninf) ? 0.0f : ex2_approx(__fmul_rn(__fsub_rn(v[k][e], m), kLog2e));
+      const bool in = (kept >> (k * E + e)) & 1u;
+      v[k][e] = (m == ninf || !in) ? 0.0f : ex2_approx(__fmul_rn(__fsub_rn(v[k][e], m), kLog2e));
       s = __fadd_rn(s, v[k][e]);
     }
   s = warp_sum(s);
-  const float inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;  // a fully masked row stays zeros
+  // s == 0 only for an all-zero row (it stays zeros); a NaN s must reach the outputs.
+  const float inv = s == 0.0f ? 0.0f : __fdiv_rn(1.0f, s);
   uint4* yr = reinterpret_cast<uint4*>(static_cast<T*>(a.y) + row * a.Sk);
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
@@ -124,7 +136,7 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   float r = is_max ? -INFINITY : 0.0f;
-  for (int w = 0; w < int(blockDim.x >> 5); ++w) r = is_max ? fmaxf(r, red[w]) : __fadd_rn(r, red[w]);
+  for (int w = 0; w < int(blockDim.x >> 5); ++w) r = is_max ? nan_max(r, red[w]) : __fadd_rn(r, red[w]);
   __syncthreads();
   return r;
 }
@@ -140,19 +152,20 @@ __global__ void __launch_bounds__(256) softmax_fwd_generic(const FwdArgs a) {
     const T* xr = x + row * a.Sk;
     float m = ninf;
     for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x)
-      if (keep(km, j)) m = fmaxf(m, __fmul_rn(In<IN>::f(xr[j]), a.scale));
+      if (keep(km, j)) m = nan_max(m, __fmul_rn(In<IN>::f(xr[j]), a.scale));
     m = block_reduce(m, true, red);
       float s = 0.0f;
     if (m != ninf)
       for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x) {
         const float v = __fmul_rn(In<IN>::f(xr[j]), a.scale);
-        if (keep(km, j) && v != ninf) s = __fadd_rn(s, ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)));
+        if (keep(km, j)) s = __fadd_rn(s, ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)));
       }
     const float inv = __fdiv_rn(1.0f, block_reduce(s, false, red));
     for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x) {
       const float v = __fmul_rn(In<IN>::f(xr[j]), a.scale);
       float y = 0.0f;
-      if (m != ninf && keep(km, j) && v != ninf) y = __fmul_rn(ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)), inv);
+      // As the fast kernel: a kept -inf gives ex2(-inf) = 0 unless m is NaN (then NaN).
+      if (m != ninf && keep(km, j)) y = __fmul_rn(ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)), inv);
       store_out<IN>(a.y, row * a.Sk + j, y);
     }
   }
