@@ -87,9 +87,6 @@ __global__ void __launch_bounds__(kWarps * 32) softmax_fwd_fast(const FwdArgs a)
   float v[NV][E];
   const float ninf = -INFINITY;
   float m = ninf;
-  // Which entries are kept (NV * E <= 64): a masked-out entry must give 0 also in a row whose
-  // maximum is NaN, so it cannot be told apart by its value (-inf) alone.
-  uint64_t kept = 0;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t vi = lane + 32 * k;
@@ -99,26 +96,26 @@ __global__ void __launch_bounds__(kWarps * 32) softmax_fwd_fast(const FwdArgs a)
     for (int e = 0; e < E; ++e) {
       const int64_t j = vi * E + e;
       const bool in = vi < nvec && keep(km, j);
-      if (in) kept |= uint64_t(1) << (k * E + e);
       v[k][e] = in ? __fmul_rn(v[k][e], a.scale) : ninf;
       m = nan_max(m, v[k][e]);
     }
   }
   m = warp_max(m);
+  if (m == INFINITY) m = NAN;  // inf - inf: a NaN row, as jax.nn.softmax (and the CPU)
   float s = 0.0f;
-  // m == -inf: nothing kept or every kept entry -inf: all zeros. m NaN: kept entries NaN. A kept
-  // -inf entry under a finite or +inf m gives ex2(-inf) = 0, as exp on the CPU.
+  // -inf entries (kept or masked out, which were set to -inf above) give 0, also in a row whose
+  // maximum is NaN: -inf acts as a mask. m == -inf: all zeros. m NaN: the other entries NaN.
 #pragma unroll
   for (int k = 0; k < NV; ++k)
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      const bool in = (kept >> (k * E + e)) & 1u;
-      v[k][e] = (m == ninf || !in) ? 0.0f : ex2_approx(__fmul_rn(__fsub_rn(v[k][e], m), kLog2e));
+      v[k][e] = (m == ninf || v[k][e] == ninf) ? 0.0f : ex2_approx(__fmul_rn(__fsub_rn(v[k][e], m), kLog2e));
       s = __fadd_rn(s, v[k][e]);
     }
   s = warp_sum(s);
-  // s == 0 only for an all-zero row (it stays zeros); a NaN s must reach the outputs.
-  const float inv = s == 0.0f ? 0.0f : __fdiv_rn(1.0f, s);
+  // A fully masked row stays zeros. A NaN row (s NaN) gets inv = 0: its NaN entries stay NaN
+  // (NaN * 0) and its -inf / masked-out entries 0.
+  const float inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
   uint4* yr = reinterpret_cast<uint4*>(static_cast<T*>(a.y) + row * a.Sk);
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
@@ -154,18 +151,19 @@ __global__ void __launch_bounds__(256) softmax_fwd_generic(const FwdArgs a) {
     for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x)
       if (keep(km, j)) m = nan_max(m, __fmul_rn(In<IN>::f(xr[j]), a.scale));
     m = block_reduce(m, true, red);
+    if (m == INFINITY) m = NAN;  // as the fast kernel
       float s = 0.0f;
     if (m != ninf)
       for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x) {
         const float v = __fmul_rn(In<IN>::f(xr[j]), a.scale);
-        if (keep(km, j)) s = __fadd_rn(s, ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)));
+        if (keep(km, j) && v != ninf) s = __fadd_rn(s, ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)));
       }
     const float inv = __fdiv_rn(1.0f, block_reduce(s, false, red));
     for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x) {
       const float v = __fmul_rn(In<IN>::f(xr[j]), a.scale);
       float y = 0.0f;
-      // As the fast kernel: a kept -inf gives ex2(-inf) = 0 unless m is NaN (then NaN).
-      if (m != ninf && keep(km, j)) y = __fmul_rn(ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)), inv);
+      // As the fast kernel: -inf entries are 0 (also when m is NaN), the others NaN when m is.
+      if (m != ninf && keep(km, j) && v != ninf) y = __fmul_rn(ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)), inv);
       store_out<IN>(a.y, row * a.Sk + j, y);
     }
   }
