@@ -219,6 +219,32 @@ def test_nvfp4(device, rng, rht, mode_b):
     assert rel(out, ref) < 0.2
 
 
+@pytest.mark.parametrize("mag", [1e-39, 1e-40])
+@pytest.mark.parametrize("mode", [SM.MXFP8_1D_SCALING, SM.NVFP4_1D_SCALING, SM.NVFP4_2D_SCALING],
+                         ids=lambda m: m.name)
+def test_block_scaled_subnormal(device, rng, mode, mag):
+    """An operand below float32's normal range (tracker issue 11, point 8): the GEMM of the
+    quantized operands must match their float64 product. The BF16 decode of the MXFP8 study path
+    lost significand bits (subnormal BF16), and NVFP4's ga * gb underflowed to 0."""
+    x = (rng.standard_normal((64, 96)) * mag).astype(np.float32)
+    x[:, :32] *= 4.0  # mixed block magnitudes
+    w = rng.standard_normal((32, 96)).astype(np.float32)
+    w[:16] *= mag  # both operands tiny in part: products far below the float32 range are 0
+
+    def f(x, w):
+        a = lowbit.quantize(x, mode, layout="rowwise")
+        b = lowbit.quantize(w, mode, layout="rowwise")
+        return lowbit.gemm(a, b, out_dtype=F32), a, b
+
+    out, a, b = run_on(device, f, x, w)
+    out = to_cpu(out)
+    ref = dq64(a, "rowwise") @ dq64(b, "rowwise").T
+    # Columns 16..31: tiny x normal, outputs around float32's normal limit. Columns 0..15: tiny x
+    # tiny, ~1e-78, below float32 entirely (0 is the float32 answer there).
+    assert rel(out[:, 16:], ref[:, 16:]) < tol(device)
+    assert np.count_nonzero(out[:, 16:]) > 0.9 * out[:, 16:].size
+
+
 # ---------------------------------------------------------------------------------------------
 # Edge cases and errors
 # ---------------------------------------------------------------------------------------------

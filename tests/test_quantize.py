@@ -872,6 +872,28 @@ def test_grouped(device, rng, combo, case):
         assert_same_tree(qt, qc)
 
 
+@pytest.mark.parametrize("combo", GROUPED_COMBOS, ids=combo_id)
+def test_grouped_subnormal(device, rng, combo):
+    """Groups of float32 subnormals (~1e-39, ~1e-40) next to a normal group: grouped_dequantize
+    keeps them (docs/numerics.md: no flush to zero), bit for bit as the oracle and dequantize.
+    The plain XLA product flushed them on the CPU (tracker issue 11, point 8)."""
+    mode, q_dtype = combo
+    layout = "rowwise" if mode == SM.MXFP8_1D_SCALING else "both"
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    x[:24] *= np.float32(1e-39)
+    x[24:40] *= np.float32(1e-40)
+    scale = None
+    if mode == SM.DELAYED_TENSOR_SCALING:
+        scale = np.array([2.0**126, 2.0**127, 1.0], np.float32)
+    sizes = [24, 16, 24]
+    qt, r = _check_grouped(device, x, sizes, mode, q_dtype, layout, scale)
+    sc = None if scale is None else jnp.asarray(scale)
+    dq = to_cpu(run_on(device, _grouped_fn, jnp.asarray(x), jnp.asarray(sizes, jnp.int32), sc,
+                       mode=mode, q_dtype=q_dtype, layout=layout))[1]
+    tiny = np.abs(x[:40]) > 0
+    assert np.count_nonzero(dq[:40][tiny]) > 0.9 * tiny.sum()
+
+
 def test_grouped_sizes_from_routing(device, rng):
     """MoE-style: group sizes from a bincount of expert ids, in the same jitted function."""
     M, K, G = 64, 32, 4

@@ -127,3 +127,98 @@ def test_gpu_long_rows(gpu_device, rng, dtype, sk):
     mask = rng.random((2, 1, 16, sk)) < 0.3
     check(gpu_device, rng, x, dtype, 0.2, ~np.broadcast_to(mask, shape), softmax_type="scaled_masked",
           mask=jnp.asarray(mask))
+
+
+# --- NaN / Inf rows (tracker issue 11, point 3) ----------------------------------------------
+# lowbit treats -inf entries as masked out. Then it is jax.nn.softmax with where= (kept and not
+# -inf): NaN (or +inf) among those makes all of them NaN, the others stay 0, and a row with none
+# left is zeros. jax.nn.softmax without where= differs only where -inf meets NaN: an all -inf row
+# (0/0 = NaN there) and -inf entries of a NaN row.
+
+
+def special_rows(rng, sk, dtype):
+    nan, inf = np.nan, np.inf
+    x = np.array(make(rng, (8, sk), F32, 0.0, 2.0))
+    x[0, :] = nan  # all NaN
+    x[1, 3] = nan  # one NaN
+    x[2, :] = -inf  # all -inf -> zeros (documented choice)
+    x[3, 5] = -inf  # one -inf: weight 0
+    x[4, 1] = inf  # +inf: inf - inf = NaN row, as jax
+    x[5, :] = -inf
+    x[5, 7] = nan  # NaN among -inf: NaN, the -inf entries 0
+    return jnp.asarray(x, dtype)
+
+
+def expected(x, scale, keep):
+    """jax.nn.softmax in float32 with where= the kept entries that are not -inf; 0 elsewhere."""
+    x32 = jnp.asarray(x, F32) * scale
+    keep = keep & (np.asarray(x32) != -np.inf)
+    y = np.asarray(jax.nn.softmax(x32, axis=-1, where=jnp.asarray(keep)))
+    return np.where(keep, y, 0.0)
+
+
+def check_special(device, x, scale, keep, dtype, **kw):
+    mask = kw.pop("mask", None)
+
+    def fn(x, mask):
+        y, vjp = jax.vjp(lambda x: lowbit.softmax(x, scale, mask=mask, **kw), x)
+        return y, vjp(jnp.ones_like(y))[0]
+
+    y, dx = to_cpu(run_on(device, fn, x, mask))
+    y, dx = y.astype(np.float64), dx.astype(np.float64)
+    want = expected(x, scale, keep)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want))  # NaN exactly where jax has NaN
+    ok = ~np.isnan(want)
+    np.testing.assert_allclose(y[ok], want[ok], rtol=tol(dtype) * 4, atol=1e-6)
+    # backward: NaN on the kept entries of a NaN row, finite everywhere else
+    nan_row = np.isnan(want).any(-1, keepdims=True)
+    assert np.all(np.isnan(dx[nan_row & keep & ~(np.asarray(x, np.float32) == -np.inf)]))
+    assert np.all(np.isfinite(dx[~np.broadcast_to(nan_row, dx.shape)]))
+    return y, dx
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("sk", [16, 300])  # GPU: one-warp-per-row kernel and the generic one
+def test_nan_inf_rows_scaled(device, rng, dtype, sk):
+    x = special_rows(rng, sk, dtype)
+    y, _ = check_special(device, x, 0.5, np.ones(x.shape, bool), dtype, softmax_type="scaled")
+    assert np.all(np.isnan(y[0])) and np.all(np.isnan(y[1])) and np.all(y[2] == 0)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("sk", [16, 300])
+def test_nan_inf_rows_masked(device, rng, dtype, sk):
+    x = np.array(special_rows(rng, sk, F32)).reshape(1, 1, 8, sk)
+    mask = rng.random((1, 1, 8, sk)) < 0.3
+    mask[..., 6, :] = True  # fully masked row
+    x[..., 6, :] = np.nan  # ... of NaNs: still zeros (jax where= gives 0)
+    mask[..., 7, :] = False
+    mask[..., 7, 2] = True
+    x[..., 7, 2] = np.nan  # a masked-out NaN is ignored
+    mask[..., 1, 3] = False  # row 1's NaN is kept
+    x = jnp.asarray(x, dtype)
+    y, _ = check_special(device, x, 0.5, ~mask, dtype, softmax_type="scaled_masked", mask=jnp.asarray(mask))
+    assert np.all(y[..., 6, :] == 0) and np.all(np.isfinite(y[..., 7, :]))
+    assert np.all(np.isnan(y[..., 1, :][~mask[..., 1, :]])) and np.all(y[..., 1, :][mask[..., 1, :]] == 0)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("s", [16, 40])
+def test_nan_causal(device, rng, dtype, s):
+    x = np.array(make(rng, (2, s, s), F32, 0.0, 2.0))
+    x[0, :, 0] = np.nan  # query 0 sees only this key: NaN row; every row sees key 0
+    x[1, 3, 5] = np.nan  # above the diagonal for query 3: masked out, harmless
+    x = jnp.asarray(x, dtype)
+    keep = np.broadcast_to(np.tril(np.ones((s, s), bool)), x.shape)
+    y, _ = check_special(device, x, 0.125, keep, dtype, softmax_type="scaled_upper_triang_masked")
+    assert np.isnan(y[0, 0, 0]) and np.all(y[0, 0, 1:] == 0) and np.all(np.isfinite(y[1]))
+
+
+def test_nan_scale_factor(rng):
+    # scale_factor=nan makes every entry NaN: NaN rows (or a ValueError from argument checks).
+    x = make(rng, (4, 16), F32)
+    try:
+        y = lowbit.softmax(x, float("nan"))
+    except ValueError:
+        return
+    assert np.all(np.isnan(np.asarray(y)))

@@ -3,10 +3,15 @@
 // Numerics (float32): v_j = x_j * scale_factor; entries masked out (mask != 0, or j > i for the
 // causal type, i the query index) are excluded; m = max of the remaining v_j; e_j = exp(v_j - m);
 // y_j = e_j / sum(e), 0 for excluded entries; a row with nothing left (or whose maximum is -inf)
-// is all zeros. y is rounded once to x's dtype. The CPU uses expf and a division; the GPU the MUFU
+// is all zeros. Entries with v_j = -inf are excluded too (an additive mask). m is a
+// NaN-propagating max: a NaN among the kept v_j (NaN data, or scale_factor = NaN) makes every
+// kept y_j NaN, as jax.nn.softmax; m = +inf (inf - inf) likewise. Excluded entries are never read
+// into m, so a masked-out NaN is harmless.
+// y is rounded once to x's dtype. The CPU uses expf and a division; the GPU the MUFU
 // 2^x and one reciprocal per row, so the two agree to a few float32 ulps.
 // Backward from the saved output: dx_j = scale_factor * (y_j * (dy_j - sum_k dy_k y_k)); excluded
-// entries have y = 0, hence dx = 0, so the backward needs no mask.
+// entries have y = 0, hence dx = 0, so the backward needs no mask. A NaN row of y gives a NaN
+// row of dx.
 #pragma once
 
 #include <cstdint>

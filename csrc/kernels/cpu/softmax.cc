@@ -27,10 +27,17 @@ Status softmax_fwd_cpu(const SoftmaxFwdParams& p) {
           bool k = true;
           if (m) k = m[j * p.mask_strides[3]] == 0;
           if (p.type == SoftmaxType::kCausal) k = j <= i;
-          keep[j] = k;
           v[j] = load_value(p.x, p.dtype, row * Sk + j) * p.scale;
-          if (k) mx = std::fmax(mx, v[j]);
+          k = k && v[j] != neg_inf;  // -inf acts as a mask: exactly 0, also in a NaN row
+          keep[j] = k;
+          // NaN-propagating max (std::fmax would drop NaN): a kept NaN makes mx NaN, so every
+          // kept entry becomes exp(NaN) = NaN (NaN in, NaN out, as jax.nn.softmax). Masked-out
+          // NaNs are never read into mx, so they stay harmless (0), as with jax's where=.
+          if (k && (std::isnan(v[j]) || v[j] > mx)) mx = v[j];
         }
+        // mx == -inf: nothing kept, or every kept entry is -inf (an additive -inf mask): the row
+        // is all zeros, like a fully masked row (jax.nn.softmax would give 0/0 = NaN there).
+        if (mx == -neg_inf) mx = std::numeric_limits<float>::quiet_NaN();  // inf - inf: NaN row
         float sum = 0.0f;
         if (mx != neg_inf)
           for (int64_t j = 0; j < Sk; ++j) {

@@ -47,9 +47,13 @@ __device__ __forceinline__ bool keep(const RowMask& k, int64_t j) {
 
 // kLog2e, ex2_approx (2^x, MUFU): common.cuh.
 
+// NaN-propagating max (fmaxf drops NaN): a kept NaN makes the row maximum NaN, hence every kept
+// output NaN, as on the CPU and in jax.nn.softmax. Masked-out entries never enter it.
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(kFull, v, o));
   return v;
 }
 __device__ __forceinline__ float warp_sum(float v) {
@@ -93,11 +97,14 @@ __global__ void __launch_bounds__(kWarps * 32) softmax_fwd_fast(const FwdArgs a)
       const int64_t j = vi * E + e;
       const bool in = vi < nvec && keep(km, j);
       v[k][e] = in ? __fmul_rn(v[k][e], a.scale) : ninf;
-      m = fmaxf(m, v[k][e]);
+      m = nan_max(m, v[k][e]);
     }
   }
   m = warp_max(m);
+  if (m == INFINITY) m = NAN;  // inf - inf: a NaN row, as jax.nn.softmax (and the CPU)
   float s = 0.0f;
+  // -inf entries (kept or masked out, which were set to -inf above) give 0, also in a row whose
+  // maximum is NaN: -inf acts as a mask. m == -inf: all zeros. m NaN: the other entries NaN.
 #pragma unroll
   for (int k = 0; k < NV; ++k)
 #pragma unroll
@@ -106,7 +113,9 @@ __global__ void __launch_bounds__(kWarps * 32) softmax_fwd_fast(const FwdArgs a)
       s = __fadd_rn(s, v[k][e]);
     }
   s = warp_sum(s);
-  const float inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;  // a fully masked row stays zeros
+  // A fully masked row stays zeros. A NaN row (s NaN) gets inv = 0: its NaN entries stay NaN
+  // (NaN * 0) and its -inf / masked-out entries 0.
+  const float inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
   uint4* yr = reinterpret_cast<uint4*>(static_cast<T*>(a.y) + row * a.Sk);
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
@@ -124,7 +133,7 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   float r = is_max ? -INFINITY : 0.0f;
-  for (int w = 0; w < int(blockDim.x >> 5); ++w) r = is_max ? fmaxf(r, red[w]) : __fadd_rn(r, red[w]);
+  for (int w = 0; w < int(blockDim.x >> 5); ++w) r = is_max ? nan_max(r, red[w]) : __fadd_rn(r, red[w]);
   __syncthreads();
   return r;
 }
@@ -140,8 +149,9 @@ __global__ void __launch_bounds__(256) softmax_fwd_generic(const FwdArgs a) {
     const T* xr = x + row * a.Sk;
     float m = ninf;
     for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x)
-      if (keep(km, j)) m = fmaxf(m, __fmul_rn(In<IN>::f(xr[j]), a.scale));
+      if (keep(km, j)) m = nan_max(m, __fmul_rn(In<IN>::f(xr[j]), a.scale));
     m = block_reduce(m, true, red);
+    if (m == INFINITY) m = NAN;  // as the fast kernel
       float s = 0.0f;
     if (m != ninf)
       for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x) {
@@ -152,6 +162,7 @@ __global__ void __launch_bounds__(256) softmax_fwd_generic(const FwdArgs a) {
     for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x) {
       const float v = __fmul_rn(In<IN>::f(xr[j]), a.scale);
       float y = 0.0f;
+      // As the fast kernel: -inf entries are 0 (also when m is NaN), the others NaN when m is.
       if (m != ninf && keep(km, j) && v != ninf) y = __fmul_rn(ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)), inv);
       store_out<IN>(a.y, row * a.Sk + j, y);
     }

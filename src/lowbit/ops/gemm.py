@@ -196,15 +196,71 @@ def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8):
     return out
 
 
+def _ldexp_exact(x, n):
+    """``x * 2**n`` (float32 x, int32 n) rounded once to nearest-even, computed on the bits.
+
+    XLA's CPU threads flush subnormal float32 results (and inputs) to zero; docs/numerics.md keeps
+    them, so scaling that may leave the normal range is done here in integer arithmetic."""
+    u32 = jnp.uint32
+    bits = jax.lax.bitcast_convert_type(x, u32)
+    sign = bits & u32(0x80000000)
+    e = ((bits >> 23) & u32(0xFF)).astype(jnp.int32)
+    m = bits & u32(0x7FFFFF)
+    mant = jnp.where(e > 0, m | u32(0x800000), m)  # value = mant * 2^(max(e, 1) - 150)
+    lz = jax.lax.clz(mant).astype(jnp.int32) - 8  # normalize mant to [2^23, 2^24)
+    mant = mant << jnp.clip(lz, 0, 31).astype(u32)
+    E = jnp.maximum(e, 1) + n - lz  # biased exponent of the result
+    normal = sign | (jnp.clip(E, 1, 254).astype(u32) << 23) | (mant & u32(0x7FFFFF))
+    sh = jnp.clip(1 - E, 1, 31).astype(u32)  # subnormal result: shift right, round to even
+    q = mant >> sh
+    rem = mant & ((u32(1) << sh) - u32(1))
+    half = u32(1) << (sh - u32(1))
+    q = q + ((rem > half) | ((rem == half) & ((q & u32(1)) == u32(1)))).astype(u32)
+    out = jnp.where(E >= 255, sign | u32(0x7F800000), jnp.where(E >= 1, normal, sign | q))
+    out = jnp.where((e == 255) | (mant == 0), bits, out)  # NaN, Inf, zeros unchanged
+    return jax.lax.bitcast_convert_type(out, jnp.float32)
+
+
+def _frexp_bits(g):
+    """A float32 scalar g > 0 (also subnormal) as (m, e): g = m * 2^e, m float32 in [1, 2)."""
+    bits = jax.lax.bitcast_convert_type(g, jnp.uint32)
+    e = ((bits >> 23) & jnp.uint32(0xFF)).astype(jnp.int32)
+    m = bits & jnp.uint32(0x7FFFFF)
+    lz = jax.lax.clz(m).astype(jnp.int32) - 8  # subnormal: normalize the significand
+    m = jnp.where(e > 0, m, (m << jnp.clip(lz, 0, 31).astype(jnp.uint32)) & jnp.uint32(0x7FFFFF))
+    e = jnp.where(e > 0, e, 1 - lz) - 127
+    return jax.lax.bitcast_convert_type(m | jnp.uint32(127 << 23), jnp.float32), e
+
+
+# bf16 of decode(q) * 2^(b-127) is exact while it stays a normal bf16: nonzero FP8 magnitudes
+# lie in [2^-16, 2^16), so codes b in [17, 238] are safe.
+_MX_SAFE_LO, _MX_SAFE_HI = 17, 238
+
+
 def _block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
     """Study path for MXFP8/NVFP4: exact BF16 decode of each copy, BF16 GEMM with float32
-    accumulation, then NVFP4's float32 tensor scales, as a block-scaled GEMM applies them."""
+    accumulation, then NVFP4's float32 tensor scales, as a block-scaled GEMM applies them.
+
+    Values below float32's normal range stay exact: MXFP8 block scales are raised by a power of
+    two per operand before the BF16 decode (a subnormal BF16 would drop significand bits) and the
+    product is scaled back on the bits (_ldexp_exact); NVFP4's two tensor scales are applied as
+    their significands, then their exponents (ga * gb alone underflows for tiny tensors)."""
+    shift = jnp.int32(0)
+
     def decode(op: _Operand):
+        nonlocal shift
         qt = op.qt
         if qt.scaling_mode.is_nvfp4:
             # E2M1 x E4M3 products are exact in BF16; the tensor scale is applied after the
             # GEMM. The Hadamard transform is kept: both operands carry it, and it cancels.
             qt = dataclasses.replace(qt, global_scale_inv=jnp.ones((2,), jnp.float32), rht=False)
+        else:
+            field = "colwise_scale_inv" if op.layout == "colwise" else "scale_inv"
+            codes = jax.lax.bitcast_convert_type(getattr(qt, field), jnp.uint8).astype(jnp.int32)
+            k = jnp.clip(_MX_SAFE_LO - codes.min(), 0, jnp.maximum(_MX_SAFE_HI - codes.max(), 0))
+            shift = shift + k  # 0 for tensors in the normal range: the plain decode, unchanged
+            raised = jax.lax.bitcast_convert_type((codes + k).astype(jnp.uint8), jnp.float8_e8m0fnu)
+            qt = dataclasses.replace(qt, **{field: raised})
         full = dequantize(qt, op.layout, dtype=jnp.bfloat16)
         if op.layout == "colwise":
             return full.reshape(qt.rows, qt.cols).T
@@ -212,11 +268,15 @@ def _block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
 
     out = _gemm_2d(decode(a), decode(b), None, None, None, _F32, False, fp8=False)
     if a.qt.scaling_mode.is_nvfp4:
-        ga = a.qt.global_scale_inv[1 if a.layout == "colwise" else 0]
-        gb = b.qt.global_scale_inv[1 if b.layout == "colwise" else 0]
-        out = out * (ga * gb)
+        ma, ea = _frexp_bits(a.qt.global_scale_inv[1 if a.layout == "colwise" else 0])
+        mb, eb = _frexp_bits(b.qt.global_scale_inv[1 if b.layout == "colwise" else 0])
+        # Bit-identical to out * (ga * gb) whenever that is a normal float32.
+        out = _ldexp_exact(out * (ma * mb), ea + eb)
+    else:
+        out = _ldexp_exact(out, -shift)
     if bias is not None:
-        out = out + bias.astype(jnp.float32)
+        b32 = bias.astype(jnp.float32)
+        out = jnp.where(b32 == 0, out, out + b32)  # x + 0 would flush a subnormal x on the CPU
     return out.astype(out_dtype)
 
 

@@ -2,7 +2,11 @@
 
 Numerics (csrc/include/lowbit/softmax.h): ``softmax(scale_factor * x)`` in float32 over the
 entries that are not masked out, rounded once to ``x``'s dtype. Masked-out entries get exactly 0;
-a row with every entry masked out is all zeros (not NaN). The mask follows TransformerEngine:
+a row with every entry masked out is all zeros (as ``jax.nn.softmax`` with ``where=``). A
+``-inf`` entry counts as masked out (an additive mask), so an all ``-inf`` row is zeros too
+(``jax.nn.softmax`` gives NaN there). NaN in a kept entry (or ``+inf``: ``inf - inf``) makes the
+row's kept entries NaN, as ``jax.nn.softmax``; its gradient is NaN too. A NaN in a masked-out
+entry is ignored. See docs/numerics.md "Softmax". The mask follows TransformerEngine:
 ``True`` (nonzero) means *masked out*. The causal type masks key ``j > i`` for query ``i``
 (top-left aligned; needs ``Sq == Sk``).
 """
