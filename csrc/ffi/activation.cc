@@ -17,14 +17,15 @@ ffi::Error act_dims(const Buf& x, bool gated, int64_t* rows, int64_t* cols, DTyp
   if (!dims_2d(x, rows, &w)) return to_error(Status::Invalid("activation: x must be 2-D"));
   if (!to_dtype(x.element_type(), dt))
     return to_error(Status::Invalid("activation: unsupported x dtype"));
-  if (gated && w % 2) return to_error(Status::Invalid("activation: gated x needs an even last axis"));
+  if (gated && w % 2)
+    return to_error(Status::Invalid("activation: gated x needs an even last axis"));
   *cols = gated ? w / 2 : w;
   return ffi::Error::Success();
 }
 
-ffi::Error ActFwd(LOWBIT_PLATFORM_CTX Buf x, Buf scale, Ret y, Ret data, Ret scale_inv,
-                  Ret cw_data, Ret cw_scale_inv, Ret amax, int32_t act, int32_t gated,
-                  int32_t mode, int32_t q_dtype) {
+ffi::Error ActFwd(LOWBIT_PLATFORM_CTX Buf x, Buf scale, Ret y, Ret data, Ret scale_inv, Ret cw_data,
+                  Ret cw_scale_inv, Ret amax, int32_t act, int32_t gated, int32_t mode,
+                  int32_t q_dtype) {
   ActFwdParams p;
   p.gated = gated != 0;
   if (auto e = act_dims(x, p.gated, &p.rows, &p.cols, &p.x_dtype); e.failure()) return e;
@@ -67,7 +68,8 @@ ffi::Error ActBwd(LOWBIT_PLATFORM_CTX Buf dy, Buf x, Buf scale, Ret dx, Ret data
   p.workspace = ptr_or_null<void>(workspace);
   if (auto err = to_error(validate(p)); err.failure()) return err;
 #if LOWBIT_WITH_CUDA
-  if (workspace->size_bytes() < act_bwd_workspace_bytes(p.rows, p.cols, p.gated, p.dbias != nullptr))
+  if (workspace->size_bytes() <
+      act_bwd_workspace_bytes(p.rows, p.cols, p.gated, p.dbias != nullptr))
     return to_error(Status::Invalid("activation_bwd: workspace too small"));
 #endif
   return to_error(LOWBIT_RUN(act_bwd, p));
@@ -114,7 +116,8 @@ LOWBIT_HANDLER(lowbit_act_bwd, ActBwd,
 
 #if LOWBIT_WITH_CUDA
 // Scratch of the backward (per-tile dbias partials), asked by Python at trace time.
-LOWBIT_EXPORT int64_t lowbit_act_bwd_workspace_bytes(int64_t rows, int64_t cols, int64_t gated, int64_t dbias) {
+LOWBIT_EXPORT int64_t lowbit_act_bwd_workspace_bytes(int64_t rows, int64_t cols, int64_t gated,
+                                                     int64_t dbias) {
   return static_cast<int64_t>(act_bwd_workspace_bytes(rows, cols, gated != 0, dbias != 0));
 }
 #endif

@@ -56,15 +56,15 @@ ffi::Error Gemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, Buf a_scale_inv, Buf b_scale_i
 
 #pragma GCC visibility push(default)
 
-#define LOWBIT_GEMM_BINDING                                  \
-  LOWBIT_BIND()                                              \
-      .Arg<Buf>() /* a (M, K) */                             \
-      .Arg<Buf>() /* b (N, K) */                             \
-      .Arg<Buf>() /* a_scale_inv (1,) f32 or (0,) */         \
-      .Arg<Buf>() /* b_scale_inv (1,) f32 or (0,) */         \
-      .Arg<Buf>() /* bias (N,) or (0,) */                    \
-      .Ret<Buf>() /* out (M, N) */                           \
-      .Ret<Buf>() /* workspace (bytes; (0,) on CPU) */       \
+#define LOWBIT_GEMM_BINDING                            \
+  LOWBIT_BIND()                                        \
+      .Arg<Buf>() /* a (M, K) */                       \
+      .Arg<Buf>() /* b (N, K) */                       \
+      .Arg<Buf>() /* a_scale_inv (1,) f32 or (0,) */   \
+      .Arg<Buf>() /* b_scale_inv (1,) f32 or (0,) */   \
+      .Arg<Buf>() /* bias (N,) or (0,) */              \
+      .Ret<Buf>() /* out (M, N) */                     \
+      .Ret<Buf>() /* workspace (bytes; (0,) on CPU) */ \
       .Attr<int32_t>("flags")
 
 #if LOWBIT_WITH_CUDA

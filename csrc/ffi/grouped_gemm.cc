@@ -87,8 +87,8 @@ LOWBIT_HANDLER(lowbit_grouped_gemm, GroupedGemm,
 // dtypes and layouts select, the extents (ragged K's realigned copies), the number of groups
 // and the device's SM count.
 LOWBIT_EXPORT int64_t lowbit_grouped_gemm_workspace_bytes(int64_t mode, int64_t a_dtype,
-                                                          int64_t b_dtype, int64_t flags,
-                                                          int64_t m, int64_t n, int64_t k,
+                                                          int64_t b_dtype, int64_t flags, int64_t m,
+                                                          int64_t n, int64_t k,
                                                           int64_t num_groups) {
   GroupedGemmParams p;
   p.mode = static_cast<GroupedGemmMode>(mode);

@@ -52,8 +52,7 @@ ffi::Error NormFwd(LOWBIT_PLATFORM_CTX Buf x, Buf gamma, Buf beta, Buf scale, Re
 }
 
 ffi::Error NormBwd(LOWBIT_PLATFORM_CTX Buf dy, Buf x, Buf mean, Buf rsigma, Buf gamma, Ret dx,
-                   Ret dgamma, Ret dbeta, Ret workspace, int32_t norm_type,
-                   int32_t zero_centered) {
+                   Ret dgamma, Ret dbeta, Ret workspace, int32_t norm_type, int32_t zero_centered) {
   NormBwdParams p;
   if (!dims_2d(x, &p.rows, &p.cols)) return to_error(Status::Invalid("norm_bwd: x must be 2-D"));
   if (!to_dtype(x.element_type(), &p.x_dtype) || dy.element_type() != x.element_type() ||

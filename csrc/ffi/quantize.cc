@@ -12,7 +12,7 @@ using namespace lowbit::ffi_util;
 
 namespace {
 
-// Flag bits of the `flags` attribute (src/lowbit/ops/_ffi_flags.py mirrors them).
+// Flag bits of the `flags` attribute (src/lowbit/quantize/scaling_modes.py mirrors them).
 constexpr int32_t kRowwise = 1, kColwise = 2, kDbias = 4, kStochastic = 8, kRht = 16;
 
 ffi::Error Quantize(LOWBIT_PLATFORM_CTX Buf x, Buf scale, Buf seed, Ret data, Ret scale_inv,
@@ -69,10 +69,9 @@ ffi::Error Dequantize(LOWBIT_PLATFORM_CTX Buf data, Buf scale_inv, Buf global_sc
   return to_error(LOWBIT_RUN(dequantize, p));
 }
 
-ffi::Error GroupedQuantize(LOWBIT_PLATFORM_CTX Buf x, ffi::Buffer<ffi::S32> group_sizes,
-                           Buf scale, Ret data, Ret scale_inv, Ret cw_data, Ret cw_scale_inv,
-                           Ret amax, Ret workspace, int32_t mode, int32_t q_dtype,
-                           int32_t flags) {
+ffi::Error GroupedQuantize(LOWBIT_PLATFORM_CTX Buf x, ffi::Buffer<ffi::S32> group_sizes, Buf scale,
+                           Ret data, Ret scale_inv, Ret cw_data, Ret cw_scale_inv, Ret amax,
+                           Ret workspace, int32_t mode, int32_t q_dtype, int32_t flags) {
   GroupedQuantizeParams p;
   if (!dims_2d(x, &p.rows, &p.cols))
     return to_error(Status::Invalid("grouped_quantize: x must be 2-D"));

@@ -42,8 +42,7 @@ ffi::Error SoftmaxFwd(LOWBIT_PLATFORM_CTX Buf x, Buf mask, Ret y, int32_t type, 
 
 ffi::Error SoftmaxBwd(LOWBIT_PLATFORM_CTX Buf dy, Buf y, Ret dx, float scale) {
   SoftmaxBwdParams p;
-  if (!dims_2d(y, &p.rows, &p.cols))
-    return to_error(Status::Invalid("softmax_bwd: y must be 2-D"));
+  if (!dims_2d(y, &p.rows, &p.cols)) return to_error(Status::Invalid("softmax_bwd: y must be 2-D"));
   if (!to_dtype(y.element_type(), &p.dtype) || dy.element_type() != y.element_type() ||
       dy.element_count() != y.element_count())
     return to_error(Status::Invalid("softmax_bwd: dy and y must match"));
