@@ -67,11 +67,9 @@ ffi::Error ActBwd(LOWBIT_PLATFORM_CTX Buf dy, Buf x, Buf scale, Ret dx, Ret data
   p.dbias = ptr_or_null<void>(dbias);
   p.workspace = ptr_or_null<void>(workspace);
   if (auto err = to_error(validate(p)); err.failure()) return err;
-#if LOWBIT_WITH_CUDA
-  if (workspace->size_bytes() <
-      act_bwd_workspace_bytes(p.rows, p.cols, p.gated, p.dbias != nullptr))
-    return to_error(Status::Invalid("activation_bwd: workspace too small"));
-#endif
+  LOWBIT_CHECK_WORKSPACE(workspace,
+                         act_bwd_workspace_bytes(p.rows, p.cols, p.gated, p.dbias != nullptr),
+                         "activation_bwd");
   return to_error(LOWBIT_RUN(act_bwd, p));
 }
 

@@ -89,4 +89,14 @@ inline const T* in_or_null(const ffi::AnyBuffer& b) {
 #define LOWBIT_BIND() ::xla::ffi::Ffi::Bind()
 #define LOWBIT_DEFINE_HANDLER(sym, impl, binding) XLA_FFI_DEFINE_HANDLER_SYMBOL(sym, impl, binding)
 #endif
+// CUDA handlers check their workspace result against what the kernel needs (`need`, evaluated on
+// CUDA only); CPU kernels take no workspace.
+#if LOWBIT_WITH_CUDA
+#define LOWBIT_CHECK_WORKSPACE(ws, need, op)                                                       \
+  do {                                                                                             \
+    if ((ws)->size_bytes() < (need)) return to_error(Status::Invalid(op ": workspace too small")); \
+  } while (0)
+#else
+#define LOWBIT_CHECK_WORKSPACE(ws, need, op) (void)0
+#endif
 #define LOWBIT_HANDLER(op, impl, binding) LOWBIT_DEFINE_HANDLER(LOWBIT_SYMBOL(op), impl, binding)

@@ -15,6 +15,12 @@ namespace {
 // Bits of the `flags` attribute (src/lowbit/ops/grouped_gemm.py mirrors them).
 constexpr int32_t kAKMajor = 1, kBKMajor = 2, kFastAccum = 4;
 
+void set_flags(GroupedGemmParams* p, int32_t flags) {
+  p->a_kmajor = flags & kAKMajor;
+  p->b_kmajor = flags & kBKMajor;
+  p->fast_accum = flags & kFastAccum;
+}
+
 ffi::Error GroupedGemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, ffi::Buffer<ffi::S32> group_sizes,
                        Buf a_scale_inv, Buf b_scale_inv, Ret out, Ret workspace, int32_t mode,
                        int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
@@ -31,9 +37,7 @@ ffi::Error GroupedGemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, ffi::Buffer<ffi::S32> g
   p.group_sizes = group_sizes.typed_data();
   p.a = a.untyped_data();
   p.b = b.untyped_data();
-  p.a_kmajor = flags & kAKMajor;
-  p.b_kmajor = flags & kBKMajor;
-  p.fast_accum = flags & kFastAccum;
+  set_flags(&p, flags);
   p.lda = lda;
   p.ldb = ldb;
   p.b_group_stride = b_group_stride;
@@ -94,9 +98,7 @@ LOWBIT_EXPORT int64_t lowbit_grouped_gemm_workspace_bytes(int64_t mode, int64_t 
   p.mode = static_cast<GroupedGemmMode>(mode);
   p.a_dtype = static_cast<DType>(a_dtype);
   p.b_dtype = static_cast<DType>(b_dtype);
-  p.a_kmajor = flags & kAKMajor;
-  p.b_kmajor = flags & kBKMajor;
-  p.fast_accum = flags & kFastAccum;
+  set_flags(&p, flags);
   p.m = m;
   p.n = n;
   p.k = k;

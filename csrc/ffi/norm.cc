@@ -78,10 +78,7 @@ ffi::Error NormBwd(LOWBIT_PLATFORM_CTX Buf dy, Buf x, Buf mean, Buf rsigma, Buf 
   p.dbeta = ptr_or_null<float>(dbeta);
   p.workspace = ptr_or_null<void>(workspace);
   if (auto err = to_error(validate(p)); err.failure()) return err;
-#if LOWBIT_WITH_CUDA
-  if (workspace->size_bytes() < norm_bwd_workspace_bytes(p.rows, p.cols))
-    return to_error(Status::Invalid("norm_bwd: workspace too small"));
-#endif
+  LOWBIT_CHECK_WORKSPACE(workspace, norm_bwd_workspace_bytes(p.rows, p.cols), "norm_bwd");
   return to_error(LOWBIT_RUN(norm_bwd, p));
 }
 

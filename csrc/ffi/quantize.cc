@@ -43,10 +43,7 @@ ffi::Error Quantize(LOWBIT_PLATFORM_CTX Buf x, Buf scale, Buf seed, Ret data, Re
   p.dbias = (flags & kDbias) ? ptr_or_null<void>(dbias) : nullptr;
   p.workspace = ptr_or_null<void>(workspace);
   if (auto err = to_error(validate(p)); err.failure()) return err;
-#if LOWBIT_WITH_CUDA
-  if (workspace->size_bytes() < quantize_workspace_bytes(p))
-    return to_error(Status::Invalid("quantize: workspace too small"));
-#endif
+  LOWBIT_CHECK_WORKSPACE(workspace, quantize_workspace_bytes(p), "quantize");
   return to_error(LOWBIT_RUN(quantize, p));
 }
 
@@ -92,10 +89,7 @@ ffi::Error GroupedQuantize(LOWBIT_PLATFORM_CTX Buf x, ffi::Buffer<ffi::S32> grou
   p.amax = ptr_or_null<float>(amax);
   p.workspace = ptr_or_null<void>(workspace);
   if (auto err = to_error(validate(p)); err.failure()) return err;
-#if LOWBIT_WITH_CUDA
-  if (workspace->size_bytes() < grouped_quantize_workspace_bytes(p))
-    return to_error(Status::Invalid("grouped_quantize: workspace too small"));
-#endif
+  LOWBIT_CHECK_WORKSPACE(workspace, grouped_quantize_workspace_bytes(p), "grouped_quantize");
   return to_error(LOWBIT_RUN(grouped_quantize, p));
 }
 
