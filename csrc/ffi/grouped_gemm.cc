@@ -1,5 +1,5 @@
-// FFI handlers of the grouped GEMM (lowbit/grouped_gemm.h). Compiled into liblowbit_cpu (CPU
-// handler) and, with LOWBIT_WITH_CUDA, into liblowbit_cuda (CUDA handler). The Python side
+// FFI handler of the grouped GEMM (lowbit/grouped_gemm.h), written once (ffi_common.h) and
+// compiled into liblowbit_cpu and, with LOWBIT_WITH_CUDA, into liblowbit_cuda. The Python side
 // passes the GEMM view (mode, extents, strides) as attributes; the handler checks it against
 // the buffers it got, then calls the kernel.
 #include "lowbit/grouped_gemm.h"
@@ -15,103 +15,73 @@ namespace {
 // Bits of the `flags` attribute (src/lowbit/ops/grouped_gemm.py mirrors them).
 constexpr int32_t kAKMajor = 1, kBKMajor = 2, kFastAccum = 4;
 
-ffi::Error build(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> group_sizes,
-                 ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
-                 ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& workspace,
-                 int32_t mode, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-                 int64_t b_group_stride, int32_t flags, GroupedGemmParams* p) {
-  if (!to_dtype(a.element_type(), &p->a_dtype) || !to_dtype(b.element_type(), &p->b_dtype) ||
-      !to_dtype(out->element_type(), &p->out_dtype))
-    return to_error(Status::Invalid("grouped_gemm: unsupported dtype"));
-  p->mode = static_cast<GroupedGemmMode>(mode);
-  p->m = m;
-  p->n = n;
-  p->k = k;
-  p->num_groups = static_cast<int64_t>(group_sizes.element_count());
-  p->group_sizes = group_sizes.typed_data();
-  p->a = a.untyped_data();
-  p->b = b.untyped_data();
+void set_flags(GroupedGemmParams* p, int32_t flags) {
   p->a_kmajor = flags & kAKMajor;
   p->b_kmajor = flags & kBKMajor;
   p->fast_accum = flags & kFastAccum;
-  p->lda = lda;
-  p->ldb = ldb;
-  p->b_group_stride = b_group_stride;
-  const bool fp8 = grouped_is_fp8(p->a_dtype) || grouped_is_fp8(p->b_dtype);
+}
+
+ffi::Error GroupedGemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, ffi::Buffer<ffi::S32> group_sizes,
+                       Buf a_scale_inv, Buf b_scale_inv, Ret out, Ret workspace, int32_t mode,
+                       int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                       int64_t b_group_stride, int32_t flags) {
+  GroupedGemmParams p;
+  if (!to_dtype(a.element_type(), &p.a_dtype) || !to_dtype(b.element_type(), &p.b_dtype) ||
+      !to_dtype(out->element_type(), &p.out_dtype))
+    return to_error(Status::Invalid("grouped_gemm: unsupported dtype"));
+  p.mode = static_cast<GroupedGemmMode>(mode);
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.num_groups = static_cast<int64_t>(group_sizes.element_count());
+  p.group_sizes = group_sizes.typed_data();
+  p.a = a.untyped_data();
+  p.b = b.untyped_data();
+  set_flags(&p, flags);
+  p.lda = lda;
+  p.ldb = ldb;
+  p.b_group_stride = b_group_stride;
+  const bool fp8 = grouped_is_fp8(p.a_dtype) || grouped_is_fp8(p.b_dtype);
   if (fp8) {
     if (a_scale_inv.element_type() != ffi::DataType::F32 ||
         b_scale_inv.element_type() != ffi::DataType::F32 ||
-        static_cast<int64_t>(a_scale_inv.element_count()) != p->num_groups ||
-        static_cast<int64_t>(b_scale_inv.element_count()) != p->num_groups)
+        static_cast<int64_t>(a_scale_inv.element_count()) != p.num_groups ||
+        static_cast<int64_t>(b_scale_inv.element_count()) != p.num_groups)
       return to_error(Status::Invalid("grouped_gemm: FP8 scales must be float32 of shape (G,)"));
-    p->a_scale_inv = static_cast<const float*>(a_scale_inv.untyped_data());
-    p->b_scale_inv = static_cast<const float*>(b_scale_inv.untyped_data());
+    p.a_scale_inv = static_cast<const float*>(a_scale_inv.untyped_data());
+    p.b_scale_inv = static_cast<const float*>(b_scale_inv.untyped_data());
   }
-  p->out = out->untyped_data();
-  p->a_elements = static_cast<int64_t>(a.element_count());
-  p->b_elements = static_cast<int64_t>(b.element_count());
-  p->out_elements = static_cast<int64_t>(out->element_count());
-  p->workspace = workspace->element_count() ? workspace->untyped_data() : nullptr;
-  p->workspace_bytes = workspace->size_bytes();
-  return to_error(validate(*p));
+  p.out = out->untyped_data();
+  p.a_elements = static_cast<int64_t>(a.element_count());
+  p.b_elements = static_cast<int64_t>(b.element_count());
+  p.out_elements = static_cast<int64_t>(out->element_count());
+  p.workspace = ptr_or_null<void>(workspace);
+  p.workspace_bytes = workspace->size_bytes();
+  if (auto err = to_error(validate(p)); err.failure()) return err;
+  return to_error(LOWBIT_RUN(grouped_gemm, p));
 }
-
-#if LOWBIT_WITH_CUDA
-
-ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                           ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer a_scale_inv,
-                           ffi::AnyBuffer b_scale_inv, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> workspace, int32_t mode, int64_t m,
-                           int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t b_group_stride,
-                           int32_t flags) {
-  GroupedGemmParams p;
-  auto err = build(a, b, group_sizes, a_scale_inv, b_scale_inv, out, workspace, mode, m, n, k, lda,
-                   ldb, b_group_stride, flags, &p);
-  if (err.failure()) return err;
-  return to_error(grouped_gemm_cuda(p, stream));
-}
-
-#define LOWBIT_NAME(n) n##Cuda
-
-#else  // CPU
-
-ffi::Error GroupedGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> group_sizes,
-                          ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
-                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                          int32_t mode, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-                          int64_t b_group_stride, int32_t flags) {
-  GroupedGemmParams p;
-  auto err = build(a, b, group_sizes, a_scale_inv, b_scale_inv, out, workspace, mode, m, n, k, lda,
-                   ldb, b_group_stride, flags, &p);
-  if (err.failure()) return err;
-  return to_error(grouped_gemm_cpu(p));
-}
-
-#define LOWBIT_NAME(n) n##Cpu
-
-#endif
 
 }  // namespace
 
 #pragma GCC visibility push(default)
 
-LOWBIT_DEFINE_HANDLER(LOWBIT_SYMBOL(lowbit_grouped_gemm), LOWBIT_NAME(GroupedGemm),
-                      LOWBIT_BIND()
-                          .Arg<ffi::AnyBuffer>()          // a
-                          .Arg<ffi::AnyBuffer>()          // b
-                          .Arg<ffi::Buffer<ffi::S32>>()   // group sizes (G,)
-                          .Arg<ffi::AnyBuffer>()          // a scale_inv (G,) f32 or (0,)
-                          .Arg<ffi::AnyBuffer>()          // b scale_inv (G,) f32 or (0,)
-                          .Ret<ffi::AnyBuffer>()          // out
-                          .Ret<ffi::AnyBuffer>()          // workspace (bytes)
-                          .Attr<int32_t>("mode")
-                          .Attr<int64_t>("m")
-                          .Attr<int64_t>("n")
-                          .Attr<int64_t>("k")
-                          .Attr<int64_t>("lda")
-                          .Attr<int64_t>("ldb")
-                          .Attr<int64_t>("b_group_stride")
-                          .Attr<int32_t>("flags"));
+LOWBIT_HANDLER(lowbit_grouped_gemm, GroupedGemm,
+               LOWBIT_BIND()
+                   .Arg<Buf>()                    // a
+                   .Arg<Buf>()                    // b
+                   .Arg<ffi::Buffer<ffi::S32>>()  // group sizes (G,)
+                   .Arg<Buf>()                    // a scale_inv (G,) f32 or (0,)
+                   .Arg<Buf>()                    // b scale_inv (G,) f32 or (0,)
+                   .Ret<Buf>()                    // out
+                   .Ret<Buf>()                    // workspace (bytes)
+                   .Attr<int32_t>("mode")
+                   .Attr<int64_t>("m")
+                   .Attr<int64_t>("n")
+                   .Attr<int64_t>("k")
+                   .Attr<int64_t>("lda")
+                   .Attr<int64_t>("ldb")
+                   .Attr<int64_t>("b_group_stride")
+                   .Attr<int32_t>("flags"));
 
 #pragma GCC visibility pop
 
@@ -121,16 +91,14 @@ LOWBIT_DEFINE_HANDLER(LOWBIT_SYMBOL(lowbit_grouped_gemm), LOWBIT_NAME(GroupedGem
 // dtypes and layouts select, the extents (ragged K's realigned copies), the number of groups
 // and the device's SM count.
 LOWBIT_EXPORT int64_t lowbit_grouped_gemm_workspace_bytes(int64_t mode, int64_t a_dtype,
-                                                          int64_t b_dtype, int64_t flags,
-                                                          int64_t m, int64_t n, int64_t k,
+                                                          int64_t b_dtype, int64_t flags, int64_t m,
+                                                          int64_t n, int64_t k,
                                                           int64_t num_groups) {
   GroupedGemmParams p;
   p.mode = static_cast<GroupedGemmMode>(mode);
   p.a_dtype = static_cast<DType>(a_dtype);
   p.b_dtype = static_cast<DType>(b_dtype);
-  p.a_kmajor = flags & kAKMajor;
-  p.b_kmajor = flags & kBKMajor;
-  p.fast_accum = flags & kFastAccum;
+  set_flags(&p, flags);
   p.m = m;
   p.n = n;
   p.k = k;

@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "../kernels/cuda/common.cuh"
+#include "../kernels/cuda/cast_kernels.cuh"
 #include "lowbit/block_scaling.h"
 #include "lowbit/formats.h"
 #include "lowbit/quantize.h"

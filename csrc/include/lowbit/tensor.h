@@ -7,7 +7,7 @@
 namespace lowbit {
 
 // Element types kernels read or write. Values are part of the Python <-> C++ contract
-// (src/lowbit/_types.py mirrors them).
+// (src/lowbit/quantize/scaling_modes.py mirrors them).
 enum class DType : int32_t {
   kF32 = 0,
   kBF16 = 1,

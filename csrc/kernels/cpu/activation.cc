@@ -20,7 +20,7 @@ constexpr float kQuickGelu = 1.702f;
 float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 
 // Value and derivative; the tanh-form gelu is x * sigmoid(2u) = 0.5 x (1 + tanh u), which does
-// not cancel in the tails. Same formulas as the CUDA kernels (activation.h).
+// not cancel in the tails. Same formulas as the CUDA kernels (lowbit/activation.h).
 void act_vg(ActKind k, float x, float* v, float* g) {
   switch (k) {
     case ActKind::kLinear: *v = x, *g = 1.0f; return;

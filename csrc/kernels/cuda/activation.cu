@@ -5,10 +5,10 @@
 // per block of 256 threads, four 16-byte vectors per thread (plus the gate's and dy's). The
 // values are computed in registers, rounded to the input dtype, written as y and/or rowwise FP8,
 // and the FP8 bytes staged in shared memory so that the colwise copy leaves as 16-byte column
-// segments, 64 contiguous bytes per column and store instruction (the first version wrote 8-byte
-// pieces from 8 different warps and ran at ~50% of copy). dbias: per-tile column sums (fixed order) in the
-// workspace, then a reduce over tiles in tile order: deterministic. Current scaling runs the
-// kernel twice: amax only, then the outputs. Other shapes: a generic elementwise kernel.
+// segments, 64 contiguous bytes per column and store instruction (scattered 8-byte pieces from
+// different warps coalesce badly). dbias: per-tile column sums (fixed order) in the workspace,
+// then a reduce over tiles in tile order: deterministic. Current scaling runs the kernel twice:
+// amax only, then the outputs. Other shapes: a generic elementwise kernel.
 // The tile kernel is specialised per activation (no per-element dispatch); exp and 1/x use the
 // MUFU approximations and the bf16/f16 rounding the hardware cvt (round to nearest even). Float
 // ops are explicit intrinsics, and the generic kernel calls the same templated functions, so
@@ -17,7 +17,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "common.cuh"
+#include "fused_kernel_helpers.cuh"
 #include "lowbit/activation.h"
 
 namespace lowbit {
@@ -35,7 +35,7 @@ constexpr float kInvSqrt2 = 0.7071067811865476f;
 constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 constexpr float kQuickGelu = 1.702f;
 
-// 1 / (1 + exp(-z)) (ex2_approx / rcp_approx: common.cuh); exact limits 0 and 1 for large |z|, never NaN for finite z.
+// 1 / (1 + exp(-z)) (ex2_approx / rcp_approx: fused_kernel_helpers.cuh); exact limits 0 and 1 for large |z|, never NaN for finite z.
 __device__ __forceinline__ float sigmoid(float z) { return rcp_approx(__fadd_rn(1.0f, ex2_approx(__fmul_rn(-kLog2e, z)))); }
 __device__ __forceinline__ float relu_f(float x) { return x < 0.0f ? 0.0f : x; }
 
@@ -230,23 +230,7 @@ __global__ void __launch_bounds__(kActThreads) act_tile_kernel(const Args a) {
         uint32_t w[16];
 #pragma unroll
         for (int rr = 0; rr < 16; ++rr) w[rr] = *reinterpret_cast<const uint32_t*>(&qt[o][g * 16 + rr][4 * q]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int64_t col = c0 + 4 * q + j;
-          if (col >= H || rows == 0) continue;
-          const uint32_t sel = uint32_t(j) | (uint32_t(j + 4) << 4);
-          uint32_t ow4[4];
-#pragma unroll
-          for (int m = 0; m < 4; ++m)
-            ow4[m] = __byte_perm(__byte_perm(w[4 * m], w[4 * m + 1], sel),
-                                 __byte_perm(w[4 * m + 2], w[4 * m + 3], sel), 0x5410);
-          uint8_t* dst = a.q_col + (col + o * H) * R + rs;
-          if (rows == 16 && R % 16 == 0) {  // dst is 16-byte aligned
-            *reinterpret_cast<uint4*>(dst) = make_uint4(ow4[0], ow4[1], ow4[2], ow4[3]);
-          } else {
-            for (int rr = 0; rr < rows; ++rr) dst[rr] = uint8_t(ow4[rr >> 2] >> ((rr & 3) * 8));
-          }
-        }
+        store_colwise_16x4<true>(w, a.q_col, R, c0 + 4 * q, H, o * H, rs, rows);
       }
     }
   }

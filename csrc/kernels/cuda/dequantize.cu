@@ -1,7 +1,7 @@
 // CUDA dequantize: docs/numerics.md "Dequantize". Elementwise except the NVFP4 inverse Hadamard
 // transform, which mixes the 16 elements of a block; so a thread owns U consecutive elements of
 // a row (U = 16: one NVFP4 block, or 16 FP8 bytes = one 16-byte load), else U = 1.
-#include "common.cuh"
+#include "device_common.cuh"
 
 namespace lowbit {
 namespace cuda {

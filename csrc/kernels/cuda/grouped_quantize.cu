@@ -2,9 +2,9 @@
 // everything derived from it is computed there:
 //   offsets (one block: exclusive scan of max(size, 0), clamped to M) -> row -> group map
 //   (binary search per row) -> per-group amax (atomicMax per row; delayed scaling: fused into the
-//   cast) -> per-group scale_inv -> fused cast (the tile kernel of common.cuh with per-row
+//   cast) -> per-group scale_inv -> fused cast (the tile kernel of cast_kernels.cuh with per-row
 //   scales; rows in no group are zeros).
-#include "common.cuh"
+#include "cast_kernels.cuh"
 
 namespace lowbit {
 namespace cuda {

@@ -7,11 +7,10 @@
 // variance from registers, warp butterflies, then the row's warp partials added in warp order
 // through shared memory (deterministic). Each row writes y and/or its rowwise FP8 bytes and
 // stashes the FP8 bytes in shared memory; once the band is done the block writes the colwise
-// copy (16 bytes per column). Several blocks share an SM. (The earlier design, one warp per row
-// with 16 vectors per lane and four rows unrolled, ran at 20-25% of copy bandwidth: ~300 KB of
-// straight-line code per loop and 8 warps per SM.) Current scaling runs the kernel twice
-// (norm.h): amax first, then the copies. Other shapes: a generic kernel, one row per block,
-// re-reading x from global memory, same per-element arithmetic.
+// copy (16 bytes per column). Several blocks share an SM. (Few vectors per lane on purpose: a
+// whole row per warp needs too many registers and too much unrolled code.) Current scaling runs
+// the kernel twice (lowbit/norm.h): amax first, then the copies. Other shapes: a generic kernel,
+// one row per block, re-reading x from global memory, same per-element arithmetic.
 //
 // Backward: one row at a time per block, the row spread over the block's threads; each thread
 // keeps dgamma/dbeta partial sums for its own columns in registers; partials go to the workspace
@@ -21,7 +20,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "common.cuh"
+#include "fused_kernel_helpers.cuh"
 #include "lowbit/norm.h"
 
 namespace lowbit {
@@ -38,7 +37,7 @@ __host__ __device__ constexpr int vec_elems() {
   return IN == 0 ? 4 : 8;
 }
 
-// pack2 / round_vec / round1 / fp8_vec / enc1 / fused_launch_scale: common.cuh.
+// pack2 / round_vec / round1 / fp8_vec / enc1 / fused_launch_scale: fused_kernel_helpers.cuh.
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -93,21 +92,7 @@ __device__ void write_band_colwise(const uint8_t* band, const FwdArgs& a, int64_
     uint32_t w[kBand];
 #pragma unroll
     for (int rr = 0; rr < kBand; ++rr) w[rr] = rr < rows ? b32[rr * nq + q] : 0u;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t sel = uint32_t(j) | (uint32_t(j + 4) << 4);
-      uint32_t o[kBand / 4];
-#pragma unroll
-      for (int m = 0; m < kBand / 4; ++m)
-        o[m] = __byte_perm(__byte_perm(w[4 * m], w[4 * m + 1], sel), __byte_perm(w[4 * m + 2], w[4 * m + 3], sel),
-                           0x5410);
-      uint8_t* dst = a.q_col + (4 * q + j) * R + r0;
-      if (rows == kBand && R % 16 == 0) {  // dst is 16-byte aligned
-        *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
-      } else {
-        for (int rr = 0; rr < rows; ++rr) dst[rr] = uint8_t(o[rr >> 2] >> ((rr & 3) * 8));
-      }
-    }
+    store_colwise_16x4<false>(w, a.q_col, R, 4 * q, C, 0, r0, rows);
   }
 }
 

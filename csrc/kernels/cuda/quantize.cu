@@ -4,9 +4,9 @@
 // Launch sequence:
 //   memset amax (and the colwise RHT amax) -> [amax pass when the scale needs it first:
 //   current scaling, NVFP4] -> finalize (scale_inv / global_scale_inv) -> fused cast -> [dbias
-//   reduce]. The fused cast (common.cuh, cast_tile_kernel) reads x once and writes both copies;
+//   reduce]. The fused cast (cast_kernels.cuh, cast_tile_kernel) reads x once and writes both copies;
 //   modes that do not need the amax up front (delayed, MXFP8) fold the amax into it.
-#include "common.cuh"
+#include "cast_kernels.cuh"
 
 namespace lowbit {
 namespace cuda {

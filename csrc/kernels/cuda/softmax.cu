@@ -3,7 +3,7 @@
 // reductions. Other shapes: one row per block re-reading global memory. No host sync.
 #include <cmath>
 
-#include "common.cuh"
+#include "fused_kernel_helpers.cuh"
 #include "lowbit/softmax.h"
 
 namespace lowbit {
@@ -45,7 +45,7 @@ __device__ __forceinline__ bool keep(const RowMask& k, int64_t j) {
   return j <= k.limit && (k.m == nullptr || k.m[j * k.mstride] == 0);
 }
 
-// kLog2e, ex2_approx (2^x, MUFU): common.cuh.
+// kLog2e, ex2_approx (2^x, MUFU): fused_kernel_helpers.cuh.
 
 // NaN-propagating max (fmaxf drops NaN): a kept NaN makes the row maximum NaN, hence every kept
 // output NaN, as on the CPU and in jax.nn.softmax. Masked-out entries never enter it.

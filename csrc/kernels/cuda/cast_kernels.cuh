@@ -1,204 +1,18 @@
-// Device helpers and kernel templates shared by the CUDA quantization kernels (quantize.cu,
-// grouped_quantize.cu, dequantize.cu). The numerics follow docs/numerics.md bit for bit:
-//  * every float32 product that could meet an addition is written __fmul_rn, so the compiler
-//    cannot contract it into an FMA (the CPU reference rounds each product);
-//  * divisions are IEEE (no fast math), subnormals are honored (no -ftz);
-//  * the element encoders are the integer ones of formats.h / block_scaling.h, except FP8, where
-//    the hardware cvt is used when LOWBIT_HW_FP8 is set (it was checked bit-identical to
-//    encode_rne over all 2^32 float32 inputs: see `check_quantize_cuda cvtcheck`).
+// The cast kernels of the quantization ops (quantize.cu, grouped_quantize.cu): the fused
+// 128x64 tile cast that writes the rowwise and colwise copies from one read, the generic
+// rowwise / colwise kernels for any shape, and amax(x).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <climits>
-#include <cstdint>
-#include <string>
-
-#include "lowbit/block_scaling.h"
-#include "lowbit/error.h"
-#include "lowbit/formats.h"
-#include "lowbit/quantize.h"
-
-#ifndef LOWBIT_HW_FP8
-#define LOWBIT_HW_FP8 1
-#endif
+#include "device_common.cuh"
 
 namespace lowbit {
 namespace cuda {
 
-constexpr unsigned kFull = 0xffffffffu;
 // The fused cast's tile: 128 rows x 64 columns, 512 threads (see cast_tile_kernel).
 constexpr int kTileR = 128, kTileC = 64, kTileThreads = 512;
 
 // Kinds of quantization the cast kernels specialise on.
 enum Kind : int { kTensor = 0, kMx = 1, kNv1 = 2, kNv2 = 3 };
-// Element formats: 0 E4M3, 1 E5M2, 2 E2M1.
-enum Fmt : int { kFmtE4M3 = 0, kFmtE5M2 = 1, kFmtE2M1 = 2 };
-
-inline Status launch_status(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return Status::Ok();
-  return Status::Invalid(std::string(what) + ": " + cudaGetErrorString(e));
-}
-inline Status api_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::Ok();
-  cudaGetLastError();  // clear a non-sticky error so the next call does not report it again
-  return Status::Invalid(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-// Grid for a grid-stride loop over `units` work items: enough blocks to fill the GPU, capped so
-// the per-block epilogues (atomics) stay few.
-inline unsigned grid_for(int64_t units, int threads, int64_t cap = 4096) {
-  int64_t b = (units + threads - 1) / threads;
-  if (b > cap) b = cap;
-  return unsigned(b < 1 ? 1 : b);
-}
-
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-// ---- input / output element types (IN/OUT: 0 f32, 1 bf16, 2 f16, as DType) ----
-
-template <int IN>
-struct In;
-template <>
-struct In<0> {
-  using T = float;
-  static __device__ __forceinline__ float f(float v) { return v; }
-};
-template <>
-struct In<1> {
-  using T = uint16_t;
-  static __device__ __forceinline__ float f(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
-};
-template <>
-struct In<2> {
-  using T = uint16_t;
-  // Exact for every non-NaN half (subnormals included); a NaN stays NaN, which is all that the
-  // quantizers look at (NO_SCALING goes through f16_to_float to keep payloads like the CPU).
-  static __device__ __forceinline__ float f(uint16_t v) { return __half2float(__ushort_as_half(v)); }
-};
-
-// 16 bytes of input -> 16/sizeof(T) floats.
-template <int IN>
-__device__ __forceinline__ void unpack16(const uint4& r, float* out) {
-  if constexpr (IN == 0) {
-    out[0] = __uint_as_float(r.x);
-    out[1] = __uint_as_float(r.y);
-    out[2] = __uint_as_float(r.z);
-    out[3] = __uint_as_float(r.w);
-  } else {
-    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      out[2 * j] = In<IN>::f(uint16_t(w[j] & 0xffffu));
-      out[2 * j + 1] = In<IN>::f(uint16_t(w[j] >> 16));
-    }
-  }
-}
-
-// Element k (a compile-time constant after unrolling) of a 16-byte chunk.
-template <int IN>
-__device__ __forceinline__ float chunk_elem(const uint4& r, int k) {
-  constexpr int per_word = 4 / int(sizeof(typename In<IN>::T));
-  const int wi = k / per_word;
-  const uint32_t word = wi == 0 ? r.x : (wi == 1 ? r.y : (wi == 2 ? r.z : r.w));
-  if constexpr (IN == 0) return __uint_as_float(word);
-  else return In<IN>::f(uint16_t((k & 1) ? (word >> 16) : (word & 0xffffu)));
-}
-
-// float -> output dtype bits, with formats.h rounding (NaN rules included) so GPU and CPU agree.
-template <int OUT>
-__device__ __forceinline__ uint32_t out_bits(float v) {
-  if constexpr (OUT == 0) return __float_as_uint(v);
-  else if constexpr (OUT == 1) return float_to_bf16(v);
-  else return float_to_f16(v);
-}
-template <int OUT>
-__device__ __forceinline__ void store_out(void* p, int64_t i, float v) {
-  if constexpr (OUT == 0) static_cast<float*>(p)[i] = v;
-  else static_cast<uint16_t*>(p)[i] = uint16_t(out_bits<OUT>(v));
-}
-
-// ---- element encoders ----
-
-template <int FMT>
-__host__ __device__ constexpr float fmt_max() {
-  return FMT == kFmtE4M3 ? kE4M3Max : (FMT == kFmtE5M2 ? kE5M2Max : kE2M1Max);
-}
-
-// Two float32 -> two FP8 codes (a in the low byte). The hardware cvt with satfinite rounds to
-// nearest even, keeps the sign of zero, saturates Inf to +-max and maps NaN to 0x7F: exactly
-// encode_rne (verified exhaustively on sm_90 by `check_quantize_cuda cvtcheck`).
-template <int FMT>
-__device__ __forceinline__ uint32_t enc_fp8x2(float a, float b) {
-#if LOWBIT_HW_FP8
-  return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE,
-                                           FMT == kFmtE4M3 ? __NV_E4M3 : __NV_E5M2));
-#else
-  constexpr SmallFloat f = FMT == kFmtE4M3 ? kE4M3 : kE5M2;
-  return encode_rne(a, f) | (encode_rne(b, f) << 8);
-#endif
-}
-template <int FMT>
-__device__ __forceinline__ uint32_t enc_fp8(float a) {
-  return enc_fp8x2<FMT>(a, 0.0f) & 0xffu;
-}
-
-// E2M1 round to nearest even, equal to encode_rne(w, kE2M1) for every float32 (checked over all
-// 2^32 inputs by `check_quantize_cuda cvtcheck`), in about a third of the instructions:
-// |w| < 1 lands on 0, 0.5 or 1 = rint(2|w|) (2|w| is exact); from 1 up, rounding the float32 to
-// one mantissa bit on its bits leaves (biased exponent, mantissa bit) = code + 252, saturated.
-__device__ __forceinline__ uint32_t e2m1_rn(float w) {
-  const uint32_t u = __float_as_uint(w), a = u & 0x7fffffffu;
-  uint32_t code;
-  if (a < 0x3f800000u) code = uint32_t(__float2int_rn(__uint_as_float(a) * 2.0f));
-  else code = min(((a + 0x1fffffu + ((a >> 22) & 1u)) >> 22) - 252u, 7u);
-  return a > 0x7f800000u ? 7u : (((u >> 28) & 8u) | code);  // NaN -> +6, as encode_rne
-}
-
-// NVFP4 element: round to nearest, or stochastic rounding with the element's hash bits.
-__device__ __forceinline__ uint32_t enc_e2m1(float w, bool sr, uint64_t i, uint32_t s0, uint32_t s1) {
-  return sr ? encode_e2m1_stochastic(w, sr_bits(i, s0, s1)) : e2m1_rn(w);
-}
-
-// MXFP8: x * 2^(127 - b) as apply_e8m0_encode, with the factor made once per block. Only b = 254
-// needs apply_e8m0_encode's two-step product (2^-127 is a float32 subnormal).
-__device__ __forceinline__ float mx_factor(uint8_t b) { return __uint_as_float(uint32_t(254 - b) << 23); }
-__device__ __forceinline__ float mx_apply(float x, uint8_t b, float f) {
-  return b != 254 ? __fmul_rn(x, f) : apply_e8m0_encode(x, b);
-}
-
-// max |v| ignoring NaN (fmaxf returns the non-NaN operand; |v| keeps Inf).
-template <int N>
-__device__ __forceinline__ float amax_n(const float* v) {
-  float m = 0.0f;
-#pragma unroll
-  for (int j = 0; j < N; ++j) m = fmaxf(m, fabsf(v[j]));
-  return m;
-}
-
-// Non-negative float max as unsigned max on the bits (the order of non-negative floats).
-__device__ __forceinline__ void atomic_max_nonneg(float* p, float v) {
-  atomicMax(reinterpret_cast<unsigned int*>(p), __float_as_uint(v));
-}
-
-// Block-wide max, then one atomic per block. `red` holds blockDim/32 floats. All threads call.
-__device__ __forceinline__ void block_amax_to(float m, float* red, float* out) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float r = 0.0f;
-    for (int w = 0; w < int(blockDim.x >> 5); ++w) r = fmaxf(r, red[w]);
-    atomic_max_nonneg(out, r);
-  }
-}
 
 // ---- what the cast kernels are told ----
 
@@ -255,20 +69,18 @@ constexpr uint8_t kMxEmptyScale = 127;
 //    across the 8 lanes with shuffles.
 // 3. Rowwise phase from the registers: 8 (bf16/f16) or 4 (f32) elements per chunk; MX/NVFP4
 //    block amaxes come from the neighbouring lanes that hold the rest of the block (shuffles).
-// Why: on H100 (bf16, 8192x16384) leaving out the MXFP8 scale-byte stores of an earlier 64x64
-// tile (one byte per lane, 16 columns per warp instruction) sped the cast up from 275 to 221 us.
-// This mapping turns a column's scale bytes and its colwise data into one request each; by itself
-// it measured about even (274 us), the gain came with 3 resident blocks (tile_min_blocks: 258 us).
-// 16-bit inputs, FP8 kinds: ask for 3 resident blocks (<= 42 registers). Measured on H100 at
-// 8192x16384 bf16: delayed 223 -> 203 us, MXFP8 274 -> 258 us against the compiler's own choice
-// (62/50 registers, 2 blocks). NVFP4 would spill there for no gain and f32 needs the
-// registers; the grouped variants (per-row scales) would spill at 3, so they ask for 2.
+// Why: scattered one-byte MXFP8 scale stores are expensive; this mapping turns a column's scale
+// bytes and its colwise data into one request each.
+// 16-bit inputs, FP8 kinds: ask for 3 resident blocks (<= 42 registers; faster than the
+// compiler's own choice of 2). NVFP4 would spill there for no gain and f32 needs the registers;
+// the grouped variants (per-row scales) would spill at 3, so they ask for 2.
 template <int IN, int KIND, bool GROUPED>
 constexpr int tile_min_blocks() {
   return IN != 0 && (KIND == kTensor || KIND == kMx) ? (GROUPED ? 2 : 3) : 1;
 }
 template <int IN, int KIND, int FMT, bool GROUPED>
-__global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPED>()) cast_tile_kernel(const CastArgs a) {
+__global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPED>())
+    cast_tile_kernel(const CastArgs a) {
   using T = typename In<IN>::T;
   constexpr int CH = 16 / int(sizeof(T));           // elements per 16-byte chunk
   constexpr int CPR = kTileC / CH;                  // chunks per tile row (8 or 16)
@@ -419,7 +231,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
           }
           w[k >> 2] |= pr << ((k & 3) * 8);
         }
-        if (active) *reinterpret_cast<uint4*>(a.q_col + gc * R + gr) = make_uint4(w[0], w[1], w[2], w[3]);
+        if (active)
+          *reinterpret_cast<uint4*>(a.q_col + gc * R + gr) = make_uint4(w[0], w[1], w[2], w[3]);
       } else if constexpr (KIND == kMx) {
         float m = amax_n<16>(v);
         m = fmaxf(m, __shfl_xor_sync(kFull, m, 1));  // the other half of the 32-row block
@@ -428,7 +241,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
         uint32_t w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
         for (int k = 0; k < 16; k += 2)
-          w[k >> 2] |= enc_fp8x2<FMT>(mx_apply(v[k], b, fb), mx_apply(v[k + 1], b, fb)) << ((k & 3) * 8);
+          w[k >> 2] |= enc_fp8x2<FMT>(mx_apply(v[k], b, fb), mx_apply(v[k + 1], b, fb))
+                       << ((k & 3) * 8);
         if (active) {
           *reinterpret_cast<uint4*>(a.q_col + gc * R + gr) = make_uint4(w[0], w[1], w[2], w[3]);
           if ((g & 1) == 0) a.s_col[gc * (R / 32) + gr / 32] = b;
@@ -498,8 +312,10 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
         }
         if (valid) {
           uint8_t* q = a.q_row + gr * C + gc;
-          if constexpr (CH == 8) *reinterpret_cast<uint2*>(q) = make_uint2(w[0], w[1]);
-          else *reinterpret_cast<uint32_t*>(q) = w[0];
+          if constexpr (CH == 8)
+            *reinterpret_cast<uint2*>(q) = make_uint2(w[0], w[1]);
+          else
+            *reinterpret_cast<uint32_t*>(q) = w[0];
           if constexpr (KIND == kMx) {
             if ((lc & 31) == 0) a.s_row[gr * (C / 32) + gc / 32] = b;
           }
@@ -512,17 +328,21 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
           for (int o = 1; o < 16 / CH; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
         } else {
           const int w0 = (lc >> 4) * 4, gg = lr >> 4;
-          m = fmaxf(fmaxf(tpart[w0][gg], tpart[w0 + 1][gg]), fmaxf(tpart[w0 + 2][gg], tpart[w0 + 3][gg]));
+          m = fmaxf(fmaxf(tpart[w0][gg], tpart[w0 + 1][gg]),
+                    fmaxf(tpart[w0 + 2][gg], tpart[w0 + 3][gg]));
         }
         const uint32_t sb = nvfp4_block_scale_code(m, S_row);
         const float f = nvfp4_encode_factor(sb, S_row);
         const uint64_t base = uint64_t(gr) * uint64_t(C) + uint64_t(gc);
         uint32_t w = 0u;
 #pragma unroll
-        for (int k = 0; k < CH; ++k) w |= enc_e2m1(__fmul_rn(v[k], f), sr, base + k, s0, s1) << (k * 4);
+        for (int k = 0; k < CH; ++k)
+          w |= enc_e2m1(__fmul_rn(v[k], f), sr, base + k, s0, s1) << (k * 4);
         if (valid) {
-          if constexpr (CH == 8) *reinterpret_cast<uint32_t*>(a.q_row + base / 2) = w;
-          else *reinterpret_cast<uint16_t*>(a.q_row + base / 2) = uint16_t(w);
+          if constexpr (CH == 8)
+            *reinterpret_cast<uint32_t*>(a.q_row + base / 2) = w;
+          else
+            *reinterpret_cast<uint16_t*>(a.q_row + base / 2) = uint16_t(w);
           if ((lc & 15) == 0) a.s_row[gr * (C / 16) + gc / 16] = uint8_t(sb);
         }
       }
@@ -564,7 +384,8 @@ __global__ void rowwise_generic_kernel(const CastArgs a) {
       const uint8_t b = g >= 0 ? mx_scale_e8m0(amax_n<B>(v), FMAX) : kMxEmptyScale;
 #pragma unroll
       for (int j = 0; j < B; ++j)
-        a.q_row[r * C + c + j] = g >= 0 ? uint8_t(enc_fp8<FMT>(apply_e8m0_encode(v[j], b))) : uint8_t(0);
+        a.q_row[r * C + c + j] =
+            g >= 0 ? uint8_t(enc_fp8<FMT>(apply_e8m0_encode(v[j], b))) : uint8_t(0);
       a.s_row[r * nb + c / B] = b;
     } else {
       const float S = nvfp4_tensor_scale(*a.amax_in);
@@ -615,7 +436,8 @@ __global__ void colwise_generic_kernel(const CastArgs a) {
     } else if constexpr (KIND == kMx) {
       const uint8_t b = mx_scale_e8m0(amax_n<B>(v), FMAX);
 #pragma unroll
-      for (int j = 0; j < B; ++j) a.q_col[c * R + r + j] = uint8_t(enc_fp8<FMT>(apply_e8m0_encode(v[j], b)));
+      for (int j = 0; j < B; ++j)
+        a.q_col[c * R + r + j] = uint8_t(enc_fp8<FMT>(apply_e8m0_encode(v[j], b)));
       a.s_col[c * nb + r / B] = b;
     } else {
       const float S = nvfp4_tensor_scale(*a.amax_col);
@@ -626,7 +448,8 @@ __global__ void colwise_generic_kernel(const CastArgs a) {
       } else {
         const int64_t ct = c - c % 16;
         for (int j = 0; j < 16; ++j)
-          for (int64_t cc = ct; cc < ct + 16; ++cc) m = fmaxf(m, fabsf(In<IN>::f(x[(r + j) * C + cc])));
+          for (int64_t cc = ct; cc < ct + 16; ++cc)
+            m = fmaxf(m, fabsf(In<IN>::f(x[(r + j) * C + cc])));
       }
       const uint32_t sb = nvfp4_block_scale_code(m, S);
       const float f = nvfp4_encode_factor(sb, S);
@@ -644,7 +467,8 @@ __global__ void colwise_generic_kernel(const CastArgs a) {
 
 // ---- amax(x): grid-stride, 16-byte loads four deep, one atomic per block ----
 template <int IN>
-__global__ void __launch_bounds__(256) amax_kernel(const void* xv, int64_t n, bool vec, float* out) {
+__global__ void __launch_bounds__(256)
+    amax_kernel(const void* xv, int64_t n, bool vec, float* out) {
   using T = typename In<IN>::T;
   constexpr int CH = 16 / int(sizeof(T));
   __shared__ float red[8];
@@ -673,112 +497,6 @@ __global__ void __launch_bounds__(256) amax_kernel(const void* xv, int64_t n, bo
   }
   for (int64_t j = nv * CH + tid; j < n; j += stride) m = fmaxf(m, fabsf(In<IN>::f(x[j])));
   block_amax_to(m, red, out);
-}
-
-// ---- shared by the fused norm / activation / softmax kernels ----
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-// MUFU approximations (2^x: ~2 ulp, 1/x: ~1 ulp); subnormal results flush to 0. Harmless where
-// used: the activations only feed them to 1 + 2^x and x * 1/(1 + 2^x), the softmax only drops
-// entries below 2^-126.
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Two floats rounded to the input dtype IN (1 bf16, 2 f16; hardware cvt, round to nearest
-// even), packed; lo_f / hi_f read them back as floats.
-template <int IN>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  if constexpr (IN == 1) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-template <int IN>
-__device__ __forceinline__ float lo_f(uint32_t w) {
-  if constexpr (IN == 1) return __uint_as_float(w << 16);
-  else return __half2float(__ushort_as_half(uint16_t(w & 0xffffu)));
-}
-template <int IN>
-__device__ __forceinline__ float hi_f(uint32_t w) {
-  if constexpr (IN == 1) return __uint_as_float(w & 0xffff0000u);
-  else return __half2float(__ushort_as_half(uint16_t(w >> 16)));
-}
-
-// E values rounded to the input dtype: the 16-byte vector of their bits, and their values `r`.
-template <int IN, int E>
-__device__ __forceinline__ uint4 round_vec(const float* v, float* r) {
-  uint32_t w[4];
-  if constexpr (IN == 0) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) w[e] = __float_as_uint(v[e]), r[e] = v[e];
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      w[j] = pack2<IN>(v[2 * j], v[2 * j + 1]);
-      r[2 * j] = lo_f<IN>(w[j]);
-      r[2 * j + 1] = hi_f<IN>(w[j]);
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// One value rounded as round_vec rounds it; `bits` gets its bits in the input dtype.
-template <int IN>
-__device__ __forceinline__ float round1(float v, uint32_t* bits) {
-  if constexpr (IN == 0) {
-    *bits = __float_as_uint(v);
-    return v;
-  } else {
-    const uint32_t w = pack2<IN>(v, 0.0f);
-    *bits = w & 0xffffu;
-    return lo_f<IN>(w);
-  }
-}
-template <int IN>
-__device__ __forceinline__ float round1(float v) {
-  if constexpr (IN == 0) return v;
-  else return lo_f<IN>(pack2<IN>(v, 0.0f));
-}
-
-// E rounded values times the scale -> E FP8 bytes (little-endian words).
-template <int FMT, int E>
-__device__ __forceinline__ void fp8_vec(const float* r, float scale, uint32_t* w) {
-#pragma unroll
-  for (int h = 0; h < E / 4; ++h)
-    w[h] = enc_fp8x2<FMT>(__fmul_rn(r[4 * h], scale), __fmul_rn(r[4 * h + 1], scale)) |
-           (enc_fp8x2<FMT>(__fmul_rn(r[4 * h + 2], scale), __fmul_rn(r[4 * h + 3], scale)) << 16);
-}
-
-// One scaled value -> its FP8 code (E5M2 or E4M3).
-__device__ __forceinline__ uint32_t enc1(float v, bool e5) {
-  return (e5 ? enc_fp8x2<kFmtE5M2>(v, 0.0f) : enc_fp8x2<kFmtE4M3>(v, 0.0f)) & 0xffu;
-}
-
-// The launch's FP8 scale (1 when it does not quantize): the delayed `scale`, or the current one
-// from the first pass's amax; thread 0 of the grid's first block writes the scale_inv outputs
-// (GRID2D: the kernel runs on a 2-D grid, so the first block is (0, 0)). A is the kernel's
-// argument struct (fp8, scale, amax_in, e5, si, csi).
-template <bool GRID2D, typename A>
-__device__ __forceinline__ float fused_launch_scale(const A& a) {
-  if (!a.fp8) return 1.0f;
-  const float s = a.scale ? *a.scale : scale_from_amax(*a.amax_in, a.e5 ? kE5M2Max : kE4M3Max);
-  if (blockIdx.x == 0 && (!GRID2D || blockIdx.y == 0) && threadIdx.x == 0) {
-    if (a.si) *a.si = 1.0f / s;
-    if (a.csi) *a.csi = 1.0f / s;
-  }
-  return s;
 }
 
 }  // namespace cuda
