@@ -34,13 +34,13 @@ namespace {
 
 int g_fail = 0, g_pass = 0;
 
-#define CUDA_OK(x)                                                                        \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
+#define CUDA_OK(x)                                                                         \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
       std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(2);                                                                       \
-    }                                                                                     \
+      std::exit(2);                                                                        \
+    }                                                                                      \
   } while (0)
 
 void report(bool ok, const std::string& what, const std::string& detail = "") {
@@ -56,8 +56,12 @@ void status_ok(const Status& s, const std::string& what) {
   if (!s.ok()) report(false, what, "status: " + s.message);
 }
 
-size_t esize(DType t) { return t == DType::kF32 ? 4 : (t == DType::kE4M3 || t == DType::kE5M2 ? 1 : 2); }
-const char* dname(DType t) { return t == DType::kF32 ? "f32" : (t == DType::kBF16 ? "bf16" : "f16"); }
+size_t esize(DType t) {
+  return t == DType::kF32 ? 4 : (t == DType::kE4M3 || t == DType::kE5M2 ? 1 : 2);
+}
+const char* dname(DType t) {
+  return t == DType::kF32 ? "f32" : (t == DType::kBF16 ? "bf16" : "f16");
+}
 
 float get(const std::vector<uint8_t>& b, DType t, size_t i) {
   if (t == DType::kF32) {
@@ -119,45 +123,50 @@ struct Dev {
 };
 
 // |gpu - cpu| <= rtol * (|cpu| + floor * max|cpu|), element by element.
-void compare(const std::vector<uint8_t>& g, const std::vector<uint8_t>& c, DType t, size_t n, const std::string& what,
-             float rtol_scale = 1.0f, float floor = 1e-2f) {
-  const float rtol = rtol_scale * (t == DType::kF32 ? 6e-5f : (t == DType::kBF16 ? 1.6e-2f : 2e-3f));
+void compare(const std::vector<uint8_t>& g, const std::vector<uint8_t>& c, DType t, size_t n,
+             const std::string& what, float rtol_scale = 1.0f, float floor = 1e-2f) {
+  const float rtol =
+      rtol_scale * (t == DType::kF32 ? 6e-5f : (t == DType::kBF16 ? 1.6e-2f : 2e-3f));
   float mx = 0.0f;
   for (size_t i = 0; i < n; ++i) mx = std::max(mx, std::fabs(get(c, t, i)));
   size_t bad = 0, first = 0;
   for (size_t i = 0; i < n; ++i) {
     const float a = get(g, t, i), b = get(c, t, i);
-    const bool ok = (std::isnan(a) && std::isnan(b)) || std::fabs(a - b) <= rtol * (std::fabs(b) + floor * mx);
+    const bool ok =
+        (std::isnan(a) && std::isnan(b)) || std::fabs(a - b) <= rtol * (std::fabs(b) + floor * mx);
     if (!ok && bad++ == 0) first = i;
   }
   char d[160] = "";
   if (bad)
-    std::snprintf(d, sizeof d, "%zu of %zu differ, first at %zu: gpu %g cpu %g", bad, n, first, get(g, t, first),
-                  get(c, t, first));
+    std::snprintf(d, sizeof d, "%zu of %zu differ, first at %zu: gpu %g cpu %g", bad, n, first,
+                  get(g, t, first), get(c, t, first));
   report(bad == 0, what, d);
 }
 
-void compare_f32(const std::vector<float>& g, const std::vector<float>& c, const std::string& what, float rtol,
-                 float floor = 1e-3f) {
+void compare_f32(const std::vector<float>& g, const std::vector<float>& c, const std::string& what,
+                 float rtol, float floor = 1e-3f) {
   float mx = 0.0f;
   for (float v : c) mx = std::max(mx, std::fabs(v));
   size_t bad = 0, first = 0;
   for (size_t i = 0; i < c.size(); ++i)
     if (!(std::fabs(g[i] - c[i]) <= rtol * (std::fabs(c[i]) + floor * mx)) && bad++ == 0) first = i;
   char d[160] = "";
-  if (bad) std::snprintf(d, sizeof d, "%zu of %zu differ, first at %zu: gpu %g cpu %g", bad, c.size(), first, g[first], c[first]);
+  if (bad)
+    std::snprintf(d, sizeof d, "%zu of %zu differ, first at %zu: gpu %g cpu %g", bad, c.size(),
+                  first, g[first], c[first]);
   report(bad == 0, what, d);
 }
 
-void compare_bytes(const std::vector<uint8_t>& g, const std::vector<uint8_t>& c, const std::string& what) {
+void compare_bytes(const std::vector<uint8_t>& g, const std::vector<uint8_t>& c,
+                   const std::string& what) {
   size_t bad = 0, first = 0;
   const size_t n = std::min(g.size(), c.size());
   for (size_t i = 0; i < n; ++i)
     if (g[i] != c[i] && bad++ == 0) first = i;
   char d[160] = "";
   if (bad || g.size() != c.size())
-    std::snprintf(d, sizeof d, "%zu of %zu bytes differ (sizes %zu/%zu), first at %zu: %#x vs %#x", bad, n, g.size(),
-                  c.size(), first, bad ? g[first] : 0, bad ? c[first] : 0);
+    std::snprintf(d, sizeof d, "%zu of %zu bytes differ (sizes %zu/%zu), first at %zu: %#x vs %#x",
+                  bad, n, g.size(), c.size(), first, bad ? g[first] : 0, bad ? c[first] : 0);
   report(bad == 0 && g.size() == c.size(), what, d);
 }
 
@@ -190,8 +199,9 @@ struct Fp8Out {
 };
 
 // The contract for fused FP8 outputs: the CPU quantize kernel on the GPU's unquantized output.
-void check_fp8_contract(const std::vector<uint8_t>& y_gpu, DType dt, int64_t R, int64_t C, ScalingMode mode, DType q,
-                        float scale, const Fp8Out& out, const std::string& what) {
+void check_fp8_contract(const std::vector<uint8_t>& y_gpu, DType dt, int64_t R, int64_t C,
+                        ScalingMode mode, DType q, float scale, const Fp8Out& out,
+                        const std::string& what) {
   QuantizeParams qp;
   qp.x = y_gpu.data();
   qp.x_dtype = dt;
@@ -212,7 +222,8 @@ void check_fp8_contract(const std::vector<uint8_t>& y_gpu, DType dt, int64_t R, 
   compare_bytes(out.row.host(), row, what + " rowwise fp8");
   compare_bytes(out.col.host(), col, what + " colwise fp8");
   const float g_amax = out.amax.scalar(), g_si = out.si.scalar(), g_csi = out.csi.scalar();
-  report(std::memcmp(&g_amax, &amax, 4) == 0, what + " amax", std::to_string(g_amax) + " vs " + std::to_string(amax));
+  report(std::memcmp(&g_amax, &amax, 4) == 0, what + " amax",
+         std::to_string(g_amax) + " vs " + std::to_string(amax));
   report(std::memcmp(&g_si, &si, 4) == 0 && std::memcmp(&g_csi, &si, 4) == 0, what + " scale_inv",
          std::to_string(g_si) + "/" + std::to_string(g_csi) + " vs " + std::to_string(si));
 }
@@ -220,11 +231,12 @@ void check_fp8_contract(const std::vector<uint8_t>& y_gpu, DType dt, int64_t R, 
 // ---------------------------------------------------------------------------------------------
 // norm
 
-void check_norm(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType type, bool zc, bool beta,
-                ScalingMode mode, DType q) {
+void check_norm(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType type, bool zc,
+                bool beta, ScalingMode mode, DType q) {
   char buf[160];
-  std::snprintf(buf, sizeof buf, "norm %s %s %lldx%lld zc=%d beta=%d mode=%d q=%d", type == NormType::kRmsNorm ? "rms" : "ln",
-                dname(dt), (long long)R, (long long)C, zc, beta, int(mode), int(q));
+  std::snprintf(buf, sizeof buf, "norm %s %s %lldx%lld zc=%d beta=%d mode=%d q=%d",
+                type == NormType::kRmsNorm ? "rms" : "ln", dname(dt), (long long)R, (long long)C,
+                zc, beta, int(mode), int(q));
   const std::string tag = buf;
   const size_t n = size_t(R * C);
   auto x = random_tensor(rng, dt, n, 0.3f, 2.0f);
@@ -270,7 +282,8 @@ void check_norm(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType type
   const auto y_gpu = dy.host();
   compare(y_gpu, y_cpu, dt, n, tag + " y");
   compare_f32(to_f32(drs.host()), rs_cpu, tag + " rsigma", 1e-5f);
-  if (type == NormType::kLayerNorm) compare_f32(to_f32(dmean.host()), mean_cpu, tag + " mean", 1e-5f, 1e-2f);
+  if (type == NormType::kLayerNorm)
+    compare_f32(to_f32(dmean.host()), mean_cpu, tag + " mean", 1e-5f, 1e-2f);
   if (!fp8) return;
   check_fp8_contract(y_gpu, dt, R, C, mode, q, scale, fo, tag);
   // Without the y output (what lowbit.layernorm(quantize=...) launches): identical bytes.
@@ -286,13 +299,15 @@ void check_norm(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType type
 
 void check_norm_bwd(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType type, bool zc) {
   char buf[128];
-  std::snprintf(buf, sizeof buf, "norm_bwd %s %s %lldx%lld zc=%d", type == NormType::kRmsNorm ? "rms" : "ln", dname(dt),
-                (long long)R, (long long)C, zc);
+  std::snprintf(buf, sizeof buf, "norm_bwd %s %s %lldx%lld zc=%d",
+                type == NormType::kRmsNorm ? "rms" : "ln", dname(dt), (long long)R, (long long)C,
+                zc);
   const std::string tag = buf;
   const size_t n = size_t(R * C);
   auto x = random_tensor(rng, dt, n, 0.5f, 1.5f);
   auto dyv = random_tensor(rng, dt, n, 0.0f, 1.0f);
-  std::vector<float> gamma(static_cast<size_t>(C)), mean(static_cast<size_t>(R)), rs(static_cast<size_t>(R));
+  std::vector<float> gamma(static_cast<size_t>(C)), mean(static_cast<size_t>(R)),
+      rs(static_cast<size_t>(R));
   std::normal_distribution<float> nd(1.0f, 0.3f);
   for (auto& g : gamma) g = nd(rng);
   // Statistics from the CPU forward, as the backward receives them.
@@ -326,8 +341,9 @@ void check_norm_bwd(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType 
   p.dbeta = db_cpu.data();
   status_ok(norm_bwd_cpu(p), tag + " cpu");
 
-  Dev ddy(dyv.data(), dyv.size()), dx(x.data(), x.size()), dmean(mean.data(), 4 * R), drs(rs.data(), 4 * R),
-      dg(gamma.data(), 4 * C), ddx(n * esize(dt)), ddg(4 * C), ddb(4 * C), dws(norm_bwd_workspace_bytes(R, C));
+  Dev ddy(dyv.data(), dyv.size()), dx(x.data(), x.size()), dmean(mean.data(), 4 * R),
+      drs(rs.data(), 4 * R), dg(gamma.data(), 4 * C), ddx(n * esize(dt)), ddg(4 * C), ddb(4 * C),
+      dws(norm_bwd_workspace_bytes(R, C));
   NormBwdParams g = p;
   g.dy = ddy.p;
   g.x = dx.p;
@@ -353,14 +369,16 @@ void check_norm_bwd(std::mt19937& rng, DType dt, int64_t R, int64_t C, NormType 
 // activations
 
 const char* act_name(ActKind k) {
-  static const char* names[] = {"linear", "gelu", "gelu_exact", "relu", "silu", "quick_gelu", "squared_relu"};
+  static const char* names[] = {"linear", "gelu",       "gelu_exact",  "relu",
+                                "silu",   "quick_gelu", "squared_relu"};
   return names[int(k)];
 }
 
-void check_act(std::mt19937& rng, DType dt, int64_t R, int64_t H, ActKind act, bool gated, ScalingMode mode, DType q) {
+void check_act(std::mt19937& rng, DType dt, int64_t R, int64_t H, ActKind act, bool gated,
+               ScalingMode mode, DType q) {
   char buf[160];
-  std::snprintf(buf, sizeof buf, "act %s%s %s %lldx%lld mode=%d q=%d", act_name(act), gated ? "+glu" : "", dname(dt),
-                (long long)R, (long long)H, int(mode), int(q));
+  std::snprintf(buf, sizeof buf, "act %s%s %s %lldx%lld mode=%d q=%d", act_name(act),
+                gated ? "+glu" : "", dname(dt), (long long)R, (long long)H, int(mode), int(q));
   const std::string tag = buf;
   const int64_t W = gated ? 2 * H : H;
   const size_t nx = size_t(R * W), ny = size_t(R * H);
@@ -460,11 +478,11 @@ void check_act(std::mt19937& rng, DType dt, int64_t R, int64_t H, ActKind act, b
 // ---------------------------------------------------------------------------------------------
 // softmax
 
-void check_softmax(std::mt19937& rng, DType dt, int64_t B, int64_t H, int64_t Sq, int64_t Sk, SoftmaxType type,
-                   int mask_kind) {
+void check_softmax(std::mt19937& rng, DType dt, int64_t B, int64_t H, int64_t Sq, int64_t Sk,
+                   SoftmaxType type, int mask_kind) {
   char buf[160];
-  std::snprintf(buf, sizeof buf, "softmax type=%d mask=%d %s %lldx%lldx%lldx%lld", int(type), mask_kind, dname(dt),
-                (long long)B, (long long)H, (long long)Sq, (long long)Sk);
+  std::snprintf(buf, sizeof buf, "softmax type=%d mask=%d %s %lldx%lldx%lldx%lld", int(type),
+                mask_kind, dname(dt), (long long)B, (long long)H, (long long)Sq, (long long)Sk);
   const std::string tag = buf;
   const size_t n = size_t(B * H * Sq * Sk);
   auto x = random_tensor(rng, dt, n, 0.0f, 3.0f);
@@ -484,7 +502,8 @@ void check_softmax(std::mt19937& rng, DType dt, int64_t B, int64_t H, int64_t Sq
   std::bernoulli_distribution coin(0.3);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < Sq; ++i)
-      for (int64_t j = 0; j < Sk; ++j) mask[size_t((b * Sq + i) * Sk + j)] = (i == 0 && mask_kind == 2) ? 1 : coin(rng);
+      for (int64_t j = 0; j < Sk; ++j)
+        mask[size_t((b * Sq + i) * Sk + j)] = (i == 0 && mask_kind == 2) ? 1 : coin(rng);
   SoftmaxFwdParams p;
   p.x = x.data();
   p.dtype = dt;
@@ -493,7 +512,8 @@ void check_softmax(std::mt19937& rng, DType dt, int64_t B, int64_t H, int64_t Sq
   p.type = type;
   if (type == SoftmaxType::kMasked) {
     p.mask = mask.data();
-    p.mask_strides[0] = Sq * Sk, p.mask_strides[1] = 0, p.mask_strides[2] = Sk, p.mask_strides[3] = 1;
+    p.mask_strides[0] = Sq * Sk, p.mask_strides[1] = 0, p.mask_strides[2] = Sk,
+    p.mask_strides[3] = 1;
   }
   std::vector<uint8_t> y_cpu(n * esize(dt));
   p.y = y_cpu.data();
@@ -511,7 +531,8 @@ void check_softmax(std::mt19937& rng, DType dt, int64_t B, int64_t H, int64_t Sq
     bool zeros = true;
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t j = 0; j < Sk; ++j) zeros &= get(y_gpu, dt, size_t(((b * H + h) * Sq) * Sk + j)) == 0.0f;
+        for (int64_t j = 0; j < Sk; ++j)
+          zeros &= get(y_gpu, dt, size_t(((b * H + h) * Sq) * Sk + j)) == 0.0f;
     report(zeros, tag + " fully masked rows are zero");
   }
   // backward from the CPU forward output
@@ -563,12 +584,14 @@ void bench() {
   // Copy bandwidth: a device-to-device copy of 256 MiB moves 512 MiB.
   const size_t cb = size_t(256) << 20;
   Dev c0(cb), c1(cb);
-  const float copy_ms = time_ms([&] { CUDA_OK(cudaMemcpyAsync(c1.p, c0.p, cb, cudaMemcpyDeviceToDevice)); });
+  const float copy_ms =
+      time_ms([&] { CUDA_OK(cudaMemcpyAsync(c1.p, c0.p, cb, cudaMemcpyDeviceToDevice)); });
   const double copy_gbs = 2.0 * double(cb) / (copy_ms * 1e6);
   std::printf("%-58s %8.3f ms %8.1f GB/s\n", "device-to-device copy 256 MiB", copy_ms, copy_gbs);
   auto line = [&](const char* what, double bytes, float ms) {
     const double gbs = bytes / (ms * 1e6);
-    std::printf("%-58s %8.3f ms %8.1f GB/s  %5.1f%% of copy\n", what, ms, gbs, 100.0 * gbs / copy_gbs);
+    std::printf("%-58s %8.3f ms %8.1f GB/s  %5.1f%% of copy\n", what, ms, gbs,
+                100.0 * gbs / copy_gbs);
   };
   std::mt19937 rng(7);
   {  // LayerNorm 8192 x 4096 bf16
@@ -577,8 +600,8 @@ void bench() {
     auto x = random_tensor(rng, DType::kBF16, n, 0.0f, 1.0f);
     std::vector<float> gamma(size_t(C), 1.1f), beta(size_t(C), 0.1f);
     const float scale = 4.0f;
-    Dev dx(x.data(), x.size()), dg(gamma.data(), 4 * C), db(beta.data(), 4 * C), ds(&scale, 4), dy(2 * n),
-        dmean(4 * R), drs(4 * R);
+    Dev dx(x.data(), x.size()), dg(gamma.data(), 4 * C), db(beta.data(), 4 * C), ds(&scale, 4),
+        dy(2 * n), dmean(4 * R), drs(4 * R);
     Fp8Out fo(n);
     NormFwdParams p;
     p.x = dx.p;
@@ -592,7 +615,8 @@ void bench() {
     const double stats = 8.0 * R + 8.0 * C;
     NormFwdParams h = p;
     h.y = dy.p;
-    line("layernorm bf16 8192x4096 -> bf16", 4.0 * n + stats, time_ms([&] { norm_fwd_cuda(h, nullptr); }));
+    line("layernorm bf16 8192x4096 -> bf16", 4.0 * n + stats,
+         time_ms([&] { norm_fwd_cuda(h, nullptr); }));
     NormFwdParams q = p;
     fo.attach(q, ScalingMode::kDelayedTensor, q.q_dtype, ds, true);
     line("layernorm+quantize delayed bf16 8192x4096 -> fp8 row+col", 4.0 * n + stats,
@@ -677,7 +701,8 @@ void bench() {
     p.dims[0] = B, p.dims[1] = H, p.dims[2] = S, p.dims[3] = S;
     p.type = SoftmaxType::kCausal;
     p.scale = 0.125f;
-    line("softmax causal bf16 4x32x2048x2048", 4.0 * n, time_ms([&] { softmax_fwd_cuda(p, nullptr); }, 5));
+    line("softmax causal bf16 4x32x2048x2048", 4.0 * n,
+         time_ms([&] { softmax_fwd_cuda(p, nullptr); }, 5));
   }
   CUDA_OK(cudaGetLastError());
 }
@@ -696,10 +721,12 @@ int main(int argc, char** argv) {
   }
   std::mt19937 rng(1234);
   const DType dts[] = {DType::kF32, DType::kBF16, DType::kF16};
-  const ScalingMode modes[] = {ScalingMode::kNoScaling, ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor};
+  const ScalingMode modes[] = {ScalingMode::kNoScaling, ScalingMode::kDelayedTensor,
+                               ScalingMode::kCurrentTensor};
 
   // norm: fast path (vectorised rows), partial bands, generic path (odd C, too-long rows).
-  std::vector<std::pair<int64_t, int64_t>> norm_shapes = {{64, 256}, {37, 1024}, {48, 200}, {16, 33}};
+  std::vector<std::pair<int64_t, int64_t>> norm_shapes = {
+      {64, 256}, {37, 1024}, {48, 200}, {16, 33}};
   if (!quick) {
     norm_shapes.push_back({256, 4096});
     norm_shapes.push_back({40, 8192});
@@ -716,12 +743,12 @@ int main(int argc, char** argv) {
   if (!quick) {
     // More bands than resident blocks (the persistent loop and its cross-band prefetch), with a
     // 16-row last band.
-    check_norm(rng, DType::kBF16, 8240, 4096, NormType::kLayerNorm, false, true, ScalingMode::kDelayedTensor,
-               DType::kE4M3);
-    check_norm(rng, DType::kBF16, 8240, 4096, NormType::kRmsNorm, true, false, ScalingMode::kCurrentTensor,
-               DType::kE5M2);
-    check_norm(rng, DType::kF16, 9000, 1024, NormType::kLayerNorm, false, true, ScalingMode::kCurrentTensor,
-               DType::kE4M3);
+    check_norm(rng, DType::kBF16, 8240, 4096, NormType::kLayerNorm, false, true,
+               ScalingMode::kDelayedTensor, DType::kE4M3);
+    check_norm(rng, DType::kBF16, 8240, 4096, NormType::kRmsNorm, true, false,
+               ScalingMode::kCurrentTensor, DType::kE5M2);
+    check_norm(rng, DType::kF16, 9000, 1024, NormType::kLayerNorm, false, true,
+               ScalingMode::kCurrentTensor, DType::kE4M3);
   }
   std::vector<std::pair<int64_t, int64_t>> bwd_shapes = {{64, 256}, {37, 1000}, {16, 33}};
   if (!quick) {
@@ -730,20 +757,23 @@ int main(int argc, char** argv) {
   }
   for (auto [R, C] : bwd_shapes)
     for (DType dt : dts)
-      for (NormType nt : {NormType::kLayerNorm, NormType::kRmsNorm}) check_norm_bwd(rng, dt, R, C, nt, R % 2 == 1);
+      for (NormType nt : {NormType::kLayerNorm, NormType::kRmsNorm})
+        check_norm_bwd(rng, dt, R, C, nt, R % 2 == 1);
 
   // activations: tile path with partial tiles, generic path (odd H).
   std::vector<std::pair<int64_t, int64_t>> act_shapes = {{64, 128}, {70, 200}, {33, 45}};
   if (!quick) act_shapes.push_back({256, 1024});
-  const ActKind acts[] = {ActKind::kLinear, ActKind::kGeluTanh, ActKind::kGeluExact, ActKind::kRelu,
-                          ActKind::kSilu, ActKind::kQuickGelu, ActKind::kSquaredRelu};
+  const ActKind acts[] = {ActKind::kLinear,     ActKind::kGeluTanh, ActKind::kGeluExact,
+                          ActKind::kRelu,       ActKind::kSilu,     ActKind::kQuickGelu,
+                          ActKind::kSquaredRelu};
   for (auto [R, H] : act_shapes)
     for (DType dt : dts)
       for (ActKind a : acts)
         for (bool gated : {false, true})
           for (ScalingMode m : modes) {
             if (quick && a != ActKind::kGeluTanh && a != ActKind::kSilu) continue;
-            check_act(rng, dt, R, H, a, gated, m, (int(a) + int(gated)) % 2 ? DType::kE5M2 : DType::kE4M3);
+            check_act(rng, dt, R, H, a, gated, m,
+                      (int(a) + int(gated)) % 2 ? DType::kE5M2 : DType::kE4M3);
           }
 
   // softmax: fast path and generic path (long / odd rows), every type.

@@ -35,14 +35,14 @@ using namespace lowbit;
 
 namespace {
 
-#define CK(call)                                                                            \
-  do {                                                                                      \
-    cudaError_t e_ = (call);                                                                \
-    if (e_ != cudaSuccess) {                                                                \
-      std::printf("FAIL CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__,   \
-                  __LINE__, #call);                                                         \
-      std::exit(2);                                                                         \
-    }                                                                                       \
+#define CK(call)                                                                                   \
+  do {                                                                                             \
+    cudaError_t e_ = (call);                                                                       \
+    if (e_ != cudaSuccess) {                                                                       \
+      std::printf("FAIL CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, \
+                  #call);                                                                          \
+      std::exit(2);                                                                                \
+    }                                                                                              \
   } while (0)
 
 int g_failures = 0, g_cases = 0;
@@ -276,7 +276,8 @@ void check(const std::string& label, Op op, int64_t rows, int64_t K, int64_t N,
     ranges(sizes, p.k, &st, &sz, &covered);
     for (int64_t g = 0; g < G; ++g)
       if (sz[g] == 0)
-        for (int64_t i = g * p.m * p.n; i < (g + 1) * p.m * p.n; ++i) nonzero += (got[i] & 0x7FFF) != 0;
+        for (int64_t i = g * p.m * p.n; i < (g + 1) * p.m * p.n; ++i)
+          nonzero += (got[i] & 0x7FFF) != 0;
   }
   const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   const double tol = !fp8 ? 8e-3 : (p.fast_accum ? 2e-2 : 8e-3);
@@ -285,7 +286,8 @@ void check(const std::string& label, Op op, int64_t rows, int64_t K, int64_t N,
   std::printf("%s %-34s %-10s rows=%-6lld K=%-5lld N=%-5lld G=%-4lld rel=%.2e%s%s%s\n",
               ok ? "PASS" : "FAIL", label.c_str(), op_name(op), (long long)rows, (long long)K,
               (long long)N, (long long)G, rel, bad ? " (non-finite/unwritten)" : "",
-              nonzero ? " (rows in no group / empty groups not zero)" : "", graph ? " [graph]" : "");
+              nonzero ? " (rows in no group / empty groups not zero)" : "",
+              graph ? " [graph]" : "");
 }
 
 // ---- group-size patterns ---------------------------------------------------------------------
@@ -411,7 +413,8 @@ double bench_grouped(Op op, int64_t rows, int64_t K, int64_t N, const std::vecto
   Status st;
   const double ms = time_ms([&] { st = grouped_gemm_cuda(p, nullptr); }, 20);
   CK(cudaDeviceSynchronize());
-  for (void* ptr : {(void*)da, (void*)db, (void*)ds, (void*)dg, out, p.workspace}) CK(cudaFree(ptr));
+  for (void* ptr : {(void*)da, (void*)db, (void*)ds, (void*)dg, out, p.workspace})
+    CK(cudaFree(ptr));
   if (!st.ok()) {
     std::printf("FAIL bench %s: %s\n", op_name(op), st.message.c_str());
     ++g_failures;
@@ -463,13 +466,15 @@ void bench() {
         const double ms = bench_grouped(op, c.rows, c.K, c.N, sizes, op == Op::kFwdFp8);
         std::printf("| %lld | %lldx%lldx%lld | %s | %s | %.3f | %.0f |\n", (long long)c.G,
                     (long long)c.rows, (long long)c.K, (long long)c.N,
-                    d == 0 ? "balanced" : "dirichlet", op_name(op), ms, ms > 0 ? flops / ms / 1e9 : 0.0);
+                    d == 0 ? "balanced" : "dirichlet", op_name(op), ms,
+                    ms > 0 ? flops / ms / 1e9 : 0.0);
       }
     }
     for (int f = 0; f < 2; ++f) {
       const double ms = bench_dense(f == 1, c.rows, c.K, c.N);
       std::printf("| - | %lldx%lldx%lld | dense | cuBLASLt %s | %.3f | %.0f |\n", (long long)c.rows,
-                  (long long)c.K, (long long)c.N, f ? "fp8" : "bf16", ms, ms > 0 ? flops / ms / 1e9 : 0.0);
+                  (long long)c.K, (long long)c.N, f ? "fp8" : "bf16", ms,
+                  ms > 0 ? flops / ms / 1e9 : 0.0);
     }
   }
 }
@@ -480,8 +485,10 @@ int main(int argc, char** argv) {
   bool quick = false, do_bench = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") quick = true;
-    else if (a == "--bench" || a == "bench") do_bench = true;
+    if (a == "--quick")
+      quick = true;
+    else if (a == "--bench" || a == "bench")
+      do_bench = true;
     else {
       std::printf("usage: %s [--quick | --bench]\n", argv[0]);
       return 2;
@@ -500,10 +507,10 @@ int main(int argc, char** argv) {
   }
   uint64_t seed = 1;
   for (const Shape& s : shapes(quick)) {
-    for (Op op : {Op::kFwdBf16, Op::kDgradBf16, Op::kWgradBf16, Op::kFwdFp8, Op::kDgradFp8,
-                  Op::kWgradFp8})
-      check(s.label, op, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE5M2,
-            op == Op::kFwdFp8, false, seed++);
+    for (Op op :
+         {Op::kFwdBf16, Op::kDgradBf16, Op::kWgradBf16, Op::kFwdFp8, Op::kDgradFp8, Op::kWgradFp8})
+      check(s.label, op, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE5M2, op == Op::kFwdFp8,
+            false, seed++);
     // The E4M3-only recipe's backward, and the forward without fast accumulation.
     check(s.label + " e4m3", Op::kDgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE4M3,
           false, false, seed++);
@@ -517,6 +524,7 @@ int main(int argc, char** argv) {
   for (Op op : {Op::kFwdBf16, Op::kWgradBf16, Op::kFwdFp8, Op::kWgradFp8})
     check(s0.label, op, s0.rows, s0.K, s0.N, s0.sizes, DType::kE4M3, DType::kE5M2,
           op == Op::kFwdFp8, true, seed++);
-  std::printf("%d/%d cases passed\n%s\n", g_cases - g_failures, g_cases, g_failures ? "FAIL" : "PASS");
+  std::printf("%d/%d cases passed\n%s\n", g_cases - g_failures, g_cases,
+              g_failures ? "FAIL" : "PASS");
   return g_failures ? 1 : 0;
 }

@@ -37,13 +37,14 @@ using namespace lowbit;
 
 namespace {
 
-#define CK(call)                                                                                \
-  do {                                                                                          \
-    cudaError_t e_ = (call);                                                                    \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::printf("FAIL CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #call); \
-      std::exit(2);                                                                             \
-    }                                                                                           \
+#define CK(call)                                                                                   \
+  do {                                                                                             \
+    cudaError_t e_ = (call);                                                                       \
+    if (e_ != cudaSuccess) {                                                                       \
+      std::printf("FAIL CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, \
+                  #call);                                                                          \
+      std::exit(2);                                                                                \
+    }                                                                                              \
   } while (0)
 
 int g_failures = 0, g_cases = 0;
@@ -66,7 +67,9 @@ struct Rng {
   int range(int lo, int hi) { return lo + int(next() % uint64_t(hi - lo + 1)); }
 };
 
-size_t esize(DType t) { return t == DType::kF32 ? 4 : (t == DType::kBF16 || t == DType::kF16 ? 2 : 1); }
+size_t esize(DType t) {
+  return t == DType::kF32 ? 4 : (t == DType::kBF16 || t == DType::kF16 ? 2 : 1);
+}
 const char* dname(DType t) {
   switch (t) {
     case DType::kF32: return "f32";
@@ -116,23 +119,33 @@ std::vector<uint8_t> make_input(DType t, int64_t R, int64_t C, int special, uint
   std::vector<int> patch_exp(size_t(((R + 15) / 16) * ((C + 31) / 32) + 1));
   for (auto& e : patch_exp) e = f16 ? rng.range(-10, 8) : rng.range(-30, 30);
   const float huge = f16 ? 65504.0f : 3.0e38f;
-  const float subn[3] = {f16 ? 3.0e-6f : 1.0e-40f, f16 ? -6.0e-8f : -3.0e-42f, f16 ? 5.9e-8f : 1.4e-45f};
+  const float subn[3] = {f16 ? 3.0e-6f : 1.0e-40f, f16 ? -6.0e-8f : -3.0e-42f,
+                         f16 ? 5.9e-8f : 1.4e-45f};
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < C; ++c) {
-      float v = float(rng.normal() * std::ldexp(1.0, patch_exp[size_t((r / 16) * ((C + 31) / 32) + c / 32)]));
+      float v = float(rng.normal() *
+                      std::ldexp(1.0, patch_exp[size_t((r / 16) * ((C + 31) / 32) + c / 32)]));
       if (special) {
         const uint64_t k = rng.next() % 400;
-        if (k == 0) v = std::nanf("");
-        else if (k == 1) v = bits_float(0xffc00123u);  // negative NaN with a payload
-        else if (k == 2 && special == 1) v = INFINITY;
-        else if (k == 3 && special == 1) v = -INFINITY;
-        else if (k == 4) v = subn[rng.next() % 3];
-        else if (k == 5 && special == 1) v = (rng.next() & 1) ? huge : -huge;
-        else if (k == 6) v = -0.0f;
-        else if (k == 7) v = -1e-30f;
+        if (k == 0)
+          v = std::nanf("");
+        else if (k == 1)
+          v = bits_float(0xffc00123u);  // negative NaN with a payload
+        else if (k == 2 && special == 1)
+          v = INFINITY;
+        else if (k == 3 && special == 1)
+          v = -INFINITY;
+        else if (k == 4)
+          v = subn[rng.next() % 3];
+        else if (k == 5 && special == 1)
+          v = (rng.next() & 1) ? huge : -huge;
+        else if (k == 6)
+          v = -0.0f;
+        else if (k == 7)
+          v = -1e-30f;
       }
       if (r < 32 && c >= 32 && c < 64) v = 0.0f;  // an all-zero block
-      if (r == 5) v = 0.0f;                        // an all-zero row
+      if (r == 5) v = 0.0f;                       // an all-zero row
       host_store(buf.data(), t, r * C + c, v);
     }
   return buf;
@@ -162,20 +175,24 @@ struct Dev {
 };
 
 // Bitwise comparison; `fkind` (a float dtype) makes any NaN equal any NaN.
-bool same(const std::string& what, const uint8_t* cpu, const uint8_t* gpu, size_t bytes, DType fkind = DType::kE8M0) {
-  const size_t es = (fkind == DType::kF32 || fkind == DType::kBF16 || fkind == DType::kF16) ? esize(fkind) : 1;
+bool same(const std::string& what, const uint8_t* cpu, const uint8_t* gpu, size_t bytes,
+          DType fkind = DType::kE8M0) {
+  const size_t es =
+      (fkind == DType::kF32 || fkind == DType::kBF16 || fkind == DType::kF16) ? esize(fkind) : 1;
   size_t bad = 0, first = SIZE_MAX;
   for (size_t i = 0; i < bytes / es; ++i) {
     if (std::memcmp(cpu + i * es, gpu + i * es, es) == 0) continue;
     if (es > 1) {
-      const bool cn = std::isnan(host_to_float(cpu, fkind, int64_t(i))), gn = std::isnan(host_to_float(gpu, fkind, int64_t(i)));
+      const bool cn = std::isnan(host_to_float(cpu, fkind, int64_t(i))),
+                 gn = std::isnan(host_to_float(gpu, fkind, int64_t(i)));
       if (cn && gn) continue;
     }
     if (first == SIZE_MAX) first = i;
     ++bad;
   }
   if (bad) {
-    std::printf("    %s: %zu of %zu differ; first at element %zu: cpu=0x", what.c_str(), bad, bytes / es, first);
+    std::printf("    %s: %zu of %zu differ; first at element %zu: cpu=0x", what.c_str(), bad,
+                bytes / es, first);
     for (size_t b = es; b-- > 0;) std::printf("%02x", cpu[first * es + b]);
     std::printf(" gpu=0x");
     for (size_t b = es; b-- > 0;) std::printf("%02x", gpu[first * es + b]);
@@ -185,7 +202,8 @@ bool same(const std::string& what, const uint8_t* cpu, const uint8_t* gpu, size_
 }
 
 // dbias: equal to the CPU bits, or within the float32 summation bound of the float64 sum.
-bool dbias_ok(const uint8_t* x, DType t, int64_t R, int64_t C, const uint8_t* cpu, const uint8_t* gpu) {
+bool dbias_ok(const uint8_t* x, DType t, int64_t R, int64_t C, const uint8_t* cpu,
+              const uint8_t* gpu) {
   int bad = 0;
   for (int64_t c = 0; c < C; ++c) {
     const float g = host_to_float(gpu, t, c), h = host_to_float(cpu, t, c);
@@ -201,7 +219,8 @@ bool dbias_ok(const uint8_t* x, DType t, int64_t R, int64_t C, const uint8_t* cp
     const double tol = 2.0 * double(R) * 0x1p-24 * sa + out_ulp * std::fabs(s) + 1e-30;
     if (!(std::fabs(double(g) - s) <= tol)) {
       if (bad++ < 3)
-        std::printf("    dbias[%lld]: gpu=%.9g cpu=%.9g f64=%.9g tol=%.3g\n", (long long)c, g, h, s, tol);
+        std::printf("    dbias[%lld]: gpu=%.9g cpu=%.9g f64=%.9g tol=%.3g\n", (long long)c, g, h, s,
+                    tol);
     }
   }
   return bad == 0;
@@ -240,16 +259,17 @@ struct QCase {
 
 std::string qname(const QCase& q) {
   char b[256];
-  std::snprintf(b, sizeof b, "quantize %s %s->%s %lldx%lld %s%s%s%s%s special=%d%s", mname(q.mode), dname(q.xdt),
-                dname(q.qdt), (long long)q.R, (long long)q.C, q.row ? "row" : "", q.col ? "+col" : "",
-                q.sr ? " sr" : "", q.rht ? " rht" : "", q.dbias ? " dbias" : "", q.special,
-                q.misalign ? " misaligned" : "");
+  std::snprintf(b, sizeof b, "quantize %s %s->%s %lldx%lld %s%s%s%s%s special=%d%s", mname(q.mode),
+                dname(q.xdt), dname(q.qdt), (long long)q.R, (long long)q.C, q.row ? "row" : "",
+                q.col ? "+col" : "", q.sr ? " sr" : "", q.rht ? " rht" : "",
+                q.dbias ? " dbias" : "", q.special, q.misalign ? " misaligned" : "");
   return b;
 }
 
 // Dequantizes one CPU-quantized copy on both backends and compares.
-void check_dequant(const QCase& q, const char* which, const std::vector<uint8_t>& data, const std::vector<uint8_t>& sinv,
-                   float gsi, int64_t rows, int64_t cols, bool rht, DType out, cudaStream_t st) {
+void check_dequant(const QCase& q, const char* which, const std::vector<uint8_t>& data,
+                   const std::vector<uint8_t>& sinv, float gsi, int64_t rows, int64_t cols,
+                   bool rht, DType out, cudaStream_t st) {
   DequantizeParams p;
   p.q_dtype = q.qdt;
   p.rows = rows;
@@ -294,9 +314,11 @@ void run_quantize_case(const QCase& q, uint64_t seed, cudaStream_t st, bool with
   const uint32_t seed2[2] = {uint32_t(rng.next()), uint32_t(rng.next())};
   // Delayed scale: about right for the data, off by a random factor (some saturation).
   float amax_est = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax_est = std::max(amax_est, abs_ignore_nan(host_to_float(xptr, q.xdt, i)));
+  for (int64_t i = 0; i < n; ++i)
+    amax_est = std::max(amax_est, abs_ignore_nan(host_to_float(xptr, q.xdt, i)));
   const float fmax = q.qdt == DType::kE5M2 ? 57344.0f : 448.0f;
-  float dscale = scale_from_amax(std::isinf(amax_est) ? 1.0f : amax_est, fmax) * float(std::ldexp(1.0, rng.range(-2, 2)));
+  float dscale = scale_from_amax(std::isinf(amax_est) ? 1.0f : amax_est, fmax) *
+                 float(std::ldexp(1.0, rng.range(-2, 2)));
   if (!std::isfinite(dscale) || dscale == 0.0f) dscale = 1.0f;
 
   const size_t db = data_bytes(q.mode, q.xdt, R, C), cdb = data_bytes(q.mode, q.xdt, C, R);
@@ -331,8 +353,10 @@ void run_quantize_case(const QCase& q, uint64_t seed, cudaStream_t st, bool with
   // GPU: only the requested outputs exist.
   Dev dx(size_t(n) * esize(q.xdt) + xoff + 16, 0);
   dx.up(xh.data(), xh.size());
-  Dev d_data(q.row ? db : 0), d_sinv(q.row ? sb : 0), d_cdata(q.col ? cdb : 0), d_csinv(q.col ? csb : 0);
-  Dev d_dbias(q.dbias ? size_t(C) * esize(q.xdt) : 0), d_amax(4), d_gsi(nv ? 8 : 0), d_scale(4), d_seed(8);
+  Dev d_data(q.row ? db : 0), d_sinv(q.row ? sb : 0), d_cdata(q.col ? cdb : 0),
+      d_csinv(q.col ? csb : 0);
+  Dev d_dbias(q.dbias ? size_t(C) * esize(q.xdt) : 0), d_amax(4), d_gsi(nv ? 8 : 0), d_scale(4),
+      d_seed(8);
   d_scale.up(&dscale, 4);
   d_seed.up(seed2, 8);
   QuantizeParams pg = pc;
@@ -366,15 +390,18 @@ void run_quantize_case(const QCase& q, uint64_t seed, cudaStream_t st, bool with
     if (q.col) ok &= same("colwise_data", h_cdata.data(), d_cdata.down().data(), cdb, fk);
     if (q.col && csb) ok &= same("colwise_scale_inv", h_csinv.data(), d_csinv.down().data(), csb);
     ok &= same("amax", reinterpret_cast<uint8_t*>(&h_amax), d_amax.down().data(), 4);
-    if (nv) ok &= same("global_scale_inv", reinterpret_cast<uint8_t*>(h_gsi), d_gsi.down().data(), 8);
+    if (nv)
+      ok &= same("global_scale_inv", reinterpret_cast<uint8_t*>(h_gsi), d_gsi.down().data(), 8);
     if (q.dbias) ok &= dbias_ok(xptr, q.xdt, R, C, h_dbias.data(), d_dbias.down().data());
   }
   report(ok, name);
 
   if (with_dequant && ok && q.mode != ScalingMode::kNoScaling && n > 0) {
     for (DType out : {q.xdt, DType::kF32}) {
-      if (q.row) check_dequant(q, "rowwise", h_data, h_sinv, nv ? h_gsi[0] : 0.0f, R, C, false, out, st);
-      if (q.col) check_dequant(q, "colwise", h_cdata, h_csinv, nv ? h_gsi[1] : 0.0f, C, R, q.rht, out, st);
+      if (q.row)
+        check_dequant(q, "rowwise", h_data, h_sinv, nv ? h_gsi[0] : 0.0f, R, C, false, out, st);
+      if (q.col)
+        check_dequant(q, "colwise", h_cdata, h_csinv, nv ? h_gsi[1] : 0.0f, C, R, q.rht, out, st);
       if (out == DType::kF32) break;
     }
   }
@@ -424,8 +451,8 @@ void run_grouped_case(const GCase& q, uint64_t seed, cudaStream_t st) {
   dx.up(xh.data(), xh.size());
   dsz.up(q.sizes.data(), size_t(G) * 4);
   dsc.up(scales.data(), scales.size() * 4);
-  Dev d_data(q.row ? db : 0), d_sinv(q.row ? sb : 0), d_cdata(q.col ? db : 0), d_csinv(q.col ? csb : 0),
-      d_amax(size_t(G) * 4);
+  Dev d_data(q.row ? db : 0), d_sinv(q.row ? sb : 0), d_cdata(q.col ? db : 0),
+      d_csinv(q.col ? csb : 0), d_amax(size_t(G) * 4);
   GroupedQuantizeParams pg = pc;
   pg.x = dx.p;
   pg.group_sizes = static_cast<const int32_t*>(dsz.p);
@@ -442,9 +469,10 @@ void run_grouped_case(const GCase& q, uint64_t seed, cudaStream_t st) {
   CK(cudaGetLastError());
 
   char b[256];
-  std::snprintf(b, sizeof b, "grouped %s %s->%s %lldx%lld %s%s G=%lld sizes[0]=%d special=%d", mname(q.mode),
-                dname(q.xdt), dname(q.qdt), (long long)M, (long long)K, q.row ? "row" : "", q.col ? "+col" : "",
-                (long long)G, G ? q.sizes[0] : 0, q.special);
+  std::snprintf(b, sizeof b, "grouped %s %s->%s %lldx%lld %s%s G=%lld sizes[0]=%d special=%d",
+                mname(q.mode), dname(q.xdt), dname(q.qdt), (long long)M, (long long)K,
+                q.row ? "row" : "", q.col ? "+col" : "", (long long)G, G ? q.sizes[0] : 0,
+                q.special);
   if (!sc.ok()) {
     report(!sg.ok(), std::string(b) + " (invalid: " + sc.message + ")");
     return;
@@ -456,20 +484,23 @@ void run_grouped_case(const GCase& q, uint64_t seed, cudaStream_t st) {
     if (q.row) ok &= same("scale_inv", h_sinv.data(), d_sinv.down().data(), sb);
     if (q.col) ok &= same("colwise_data", h_cdata.data(), d_cdata.down().data(), db);
     if (q.col) ok &= same("colwise_scale_inv", h_csinv.data(), d_csinv.down().data(), csb);
-    ok &= same("amax", reinterpret_cast<uint8_t*>(h_amax.data()), d_amax.down().data(), size_t(G) * 4);
+    ok &= same("amax", reinterpret_cast<uint8_t*>(h_amax.data()), d_amax.down().data(),
+               size_t(G) * 4);
   }
   report(ok, b);
 }
 
 // Captures quantize_cuda into a CUDA graph, replays it twice on fresh inputs, compares with CPU.
-void run_graph_case(DType xdt, int64_t R, int64_t C, ScalingMode mode, DType qdt, bool sr, bool rht) {
+void run_graph_case(DType xdt, int64_t R, int64_t C, ScalingMode mode, DType qdt, bool sr,
+                    bool rht) {
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const int64_t n = R * C;
   const bool nv = is_nvfp4(mode);
-  const size_t db = data_bytes(mode, xdt, R, C), sb = sinv_bytes(mode, R, C), csb = sinv_bytes(mode, C, R);
-  Dev dx(size_t(n) * esize(xdt)), d_data(db), d_sinv(sb), d_cdata(db), d_csinv(csb), d_amax(4), d_gsi(8),
-      d_dbias(size_t(C) * esize(xdt)), d_seed(8), d_scale(4);
+  const size_t db = data_bytes(mode, xdt, R, C), sb = sinv_bytes(mode, R, C),
+               csb = sinv_bytes(mode, C, R);
+  Dev dx(size_t(n) * esize(xdt)), d_data(db), d_sinv(sb), d_cdata(db), d_csinv(csb), d_amax(4),
+      d_gsi(8), d_dbias(size_t(C) * esize(xdt)), d_seed(8), d_scale(4);
   const uint32_t seed2[2] = {0x12345678u, 0x9abcdef0u};
   d_seed.up(seed2, 8);
   QuantizeParams pg;
@@ -504,7 +535,8 @@ void run_graph_case(DType xdt, int64_t R, int64_t C, ScalingMode mode, DType qdt
     dx.up(xh.data(), size_t(n) * esize(xdt));
     CK(cudaGraphLaunch(exec, st));
     CK(cudaStreamSynchronize(st));
-    std::vector<uint8_t> h_data(db), h_sinv(sb), h_cdata(db), h_csinv(csb), h_dbias(size_t(C) * esize(xdt));
+    std::vector<uint8_t> h_data(db), h_sinv(sb), h_cdata(db), h_csinv(csb),
+        h_dbias(size_t(C) * esize(xdt));
     float h_amax, h_gsi[2];
     QuantizeParams pc = pg;
     pc.x = xh.data();
@@ -530,8 +562,8 @@ void run_graph_case(DType xdt, int64_t R, int64_t C, ScalingMode mode, DType qdt
   CK(cudaGraphDestroy(graph));
   CK(cudaStreamDestroy(st));
   char b[160];
-  std::snprintf(b, sizeof b, "cuda-graph replay quantize %s %s %lldx%lld%s%s", mname(mode), dname(xdt), (long long)R,
-                (long long)C, sr ? " sr" : "", rht ? " rht" : "");
+  std::snprintf(b, sizeof b, "cuda-graph replay quantize %s %s %lldx%lld%s%s", mname(mode),
+                dname(xdt), (long long)R, (long long)C, sr ? " sr" : "", rht ? " rht" : "");
   report(ok, b);
 }
 
@@ -541,13 +573,14 @@ int run_checks(bool quick) {
   struct Shape {
     int64_t R, C;
   };
-  const std::vector<Shape> shapes_full = {{64, 64},  {48, 96},  {128, 256}, {96, 160}, {16, 16}, {32, 32},
-                                          {256, 512}, {192, 320}, {7, 13},   {33, 50},  {1, 1},   {100, 48},
-                                          {0, 64},   {64, 0},   {1024, 64},  {32, 2048}};
+  const std::vector<Shape> shapes_full = {
+      {64, 64}, {48, 96}, {128, 256}, {96, 160}, {16, 16}, {32, 32}, {256, 512}, {192, 320},
+      {7, 13},  {33, 50}, {1, 1},     {100, 48}, {0, 64},  {64, 0},  {1024, 64}, {32, 2048}};
   const std::vector<Shape> shapes_quick = {{64, 64}, {48, 96}, {7, 13}, {32, 32}, {96, 160}};
   const auto& shapes = quick ? shapes_quick : shapes_full;
-  const std::vector<DType> xdts = quick ? std::vector<DType>{DType::kBF16, DType::kF32}
-                                        : std::vector<DType>{DType::kF32, DType::kBF16, DType::kF16};
+  const std::vector<DType> xdts = quick
+                                      ? std::vector<DType>{DType::kBF16, DType::kF32}
+                                      : std::vector<DType>{DType::kF32, DType::kBF16, DType::kF16};
   struct Layout {
     bool row, col;
   };
@@ -558,12 +591,16 @@ int run_checks(bool quick) {
   // --- quantize (+ dequantize of each copy) ---
   for (DType xdt : xdts)
     for (const Shape& sh : shapes)
-      for (ScalingMode mode : {ScalingMode::kNoScaling, ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor,
-                               ScalingMode::kMxfp8_1d, ScalingMode::kNvfp4_1d, ScalingMode::kNvfp4_2d}) {
+      for (ScalingMode mode :
+           {ScalingMode::kNoScaling, ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor,
+            ScalingMode::kMxfp8_1d, ScalingMode::kNvfp4_1d, ScalingMode::kNvfp4_2d}) {
         std::vector<DType> qdts;
-        if (mode == ScalingMode::kNoScaling) qdts = {xdt};
-        else if (is_nvfp4(mode)) qdts = {DType::kE2M1};
-        else qdts = {DType::kE4M3, DType::kE5M2};
+        if (mode == ScalingMode::kNoScaling)
+          qdts = {xdt};
+        else if (is_nvfp4(mode))
+          qdts = {DType::kE2M1};
+        else
+          qdts = {DType::kE4M3, DType::kE5M2};
         for (DType qdt : qdts)
           for (const Layout& lay : layouts)
             for (int sr = 0; sr < (is_nvfp4(mode) ? 2 : 1); ++sr)
@@ -571,39 +608,61 @@ int run_checks(bool quick) {
                 for (int variant = 0; variant < 3; ++variant) {
                   // variant 0: specials; 1: dbias with NaN/subnormals; 2: clean data
                   if (quick && (counter++ % 5) != 0) continue;
-                  QCase q{xdt, sh.R, sh.C, mode, qdt, lay.row, lay.col, sr == 1, rht == 1, variant == 1,
-                          variant == 0 ? 1 : (variant == 1 ? 2 : 0), 0};
+                  QCase q{xdt,
+                          sh.R,
+                          sh.C,
+                          mode,
+                          qdt,
+                          lay.row,
+                          lay.col,
+                          sr == 1,
+                          rht == 1,
+                          variant == 1,
+                          variant == 0 ? 1 : (variant == 1 ? 2 : 0),
+                          0};
                   run_quantize_case(q, seed++, st, true);
                 }
       }
   // Misaligned x (generic kernels on shapes the fast kernel would take).
-  for (ScalingMode mode : {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor, ScalingMode::kMxfp8_1d,
-                           ScalingMode::kNvfp4_1d, ScalingMode::kNvfp4_2d})
+  for (ScalingMode mode : {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor,
+                           ScalingMode::kMxfp8_1d, ScalingMode::kNvfp4_1d, ScalingMode::kNvfp4_2d})
     for (int sr = 0; sr < 2; ++sr) {
       if (sr && !is_nvfp4(mode)) continue;
-      QCase q{DType::kBF16, 64, 96, mode, is_nvfp4(mode) ? DType::kE2M1 : DType::kE4M3, true, true, sr == 1,
-              mode == ScalingMode::kNvfp4_1d, true, 2, 1};
+      QCase q{DType::kBF16,
+              64,
+              96,
+              mode,
+              is_nvfp4(mode) ? DType::kE2M1 : DType::kE4M3,
+              true,
+              true,
+              sr == 1,
+              mode == ScalingMode::kNvfp4_1d,
+              true,
+              2,
+              1};
       run_quantize_case(q, seed++, st, false);
     }
-  std::printf("%s quantize/dequantize: %d cases, %d failures\n", g_failures ? "FAIL" : "PASS", g_cases, g_failures);
+  std::printf("%s quantize/dequantize: %d cases, %d failures\n", g_failures ? "FAIL" : "PASS",
+              g_cases, g_failures);
 
   // --- grouped quantize ---
   const int f0 = g_failures, c0 = g_cases;
   struct GShape {
     int64_t M, K;
   };
-  const std::vector<GShape> gshapes = quick ? std::vector<GShape>{{128, 64}, {48, 96}, {7, 13}}
-                                            : std::vector<GShape>{{128, 64}, {96, 96}, {48, 96}, {256, 320},
-                                                                  {7, 13}, {2048, 64}, {64, 33}};
+  const std::vector<GShape> gshapes =
+      quick ? std::vector<GShape>{{128, 64}, {48, 96}, {7, 13}}
+            : std::vector<GShape>{{128, 64}, {96, 96},   {48, 96}, {256, 320},
+                                  {7, 13},   {2048, 64}, {64, 33}};
   for (DType xdt : xdts)
     for (const GShape& sh : gshapes) {
       const int M = int(sh.M);
       std::vector<std::vector<int32_t>> size_sets = {
-          {M / 2, M - M / 2},                  // exact split
-          {M / 4, 0, -3, M / 4 + 5},           // empty, negative, sum < M (rows left over)
-          {M / 2, M, 7},                       // sum > M (clamped)
-          {M},                                 // one group
-          {0, 0, M / 3},                       // leading empty groups
+          {M / 2, M - M / 2},         // exact split
+          {M / 4, 0, -3, M / 4 + 5},  // empty, negative, sum < M (rows left over)
+          {M / 2, M, 7},              // sum > M (clamped)
+          {M},                        // one group
+          {0, 0, M / 3},              // leading empty groups
       };
       if (!quick) {
         std::vector<int32_t> many(1500);  // > 1024 groups: the scan walks in chunks
@@ -611,7 +670,8 @@ int run_checks(bool quick) {
         for (auto& s : many) s = int32_t(r.next() % 3) - (r.next() % 7 == 0 ? 1 : 0);
         size_sets.push_back(many);
       }
-      for (ScalingMode mode : {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor, ScalingMode::kMxfp8_1d})
+      for (ScalingMode mode :
+           {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor, ScalingMode::kMxfp8_1d})
         for (DType qdt : {DType::kE4M3, DType::kE5M2})
           for (const Layout& lay : layouts) {
             if (mode == ScalingMode::kMxfp8_1d && lay.col) continue;  // rowwise only
@@ -622,8 +682,8 @@ int run_checks(bool quick) {
             }
           }
     }
-  std::printf("%s grouped quantize: %d cases, %d failures\n", g_failures > f0 ? "FAIL" : "PASS", g_cases - c0,
-              g_failures - f0);
+  std::printf("%s grouped quantize: %d cases, %d failures\n", g_failures > f0 ? "FAIL" : "PASS",
+              g_cases - c0, g_failures - f0);
 
   // --- CUDA graph capture ---
   const int f1 = g_failures, c1 = g_cases;
@@ -631,8 +691,8 @@ int run_checks(bool quick) {
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kMxfp8_1d, DType::kE4M3, false, false);
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kNvfp4_1d, DType::kE2M1, true, true);
   run_graph_case(DType::kF32, 96, 160, ScalingMode::kNvfp4_2d, DType::kE2M1, true, false);
-  std::printf("%s cuda graph capture: %d cases, %d failures\n", g_failures > f1 ? "FAIL" : "PASS", g_cases - c1,
-              g_failures - f1);
+  std::printf("%s cuda graph capture: %d cases, %d failures\n", g_failures > f1 ? "FAIL" : "PASS",
+              g_cases - c1, g_failures - f1);
 
   CK(cudaStreamDestroy(st));
   std::printf("%s: %d cases, %d failures\n", g_failures ? "FAIL" : "PASS", g_cases, g_failures);
@@ -649,7 +709,8 @@ __global__ void cvt_check_kernel(unsigned long long* bad, uint32_t* first) {
     const uint32_t h5 = __nv_cvt_float2_to_fp8x2(make_float2(v, w), __NV_SATFINITE, __NV_E5M2);
     const uint32_t s4 = encode_rne(v, kE4M3) | (encode_rne(w, kE4M3) << 8);
     const uint32_t s5 = encode_rne(v, kE5M2) | (encode_rne(w, kE5M2) << 8);
-    const uint32_t k4 = cuda::enc_fp8x2<cuda::kFmtE4M3>(v, w), k5 = cuda::enc_fp8x2<cuda::kFmtE5M2>(v, w);
+    const uint32_t k4 = cuda::enc_fp8x2<cuda::kFmtE4M3>(v, w),
+                   k5 = cuda::enc_fp8x2<cuda::kFmtE5M2>(v, w);
     if (h4 != s4 || k4 != s4) {
       if (atomicAdd(&bad[0], 1ull) == 0) first[0] = uint32_t(i), first[1] = h4, first[2] = s4;
     }
@@ -668,8 +729,10 @@ __global__ void fast_check_kernel(unsigned long long* bad, uint32_t* first) {
     const uint32_t f = cuda::e2m1_rn(v), s = encode_rne(v, kE2M1);
     if (f != s && atomicAdd(&bad[0], 1ull) == 0) first[0] = uint32_t(i), first[1] = f, first[2] = s;
     for (int k = 0; k < 7; ++k) {
-      const float a = cuda::mx_apply(v, bs[k], cuda::mx_factor(bs[k])), r = apply_e8m0_encode(v, bs[k]);
-      if (__float_as_uint(a) != __float_as_uint(r) && !(isnan(a) && isnan(r)) && atomicAdd(&bad[1], 1ull) == 0)
+      const float a = cuda::mx_apply(v, bs[k], cuda::mx_factor(bs[k])),
+                  r = apply_e8m0_encode(v, bs[k]);
+      if (__float_as_uint(a) != __float_as_uint(r) && !(isnan(a) && isnan(r)) &&
+          atomicAdd(&bad[1], 1ull) == 0)
         first[3] = uint32_t(i), first[4] = __float_as_uint(a), first[5] = bs[k];
     }
   }
@@ -677,9 +740,11 @@ __global__ void fast_check_kernel(unsigned long long* bad, uint32_t* first) {
 
 int run_cvtcheck() {
   Dev bad(16, 0), first(24, 0), bad2(16, 0), first2(24, 0);
-  cvt_check_kernel<<<4096, 256>>>(static_cast<unsigned long long*>(bad.p), static_cast<uint32_t*>(first.p));
+  cvt_check_kernel<<<4096, 256>>>(static_cast<unsigned long long*>(bad.p),
+                                  static_cast<uint32_t*>(first.p));
   CK(cudaGetLastError());
-  fast_check_kernel<<<4096, 256>>>(static_cast<unsigned long long*>(bad2.p), static_cast<uint32_t*>(first2.p));
+  fast_check_kernel<<<4096, 256>>>(static_cast<unsigned long long*>(bad2.p),
+                                   static_cast<uint32_t*>(first2.p));
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   {
@@ -688,10 +753,14 @@ int run_cvtcheck() {
     uint32_t fi[6];
     std::memcpy(nb, b.data(), 16);
     std::memcpy(fi, f.data(), 24);
-    std::printf("%s fast e2m1 encoder vs encode_rne: %llu mismatches of 2^32 (first x=0x%08x fast=%u ref=%u)\n",
-                nb[0] ? "FAIL" : "PASS", nb[0], fi[0], fi[1], fi[2]);
-    std::printf("%s mx factor vs apply_e8m0_encode: %llu mismatches of 7*2^32 (first x=0x%08x got=0x%08x b=%u)\n",
-                nb[1] ? "FAIL" : "PASS", nb[1], fi[3], fi[4], fi[5]);
+    std::printf(
+        "%s fast e2m1 encoder vs encode_rne: %llu mismatches of 2^32 (first x=0x%08x fast=%u "
+        "ref=%u)\n",
+        nb[0] ? "FAIL" : "PASS", nb[0], fi[0], fi[1], fi[2]);
+    std::printf(
+        "%s mx factor vs apply_e8m0_encode: %llu mismatches of 7*2^32 (first x=0x%08x got=0x%08x "
+        "b=%u)\n",
+        nb[1] ? "FAIL" : "PASS", nb[1], fi[3], fi[4], fi[5]);
     if (nb[0] || nb[1]) ++g_failures;
   }
   std::vector<uint8_t> b = bad.down(), f = first.down();
@@ -709,7 +778,8 @@ int run_cvtcheck() {
 
 // ---- bench ----
 __global__ void fill_bf16_kernel(uint16_t* x, int64_t n, uint32_t seed) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const uint32_t h = fmix32(uint32_t(i) * 0x9E3779B1u ^ seed);
     const float v = (float(h >> 8) * (1.0f / 16777216.0f) - 0.5f) * 8.0f;  // [-4, 4)
     x[i] = uint16_t(__float_as_uint(v) >> 16);
@@ -746,20 +816,22 @@ int run_bench(const std::string& filter) {
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
-  Dev x{size_t(n) * 2}, y{size_t(n) * 2}, q{size_t(n)}, qc{size_t(n)}, s{size_t(n) / 16}, sc{size_t(n) / 16},
-      amax(4), gsi(8), scale(4), dbias(size_t(C) * 2);
+  Dev x{size_t(n) * 2}, y{size_t(n) * 2}, q{size_t(n)}, qc{size_t(n)}, s{size_t(n) / 16},
+      sc{size_t(n) / 16}, amax(4), gsi(8), scale(4), dbias(size_t(C) * 2);
   fill_bf16_kernel<<<4096, 256, 0, st>>>(static_cast<uint16_t*>(x.p), n, 1234u);
   const float one = 1.0f;
   scale.up(&one, 4);
   CK(cudaStreamSynchronize(st));
 
   const double in_bytes = double(n) * 2;
-  const float t_copy = time_ms([&] { CK(cudaMemcpyAsync(y.p, x.p, size_t(in_bytes), cudaMemcpyDeviceToDevice, st)); }, st);
+  const float t_copy = time_ms(
+      [&] { CK(cudaMemcpyAsync(y.p, x.p, size_t(in_bytes), cudaMemcpyDeviceToDevice, st)); }, st);
   const double bw_copy = 2.0 * in_bytes / (t_copy * 1e-3) / 1e9;
-  std::printf("bench D2D copy of %.0f MB: %.1f us, %.0f GB/s (read+write)\n", in_bytes / 1e6, t_copy * 1e3, bw_copy);
+  std::printf("bench D2D copy of %.0f MB: %.1f us, %.0f GB/s (read+write)\n", in_bytes / 1e6,
+              t_copy * 1e3, bw_copy);
 
-  auto run = [&](const char* name, ScalingMode mode, DType qdt, bool rht, bool with_dbias, double bytes_per_elem,
-                 double extra_read) {
+  auto run = [&](const char* name, ScalingMode mode, DType qdt, bool rht, bool with_dbias,
+                 double bytes_per_elem, double extra_read) {
     if (!filter.empty() && std::string(name).find(filter) == std::string::npos) return;
     QuantizeParams p;
     p.x = x.p;
@@ -789,7 +861,8 @@ int run_bench(const std::string& filter) {
     const float t = time_ms([&] { quantize_cuda(p, st); }, st);
     const double b = double(n) * bytes_per_elem;
     const double bw = b / (t * 1e-3) / 1e9;
-    std::printf("bench %-44s %8.1f us  %6.0f GB/s  %5.1f%% of D2D", name, t * 1e3, bw, 100.0 * bw / bw_copy);
+    std::printf("bench %-44s %8.1f us  %6.0f GB/s  %5.1f%% of D2D", name, t * 1e3, bw,
+                100.0 * bw / bw_copy);
     if (extra_read > 0) {
       const double bw2 = (b + double(n) * extra_read) / (t * 1e-3) / 1e9;
       std::printf("  (%.0f GB/s, %.1f%% counting the amax read)", bw2, 100.0 * bw2 / bw_copy);
@@ -797,20 +870,30 @@ int run_bench(const std::string& filter) {
     std::printf("\n");
   };
   // bytes per element: bf16 read (2) + rowwise (1) + colwise (1) [+ scales]
-  run("delayed bf16->e4m3 row+col", ScalingMode::kDelayedTensor, DType::kE4M3, false, false, 4.0, 0);
-  run("current bf16->e4m3 row+col (amax pass + cast)", ScalingMode::kCurrentTensor, DType::kE4M3, false, false, 4.0, 2.0);
-  run("mxfp8 bf16->e4m3 row+col", ScalingMode::kMxfp8_1d, DType::kE4M3, false, false, 4.0 + 2.0 / 32, 0);
-  run("delayed bf16->e4m3 row+col + dbias", ScalingMode::kDelayedTensor, DType::kE4M3, false, true, 4.0, 0);
-  run("nvfp4_1d bf16 row+col (amax pass + cast)", ScalingMode::kNvfp4_1d, DType::kE2M1, false, false, 3.0 + 2.0 / 16, 2.0);
-  run("nvfp4_1d bf16 row+col rht (rht-amax + cast)", ScalingMode::kNvfp4_1d, DType::kE2M1, true, false, 3.0 + 2.0 / 16, 2.0);
-  run("nvfp4_2d bf16 row+col (amax pass + cast)", ScalingMode::kNvfp4_2d, DType::kE2M1, false, false, 3.0 + 2.0 / 16, 2.0);
+  run("delayed bf16->e4m3 row+col", ScalingMode::kDelayedTensor, DType::kE4M3, false, false, 4.0,
+      0);
+  run("current bf16->e4m3 row+col (amax pass + cast)", ScalingMode::kCurrentTensor, DType::kE4M3,
+      false, false, 4.0, 2.0);
+  run("mxfp8 bf16->e4m3 row+col", ScalingMode::kMxfp8_1d, DType::kE4M3, false, false,
+      4.0 + 2.0 / 32, 0);
+  run("delayed bf16->e4m3 row+col + dbias", ScalingMode::kDelayedTensor, DType::kE4M3, false, true,
+      4.0, 0);
+  run("nvfp4_1d bf16 row+col (amax pass + cast)", ScalingMode::kNvfp4_1d, DType::kE2M1, false,
+      false, 3.0 + 2.0 / 16, 2.0);
+  run("nvfp4_1d bf16 row+col rht (rht-amax + cast)", ScalingMode::kNvfp4_1d, DType::kE2M1, true,
+      false, 3.0 + 2.0 / 16, 2.0);
+  run("nvfp4_2d bf16 row+col (amax pass + cast)", ScalingMode::kNvfp4_2d, DType::kE2M1, false,
+      false, 3.0 + 2.0 / 16, 2.0);
   if (filter.empty()) {
-    const float t = time_ms([&] {
-      cuda::amax_kernel<1><<<cuda::grid_for(n / 8 + 1, 256, 2048), 256, 0, st>>>(x.p, n, true, static_cast<float*>(amax.p));
-    }, st);
+    const float t = time_ms(
+        [&] {
+          cuda::amax_kernel<1><<<cuda::grid_for(n / 8 + 1, 256, 2048), 256, 0, st>>>(
+              x.p, n, true, static_cast<float*>(amax.p));
+        },
+        st);
     const double bw = in_bytes / (t * 1e-3) / 1e9;
-    std::printf("bench %-44s %8.1f us  %6.0f GB/s  %5.1f%% of D2D\n", "amax pass alone (bf16 read)", t * 1e3, bw,
-                100.0 * bw / bw_copy);
+    std::printf("bench %-44s %8.1f us  %6.0f GB/s  %5.1f%% of D2D\n", "amax pass alone (bf16 read)",
+                t * 1e3, bw, 100.0 * bw / bw_copy);
   }
   if (filter.empty()) {
     DequantizeParams p;
@@ -824,8 +907,8 @@ int run_bench(const std::string& filter) {
     p.out_dtype = DType::kBF16;
     const float t = time_ms([&] { dequantize_cuda(p, st); }, st);
     const double bw = 3.0 * double(n) / (t * 1e-3) / 1e9;
-    std::printf("bench %-44s %8.1f us  %6.0f GB/s  %5.1f%% of D2D\n", "dequantize e4m3->bf16", t * 1e3, bw,
-                100.0 * bw / bw_copy);
+    std::printf("bench %-44s %8.1f us  %6.0f GB/s  %5.1f%% of D2D\n", "dequantize e4m3->bf16",
+                t * 1e3, bw, 100.0 * bw / bw_copy);
   }
   CK(cudaGetLastError());
   CK(cudaStreamDestroy(st));
@@ -839,10 +922,14 @@ int main(int argc, char** argv) {
   std::string mode = "check", filter;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") quick = true;
-    else if (a == "-v" || a == "--verbose") g_verbose = true;
-    else if (mode == "bench") filter = a;
-    else mode = a;
+    if (a == "--quick")
+      quick = true;
+    else if (a == "-v" || a == "--verbose")
+      g_verbose = true;
+    else if (mode == "bench")
+      filter = a;
+    else
+      mode = a;
   }
   if (mode == "bench") return run_bench(filter);
   if (mode == "cvtcheck") return run_cvtcheck();

@@ -16,7 +16,8 @@
 // lowbit.quantize(y_in_x_dtype) (and the fused dbias is lowbit.quantize_dbias's: column sums of
 // the rounded dx accumulated in float32, rounded once). Current scaling runs a first pass that
 // only computes the amax, then the fused pass (see norm.h).
-// Backward: plain dx = dy * act'(x); gated da = (dy * b) * act'(a), db = dy * act(a), dx = [da, db].
+// Backward: plain dx = dy * act'(x); gated da = (dy * b) * act'(a), db = dy * act(a), dx = [da,
+// db].
 #pragma once
 
 #include <cstddef>
@@ -70,14 +71,14 @@ struct ActBwdParams {
   const float* scale = nullptr;
 
   // Outputs over dx of width W = gated ? 2H : H; null = not wanted.
-  void* dx = nullptr;                  // (rows, W) in x_dtype
-  uint8_t* data = nullptr;             // (rows, W) FP8
-  uint8_t* colwise_data = nullptr;     // (W, rows) FP8
+  void* dx = nullptr;               // (rows, W) in x_dtype
+  uint8_t* data = nullptr;          // (rows, W) FP8
+  uint8_t* colwise_data = nullptr;  // (W, rows) FP8
   float* scale_inv = nullptr;
   float* colwise_scale_inv = nullptr;
-  float* amax = nullptr;               // amax of the rounded dx; required with FP8
-  void* dbias = nullptr;               // (W,) in x_dtype
-  void* workspace = nullptr;           // CUDA: act_bwd_workspace_bytes()
+  float* amax = nullptr;      // amax of the rounded dx; required with FP8
+  void* dbias = nullptr;      // (W,) in x_dtype
+  void* workspace = nullptr;  // CUDA: act_bwd_workspace_bytes()
 };
 
 // Re-checks shared by both backends (Python validates first, naming the argument).
@@ -92,22 +93,24 @@ inline Status act_check_common(DType x, int64_t rows, int64_t cols, ActKind act,
     if (fp8) return Status::Invalid("activation: FP8 outputs need a tensor scaling mode");
     return Status::Ok();
   }
-  if (!is_tensor_scaling(mode)) return Status::Invalid("activation: fused quantization supports tensor scaling only");
+  if (!is_tensor_scaling(mode))
+    return Status::Invalid("activation: fused quantization supports tensor scaling only");
   if (q != DType::kE4M3 && q != DType::kE5M2)
     return Status::Invalid("activation: q_dtype must be float8_e4m3fn or float8_e5m2");
   if (!amax) return Status::Invalid("activation: FP8 output needs the amax output");
-  if (mode == ScalingMode::kDelayedTensor && !scale) return Status::Invalid("activation: delayed scaling needs scale");
+  if (mode == ScalingMode::kDelayedTensor && !scale)
+    return Status::Invalid("activation: delayed scaling needs scale");
   return Status::Ok();
 }
 
 inline Status validate(const ActFwdParams& p) {
-  return act_check_common(p.x_dtype, p.rows, p.cols, p.act, p.mode, p.q_dtype, p.data || p.colwise_data,
-                          p.amax, p.scale);
+  return act_check_common(p.x_dtype, p.rows, p.cols, p.act, p.mode, p.q_dtype,
+                          p.data || p.colwise_data, p.amax, p.scale);
 }
 
 inline Status validate(const ActBwdParams& p) {
-  return act_check_common(p.x_dtype, p.rows, p.cols, p.act, p.mode, p.q_dtype, p.data || p.colwise_data,
-                          p.amax, p.scale);
+  return act_check_common(p.x_dtype, p.rows, p.cols, p.act, p.mode, p.q_dtype,
+                          p.data || p.colwise_data, p.amax, p.scale);
 }
 
 Status act_fwd_cpu(const ActFwdParams& p);

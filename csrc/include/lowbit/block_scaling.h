@@ -9,7 +9,9 @@
 namespace lowbit {
 
 // NVFP4 tensor scale S = scale_from_amax(A, 448 * 6).
-LOWBIT_HD float nvfp4_tensor_scale(float amax) { return scale_from_amax(amax, kE4M3Max * kE2M1Max); }
+LOWBIT_HD float nvfp4_tensor_scale(float amax) {
+  return scale_from_amax(amax, kE4M3Max * kE2M1Max);
+}
 
 // E4M3 block scale code for a block with amax `a` under tensor scale S.
 LOWBIT_HD uint32_t nvfp4_block_scale_code(float a, float S) {

@@ -73,7 +73,8 @@ LOWBIT_HD uint32_t encode_rne(float x, SmallFloat f) {
   if (a > 0x7f800000u) return f.nan_bits;
   const int emin = 1 - f.bias;  // exponent of the smallest normal
   const int e = int(a >> 23) - 127;
-  if (e < emin - f.man_bits - 2) return sign;  // far below half the smallest subnormal (f32 subnormals too)
+  if (e < emin - f.man_bits - 2)
+    return sign;  // far below half the smallest subnormal (f32 subnormals too)
   const uint32_t mant = (a & 0x7fffffu) | 0x800000u;
   const int shift = 23 - f.man_bits + (e < emin ? emin - e : 0);
   // Ties to even on the bits shifted out.

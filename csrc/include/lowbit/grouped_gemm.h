@@ -99,9 +99,12 @@ inline Status validate(const GroupedGemmParams& p) {
   if (p.mode == GroupedGemmMode::kRaggedM && b_need > 0)
     b_need += (p.num_groups - 1) * p.b_group_stride;
   const int64_t out_need = p.m * p.n * (p.mode == GroupedGemmMode::kRaggedK ? p.num_groups : 1);
-  if (p.a_elements >= 0 && p.a_elements < a_need) return bad("operand a is smaller than its strides reach");
-  if (p.b_elements >= 0 && p.b_elements < b_need) return bad("operand b is smaller than its strides reach");
-  if (p.out_elements >= 0 && p.out_elements < out_need) return bad("output is smaller than its extents");
+  if (p.a_elements >= 0 && p.a_elements < a_need)
+    return bad("operand a is smaller than its strides reach");
+  if (p.b_elements >= 0 && p.b_elements < b_need)
+    return bad("operand b is smaller than its strides reach");
+  if (p.out_elements >= 0 && p.out_elements < out_need)
+    return bad("output is smaller than its extents");
   if ((a_need && !p.a) || (b_need && !p.b) || (out_need && !p.out)) return bad("missing buffer");
   return Status::Ok();
 }

@@ -72,23 +72,27 @@ struct NormBwdParams {
   NormType type = NormType::kLayerNorm;
   bool zero_centered_gamma = false;
 
-  void* dx = nullptr;        // (rows, cols) in x_dtype
-  float* dgamma = nullptr;   // (cols,)
-  float* dbeta = nullptr;    // (cols,) or null
-  void* workspace = nullptr; // CUDA: norm_bwd_workspace_bytes()
+  void* dx = nullptr;         // (rows, cols) in x_dtype
+  float* dgamma = nullptr;    // (cols,)
+  float* dbeta = nullptr;     // (cols,) or null
+  void* workspace = nullptr;  // CUDA: norm_bwd_workspace_bytes()
 };
 
 // Re-checks shared by both backends (Python validates first, naming the argument). Inline so
 // that both libraries and the standalone checks get them without another source file.
-inline bool norm_io_dtype(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+inline bool norm_io_dtype(DType t) {
+  return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16;
+}
 
 inline Status validate(const NormFwdParams& p) {
-  if (!norm_io_dtype(p.x_dtype)) return Status::Invalid("norm: x must be float32, bfloat16 or float16");
+  if (!norm_io_dtype(p.x_dtype))
+    return Status::Invalid("norm: x must be float32, bfloat16 or float16");
   if (p.rows < 0 || p.cols <= 0) return Status::Invalid("norm: x must have a non-empty last axis");
   if (p.type != NormType::kLayerNorm && p.type != NormType::kRmsNorm)
     return Status::Invalid("norm: unknown norm type");
   if (!p.gamma || !p.rsigma) return Status::Invalid("norm: gamma and rsigma are required");
-  if (p.type == NormType::kLayerNorm && !p.mean) return Status::Invalid("norm: layernorm needs mean");
+  if (p.type == NormType::kLayerNorm && !p.mean)
+    return Status::Invalid("norm: layernorm needs mean");
   if (!(p.epsilon >= 0.0f)) return Status::Invalid("norm: epsilon must be >= 0");
   const bool fp8 = p.data || p.colwise_data;
   if (p.mode == ScalingMode::kNoScaling) {
@@ -106,11 +110,16 @@ inline Status validate(const NormFwdParams& p) {
 }
 
 inline Status validate(const NormBwdParams& p) {
-  if (!norm_io_dtype(p.x_dtype)) return Status::Invalid("norm_bwd: dtype must be float32, bfloat16 or float16");
-  if (p.rows < 0 || p.cols <= 0) return Status::Invalid("norm_bwd: x must have a non-empty last axis");
-  if (!p.gamma || !p.rsigma || !p.dgamma) return Status::Invalid("norm_bwd: gamma, rsigma, dgamma required");
-  if (p.type == NormType::kLayerNorm && !p.mean) return Status::Invalid("norm_bwd: layernorm needs mean");
-  if (p.rows > 0 && (!p.dx || !p.dy || !p.x)) return Status::Invalid("norm_bwd: dy, x, dx required");
+  if (!norm_io_dtype(p.x_dtype))
+    return Status::Invalid("norm_bwd: dtype must be float32, bfloat16 or float16");
+  if (p.rows < 0 || p.cols <= 0)
+    return Status::Invalid("norm_bwd: x must have a non-empty last axis");
+  if (!p.gamma || !p.rsigma || !p.dgamma)
+    return Status::Invalid("norm_bwd: gamma, rsigma, dgamma required");
+  if (p.type == NormType::kLayerNorm && !p.mean)
+    return Status::Invalid("norm_bwd: layernorm needs mean");
+  if (p.rows > 0 && (!p.dx || !p.dy || !p.x))
+    return Status::Invalid("norm_bwd: dy, x, dx required");
   return Status::Ok();
 }
 

@@ -25,19 +25,21 @@ struct QuantizeParams {
   bool rowwise = true;
   bool colwise = false;
 
-  const float* scale = nullptr;       // delayed scaling: (1,) encode scale
-  const uint32_t* sr_seed = nullptr;  // NVFP4 stochastic rounding: (2,) seed, null = round to nearest
-  bool rht = false;                   // NVFP4: Hadamard-transform the colwise copy
+  const float* scale = nullptr;  // delayed scaling: (1,) encode scale
+  const uint32_t* sr_seed =
+      nullptr;       // NVFP4 stochastic rounding: (2,) seed, null = round to nearest
+  bool rht = false;  // NVFP4: Hadamard-transform the colwise copy
   uint32_t rht_sign_mask = kDefaultRhtSignMask;
 
   // Outputs; a copy's pointers are ignored when that copy is not requested.
-  void* data = nullptr;                // (rows, cols) [packed (rows, cols/2) for E2M1]
-  void* scale_inv = nullptr;           // tensor: (1,) f32; MXFP8: (rows, cols/32) e8m0; NVFP4: (rows, cols/16) e4m3
-  void* colwise_data = nullptr;        // (cols, rows) [packed (cols, rows/2)]
-  void* colwise_scale_inv = nullptr;   // as scale_inv, for the (cols, rows) copy
-  float* amax = nullptr;               // (1,) amax of x, always written
-  float* global_scale_inv = nullptr;   // NVFP4: (2,) = [rowwise, colwise] tensor decode scales
-  void* dbias = nullptr;               // optional (cols,) column sums in x_dtype
+  void* data = nullptr;  // (rows, cols) [packed (rows, cols/2) for E2M1]
+  void* scale_inv =
+      nullptr;  // tensor: (1,) f32; MXFP8: (rows, cols/32) e8m0; NVFP4: (rows, cols/16) e4m3
+  void* colwise_data = nullptr;       // (cols, rows) [packed (cols, rows/2)]
+  void* colwise_scale_inv = nullptr;  // as scale_inv, for the (cols, rows) copy
+  float* amax = nullptr;              // (1,) amax of x, always written
+  float* global_scale_inv = nullptr;  // NVFP4: (2,) = [rowwise, colwise] tensor decode scales
+  void* dbias = nullptr;              // optional (cols,) column sums in x_dtype
 
   // CUDA only: scratch from the FFI allocator, at least quantize_workspace_bytes().
   void* workspace = nullptr;
@@ -66,7 +68,7 @@ struct GroupedQuantizeParams {
   DType q_dtype = DType::kE4M3;
   bool rowwise = true;
   bool colwise = false;
-  const float* scale = nullptr;  // delayed: (num_groups,)
+  const float* scale = nullptr;       // delayed: (num_groups,)
   void* data = nullptr;               // (rows, cols)
   void* scale_inv = nullptr;          // tensor: (num_groups,) f32; MXFP8: (rows, cols/32)
   void* colwise_data = nullptr;       // (cols, rows)

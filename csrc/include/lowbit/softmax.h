@@ -47,21 +47,27 @@ struct SoftmaxBwdParams {
 };
 
 // Re-checks shared by both backends (Python validates first, naming the argument).
-inline bool softmax_dtype_ok(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+inline bool softmax_dtype_ok(DType t) {
+  return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16;
+}
 
 inline Status validate(const SoftmaxFwdParams& p) {
-  if (!softmax_dtype_ok(p.dtype)) return Status::Invalid("softmax: x must be float32, bfloat16 or float16");
+  if (!softmax_dtype_ok(p.dtype))
+    return Status::Invalid("softmax: x must be float32, bfloat16 or float16");
   for (int i = 0; i < 4; ++i)
     if (p.dims[i] < 0) return Status::Invalid("softmax: negative shape");
-  if (p.type == SoftmaxType::kMasked && !p.mask) return Status::Invalid("softmax: masked softmax needs a mask");
+  if (p.type == SoftmaxType::kMasked && !p.mask)
+    return Status::Invalid("softmax: masked softmax needs a mask");
   if (p.type == SoftmaxType::kCausal && p.dims[2] != p.dims[3])
     return Status::Invalid("softmax: causal softmax needs Sq == Sk");
-  if (int32_t(p.type) < 0 || int32_t(p.type) > 2) return Status::Invalid("softmax: unknown softmax type");
+  if (int32_t(p.type) < 0 || int32_t(p.type) > 2)
+    return Status::Invalid("softmax: unknown softmax type");
   return Status::Ok();
 }
 
 inline Status validate(const SoftmaxBwdParams& p) {
-  if (!softmax_dtype_ok(p.dtype)) return Status::Invalid("softmax_bwd: dtype must be float32, bfloat16 or float16");
+  if (!softmax_dtype_ok(p.dtype))
+    return Status::Invalid("softmax_bwd: dtype must be float32, bfloat16 or float16");
   if (p.rows < 0 || p.cols < 0) return Status::Invalid("softmax_bwd: negative shape");
   return Status::Ok();
 }

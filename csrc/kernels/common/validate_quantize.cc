@@ -25,8 +25,8 @@ Status check_q_dtype(ScalingMode mode, DType q, DType x) {
 
 Status check_multiple(int64_t n, int64_t m, const char* what) {
   if (n % m != 0)
-    return Status::Invalid(std::string(what) + " (" + std::to_string(n) + ") must be a multiple of " +
-                           std::to_string(m));
+    return Status::Invalid(std::string(what) + " (" + std::to_string(n) +
+                           ") must be a multiple of " + std::to_string(m));
   return Status::Ok();
 }
 
@@ -59,14 +59,16 @@ Status validate(const QuantizeParams& p) {
   if (n > 0) {
     if (p.rowwise && (!p.data || (p.mode != ScalingMode::kNoScaling && !p.scale_inv)))
       return Status::Invalid("rowwise outputs missing");
-    if (p.colwise && (!p.colwise_data || (p.mode != ScalingMode::kNoScaling && !p.colwise_scale_inv)))
+    if (p.colwise &&
+        (!p.colwise_data || (p.mode != ScalingMode::kNoScaling && !p.colwise_scale_inv)))
       return Status::Invalid("colwise outputs missing");
   }
   return Status::Ok();
 }
 
 Status validate(const DequantizeParams& p) {
-  if (!is_input_dtype(p.out_dtype)) return Status::Invalid("output must be float32, bfloat16 or float16");
+  if (!is_input_dtype(p.out_dtype))
+    return Status::Invalid("output must be float32, bfloat16 or float16");
   if (p.mode == ScalingMode::kNoScaling) return Status::Invalid("nothing to dequantize");
   if (auto s = check_q_dtype(p.mode, p.q_dtype, p.out_dtype); !s.ok()) return s;
   if (auto s = check_multiple(p.cols, block_size(p.mode), "columns"); !s.ok()) return s;

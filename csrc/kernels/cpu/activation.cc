@@ -71,9 +71,9 @@ float act_grad(ActKind k, float x) {
 size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // Quantizes the rounded result `v` (rows, cols) into the FP8 outputs of the fused op.
-Status quantize_result(const void* v, DType dt, int64_t rows, int64_t cols, ScalingMode mode, DType q_dtype,
-                       const float* scale, uint8_t* data, uint8_t* cw, float* si, float* csi, float* amax,
-                       void* dbias) {
+Status quantize_result(const void* v, DType dt, int64_t rows, int64_t cols, ScalingMode mode,
+                       DType q_dtype, const float* scale, uint8_t* data, uint8_t* cw, float* si,
+                       float* csi, float* amax, void* dbias) {
   if (rows * cols == 0) {
     *amax = 0.0f;
     const float inv = 1.0f / (mode == ScalingMode::kDelayedTensor ? *scale : 1.0f);
@@ -100,7 +100,8 @@ Status quantize_result(const void* v, DType dt, int64_t rows, int64_t cols, Scal
   q.amax = amax;
   q.dbias = dbias;
   auto s = quantize_cpu(q);
-  const float inv = q.rowwise ? *static_cast<float*>(q.scale_inv) : *static_cast<float*>(q.colwise_scale_inv);
+  const float inv =
+      q.rowwise ? *static_cast<float*>(q.scale_inv) : *static_cast<float*>(q.colwise_scale_inv);
   if (si) *si = inv;
   if (csi) *csi = inv;
   return s;
@@ -126,8 +127,8 @@ Status act_fwd_cpu(const ActFwdParams& p) {
       store_value(y, p.x_dtype, r * H + c, v);
     }
   if (!fp8) return Status::Ok();
-  return quantize_result(y, p.x_dtype, R, H, p.mode, p.q_dtype, p.scale, p.data, p.colwise_data, p.scale_inv,
-                         p.colwise_scale_inv, p.amax, nullptr);
+  return quantize_result(y, p.x_dtype, R, H, p.mode, p.q_dtype, p.scale, p.data, p.colwise_data,
+                         p.scale_inv, p.colwise_scale_inv, p.amax, nullptr);
 }
 
 Status act_bwd_cpu(const ActBwdParams& p) {
@@ -154,8 +155,8 @@ Status act_bwd_cpu(const ActBwdParams& p) {
       }
     }
   if (fp8)
-    return quantize_result(dx, p.x_dtype, R, W, p.mode, p.q_dtype, p.scale, p.data, p.colwise_data, p.scale_inv,
-                           p.colwise_scale_inv, p.amax, p.dbias);
+    return quantize_result(dx, p.x_dtype, R, W, p.mode, p.q_dtype, p.scale, p.data, p.colwise_data,
+                           p.scale_inv, p.colwise_scale_inv, p.amax, p.dbias);
   if (p.dbias) {  // column sums of the rounded dx, float32, rounded once (as quantize_dbias)
     std::vector<float> sums(size_t(W), 0.0f);
     for (int64_t r = 0; r < R; ++r)

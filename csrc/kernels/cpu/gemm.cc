@@ -95,7 +95,8 @@ Status gemm_cpu(const GemmParams& p) {
   const int64_t per = (tiles + threads - 1) / threads;
   std::vector<std::thread> pool;
   for (int t = 1; t < threads; ++t) {
-    const int64_t r0 = std::min(p.m, t * per * kRowTile), r1 = std::min(p.m, (t + 1) * per * kRowTile);
+    const int64_t r0 = std::min(p.m, t * per * kRowTile),
+                  r1 = std::min(p.m, (t + 1) * per * kRowTile);
     if (r0 < r1) pool.emplace_back(run_rows, std::cref(p), b.data(), scale, r0, r1);
   }
   run_rows(p, b.data(), scale, 0, std::min(p.m, per * kRowTile));

@@ -42,7 +42,11 @@ void parallel_for(int64_t n, int64_t min_chunk, F fn) {
   const int64_t chunk = (n + threads - 1) / threads;
   for (int64_t t = 0; t < threads; ++t) {
     const int64_t lo = t * chunk, hi = std::min(n, lo + chunk);
-    if (lo < hi) pool.emplace_back([=] { FpuExactGuard guard; fn(lo, hi); });
+    if (lo < hi)
+      pool.emplace_back([=] {
+        FpuExactGuard guard;
+        fn(lo, hi);
+      });
   }
   for (auto& th : pool) th.join();
 }
@@ -75,26 +79,27 @@ void ragged_m(const GroupedGemmParams& p) {
   std::vector<float> bg(static_cast<size_t>(p.k * p.n));
   for (int64_t g = 0; g < p.num_groups; ++g) {
     if (size[g] == 0) continue;
-    const char* b = static_cast<const char*>(p.b) +
-                    g * p.b_group_stride * (p.b_dtype == DType::kBF16 ? 2 : 1);
+    const char* b =
+        static_cast<const char*>(p.b) + g * p.b_group_stride * (p.b_dtype == DType::kBF16 ? 2 : 1);
     for (int64_t c = 0; c < p.k; ++c)
       for (int64_t j = 0; j < p.n; ++j)
         bg[c * p.n + j] = db(b, p.b_kmajor ? j * p.ldb + c : c * p.ldb + j);
     const float alpha = group_alpha(p, g);
     parallel_for(size[g], std::max<int64_t>(1, 65536 / std::max<int64_t>(1, p.k * p.n)),
                  [&](int64_t lo, int64_t hi) {
-      std::vector<float> acc(p.n), arow(p.k);
-      for (int64_t r = start[g] + lo; r < start[g] + hi; ++r) {
-        for (int64_t c = 0; c < p.k; ++c) arow[c] = da(p.a, r * p.lda + c);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t c = 0; c < p.k; ++c) {
-          const float av = arow[c];
-          const float* brow = bg.data() + c * p.n;
-          for (int64_t j = 0; j < p.n; ++j) acc[j] += av * brow[j];
-        }
-        for (int64_t j = 0; j < p.n; ++j) out[r * p.n + j] = float_to_bf16(acc[j] * alpha);
-      }
-    });
+                   std::vector<float> acc(p.n), arow(p.k);
+                   for (int64_t r = start[g] + lo; r < start[g] + hi; ++r) {
+                     for (int64_t c = 0; c < p.k; ++c) arow[c] = da(p.a, r * p.lda + c);
+                     std::fill(acc.begin(), acc.end(), 0.0f);
+                     for (int64_t c = 0; c < p.k; ++c) {
+                       const float av = arow[c];
+                       const float* brow = bg.data() + c * p.n;
+                       for (int64_t j = 0; j < p.n; ++j) acc[j] += av * brow[j];
+                     }
+                     for (int64_t j = 0; j < p.n; ++j)
+                       out[r * p.n + j] = float_to_bf16(acc[j] * alpha);
+                   }
+                 });
   }
   // Rows in no group are zero.
   const int64_t covered = start.back() + size.back();
@@ -119,17 +124,18 @@ void ragged_k(const GroupedGemmParams& p) {
     const float alpha = group_alpha(p, g);
     parallel_for(p.m, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, size[g] * p.n + 1)),
                  [&](int64_t lo, int64_t hi) {
-      std::vector<float> acc(p.n);
-      for (int64_t i = lo; i < hi; ++i) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t c = c0; c < c1; ++c) {
-          const float av = da(p.a, p.a_kmajor ? i * p.lda + c : c * p.lda + i);
-          const float* brow = bg.data() + (c - c0) * p.n;
-          for (int64_t j = 0; j < p.n; ++j) acc[j] += av * brow[j];
-        }
-        for (int64_t j = 0; j < p.n; ++j) og[i * p.n + j] = float_to_bf16(acc[j] * alpha);
-      }
-    });
+                   std::vector<float> acc(p.n);
+                   for (int64_t i = lo; i < hi; ++i) {
+                     std::fill(acc.begin(), acc.end(), 0.0f);
+                     for (int64_t c = c0; c < c1; ++c) {
+                       const float av = da(p.a, p.a_kmajor ? i * p.lda + c : c * p.lda + i);
+                       const float* brow = bg.data() + (c - c0) * p.n;
+                       for (int64_t j = 0; j < p.n; ++j) acc[j] += av * brow[j];
+                     }
+                     for (int64_t j = 0; j < p.n; ++j)
+                       og[i * p.n + j] = float_to_bf16(acc[j] * alpha);
+                   }
+                 });
   }
 }
 

@@ -105,7 +105,8 @@ Status norm_bwd_cpu(const NormBwdParams& p) {
       db[c] += dy[c];
     }
     const float c1 = s1 / float(C), c2 = rms ? 0.0f : s2 / float(C);
-    for (int64_t c = 0; c < C; ++c) store_value(p.dx, p.x_dtype, r * C + c, rs * (dyg[c] - (xhat[c] * c1 + c2)));
+    for (int64_t c = 0; c < C; ++c)
+      store_value(p.dx, p.x_dtype, r * C + c, rs * (dyg[c] - (xhat[c] * c1 + c2)));
   }
   for (int64_t c = 0; c < C; ++c) {
     p.dgamma[c] = dg[c];

@@ -70,7 +70,8 @@ void encode_copy(const std::vector<float>& v, int64_t rows, int64_t cols, const 
               s[r * nb + b] = s[(r - r % 16) * nb + b];
               continue;
             }
-            for (int64_t rr = r; rr < r + 16; ++rr) a = std::max(a, amax_of(&v[rr * cols + b * 16], 16));
+            for (int64_t rr = r; rr < r + 16; ++rr)
+              a = std::max(a, amax_of(&v[rr * cols + b * 16], 16));
           } else {
             a = amax_of(&v[r * cols + b * 16], 16);
           }
@@ -83,8 +84,9 @@ void encode_copy(const std::vector<float>& v, int64_t rows, int64_t cols, const 
           const int64_t i = r * cols + c;
           const float f = nvfp4_encode_factor(s[r * nb + c / 16], S);
           const float w = v[i] * f;
-          const uint32_t code = seed ? encode_e2m1_stochastic(w, sr_bits(uint64_t(i), seed[0] ^ seed_xor, seed[1]))
-                                     : encode_rne(w, kE2M1);
+          const uint32_t code =
+              seed ? encode_e2m1_stochastic(w, sr_bits(uint64_t(i), seed[0] ^ seed_xor, seed[1]))
+                   : encode_rne(w, kE2M1);
           q[i / 2] |= uint8_t(code << ((i & 1) * 4));
         }
       return;
@@ -106,7 +108,8 @@ Status quantize_cpu(const QuantizeParams& p) {
 
   float tensor_scale = 1.0f;
   if (p.mode == ScalingMode::kDelayedTensor) tensor_scale = *p.scale;
-  if (p.mode == ScalingMode::kCurrentTensor) tensor_scale = scale_from_amax(amax, fp8_max(p.q_dtype));
+  if (p.mode == ScalingMode::kCurrentTensor)
+    tensor_scale = scale_from_amax(amax, fp8_max(p.q_dtype));
 
   if (p.dbias) {
     std::vector<float> sums(size_t(C), 0.0f);
@@ -128,7 +131,8 @@ Status quantize_cpu(const QuantizeParams& p) {
     encode_copy(t, C, R, p, tensor_scale, p.colwise_data, p.colwise_scale_inv,
                 p.global_scale_inv ? &p.global_scale_inv[1] : nullptr, seed, kColwiseSeedXor);
   }
-  // NVFP4 keeps both tensor scales even when only one copy was asked for (unused entries = rowwise).
+  // NVFP4 keeps both tensor scales even when only one copy was asked for (unused entries =
+  // rowwise).
   if (is_nvfp4(p.mode) && !p.colwise) p.global_scale_inv[1] = p.global_scale_inv[0];
   if (is_nvfp4(p.mode) && !p.rowwise) {
     // The rowwise tensor scale is that of x itself.
@@ -185,7 +189,8 @@ Status grouped_quantize_cpu(const GroupedQuantizeParams& p) {
     const int64_t begin = std::min(start, M), end = std::min(start + size, M);
     start += size;
     float amax = 0.0f;
-    for (int64_t i = begin * K; i < end * K; ++i) amax = std::max(amax, abs_ignore_nan(load_value(p.x, p.x_dtype, i)));
+    for (int64_t i = begin * K; i < end * K; ++i)
+      amax = std::max(amax, abs_ignore_nan(load_value(p.x, p.x_dtype, i)));
     p.amax[g] = amax;
     if (p.mode == ScalingMode::kMxfp8_1d) {
       auto* q = static_cast<uint8_t*>(p.data);
@@ -196,11 +201,13 @@ Status grouped_quantize_cpu(const GroupedQuantizeParams& p) {
           for (int j = 0; j < 32; ++j) blk[j] = load_value(p.x, p.x_dtype, r * K + b * 32 + j);
           const uint8_t e = mx_scale_e8m0(amax_of(blk, 32), fmax);
           s[r * (K / 32) + b] = e;
-          for (int j = 0; j < 32; ++j) q[r * K + b * 32 + j] = uint8_t(encode_rne(apply_e8m0_encode(blk[j], e), f));
+          for (int j = 0; j < 32; ++j)
+            q[r * K + b * 32 + j] = uint8_t(encode_rne(apply_e8m0_encode(blk[j], e), f));
         }
       continue;
     }
-    const float scale = p.mode == ScalingMode::kDelayedTensor ? p.scale[g] : scale_from_amax(amax, fmax);
+    const float scale =
+        p.mode == ScalingMode::kDelayedTensor ? p.scale[g] : scale_from_amax(amax, fmax);
     if (p.rowwise) static_cast<float*>(p.scale_inv)[g] = 1.0f / scale;
     if (p.colwise) static_cast<float*>(p.colwise_scale_inv)[g] = 1.0f / scale;
     for (int64_t r = begin; r < end; ++r)
@@ -213,7 +220,8 @@ Status grouped_quantize_cpu(const GroupedQuantizeParams& p) {
   if (p.mode == ScalingMode::kMxfp8_1d && p.rowwise) {
     // Rows in no group: scale 2^0 so their (zero) data decodes to zero.
     const int64_t covered = std::min(start, M);
-    std::memset(static_cast<uint8_t*>(p.scale_inv) + covered * (K / 32), 127, size_t((M - covered) * (K / 32)));
+    std::memset(static_cast<uint8_t*>(p.scale_inv) + covered * (K / 32), 127,
+                size_t((M - covered) * (K / 32)));
   }
   return Status::Ok();
 }

@@ -19,9 +19,10 @@ Status softmax_fwd_cpu(const SoftmaxFwdParams& p) {
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < Sq; ++i) {
         const int64_t row = (b * H + h) * Sq + i;
-        const uint8_t* m = p.type == SoftmaxType::kMasked
-                               ? p.mask + b * p.mask_strides[0] + h * p.mask_strides[1] + i * p.mask_strides[2]
-                               : nullptr;
+        const uint8_t* m =
+            p.type == SoftmaxType::kMasked
+                ? p.mask + b * p.mask_strides[0] + h * p.mask_strides[1] + i * p.mask_strides[2]
+                : nullptr;
         float mx = neg_inf;
         for (int64_t j = 0; j < Sk; ++j) {
           bool k = true;
@@ -56,9 +57,11 @@ Status softmax_bwd_cpu(const SoftmaxBwdParams& p) {
   const int64_t R = p.rows, C = p.cols;
   for (int64_t r = 0; r < R; ++r) {
     float dot = 0.0f;
-    for (int64_t c = 0; c < C; ++c) dot += load_value(p.dy, p.dtype, r * C + c) * load_value(p.y, p.dtype, r * C + c);
+    for (int64_t c = 0; c < C; ++c)
+      dot += load_value(p.dy, p.dtype, r * C + c) * load_value(p.y, p.dtype, r * C + c);
     for (int64_t c = 0; c < C; ++c) {
-      const float y = load_value(p.y, p.dtype, r * C + c), dy = load_value(p.dy, p.dtype, r * C + c);
+      const float y = load_value(p.y, p.dtype, r * C + c),
+                  dy = load_value(p.dy, p.dtype, r * C + c);
       store_value(p.dx, p.dtype, r * C + c, p.scale * (y * (dy - dot)));
     }
   }

@@ -24,8 +24,8 @@ namespace lowbit {
 namespace cuda {
 namespace {
 
-constexpr int kRows = 64;      // tile rows
-constexpr int kVecs = 16;      // tile width in 16-byte vectors
+constexpr int kRows = 64;  // tile rows
+constexpr int kVecs = 16;  // tile width in 16-byte vectors
 constexpr int kActThreads = 256;
 constexpr int kPer = kRows * kVecs / kActThreads;  // vectors per thread
 
@@ -35,8 +35,11 @@ constexpr float kInvSqrt2 = 0.7071067811865476f;
 constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 constexpr float kQuickGelu = 1.702f;
 
-// 1 / (1 + exp(-z)) (ex2_approx / rcp_approx: fused_kernel_helpers.cuh); exact limits 0 and 1 for large |z|, never NaN for finite z.
-__device__ __forceinline__ float sigmoid(float z) { return rcp_approx(__fadd_rn(1.0f, ex2_approx(__fmul_rn(-kLog2e, z)))); }
+// 1 / (1 + exp(-z)) (ex2_approx / rcp_approx: fused_kernel_helpers.cuh); exact limits 0 and 1 for
+// large |z|, never NaN for finite z.
+__device__ __forceinline__ float sigmoid(float z) {
+  return rcp_approx(__fadd_rn(1.0f, ex2_approx(__fmul_rn(-kLog2e, z))));
+}
 __device__ __forceinline__ float relu_f(float x) { return x < 0.0f ? 0.0f : x; }
 
 // Value and derivative of activation ACT at x. The tanh-form gelu is evaluated as
@@ -45,12 +48,11 @@ __device__ __forceinline__ float relu_f(float x) { return x < 0.0f ? 0.0f : x; }
 template <int ACT>
 __device__ __forceinline__ void act_vg(float x, float* v, float* g) {
   switch (ActKind(ACT)) {
-    case ActKind::kLinear:
-      *v = x, *g = 1.0f;
-      return;
+    case ActKind::kLinear: *v = x, *g = 1.0f; return;
     case ActKind::kGeluTanh: {
       const float t = __fmul_rn(x, x);
-      const float s = sigmoid(__fmul_rn(x, __fmaf_rn(t, 2.0f * kSqrt2OverPi * kGeluCubic, 2.0f * kSqrt2OverPi)));
+      const float s = sigmoid(
+          __fmul_rn(x, __fmaf_rn(t, 2.0f * kSqrt2OverPi * kGeluCubic, 2.0f * kSqrt2OverPi)));
       const float dz = __fmaf_rn(t, 6.0f * kSqrt2OverPi * kGeluCubic, 2.0f * kSqrt2OverPi);
       *v = __fmul_rn(x, s);
       *g = __fmaf_rn(__fmul_rn(__fmul_rn(x, s), __fsub_rn(1.0f, s)), dz, s);
@@ -59,12 +61,11 @@ __device__ __forceinline__ void act_vg(float x, float* v, float* g) {
     case ActKind::kGeluExact: {
       const float p = __fmul_rn(0.5f, __fadd_rn(1.0f, erff(__fmul_rn(x, kInvSqrt2))));
       *v = __fmul_rn(x, p);
-      *g = __fmaf_rn(__fmul_rn(x, kInvSqrt2Pi), ex2_approx(__fmul_rn(__fmul_rn(-0.5f * kLog2e, x), x)), p);
+      *g = __fmaf_rn(__fmul_rn(x, kInvSqrt2Pi),
+                     ex2_approx(__fmul_rn(__fmul_rn(-0.5f * kLog2e, x), x)), p);
       return;
     }
-    case ActKind::kRelu:
-      *v = relu_f(x), *g = x > 0.0f ? 1.0f : 0.0f;
-      return;
+    case ActKind::kRelu: *v = relu_f(x), *g = x > 0.0f ? 1.0f : 0.0f; return;
     case ActKind::kSilu:
     case ActKind::kQuickGelu: {
       const float k = ACT == int(ActKind::kSilu) ? 1.0f : kQuickGelu;
@@ -118,10 +119,10 @@ template <int IN, bool BWD, bool GATED, int ACT>
 __global__ void __launch_bounds__(kActThreads) act_tile_kernel(const Args a) {
   using T = typename In<IN>::T;
   constexpr int E = 16 / int(sizeof(T));
-  constexpr int TC = kVecs * E;          // tile columns
+  constexpr int TC = kVecs * E;  // tile columns
   constexpr int NO = (BWD && GATED) ? 2 : 1;
-  constexpr int NQ = TC / 4;             // column quads
-  constexpr int RG = kActThreads / kVecs;         // row groups of the row phase
+  constexpr int NQ = TC / 4;               // column quads
+  constexpr int RG = kActThreads / kVecs;  // row groups of the row phase
   __shared__ __align__(16) uint8_t qt[NO][kRows][TC];
   __shared__ float dsum[BWD ? NO : 1][BWD ? RG : 1][BWD ? TC : 1];
   __shared__ float red[kActThreads / 32];
@@ -142,9 +143,11 @@ __global__ void __launch_bounds__(kActThreads) act_tile_kernel(const Args a) {
     const bool ok = r < R && c < H;
     const T* xr = static_cast<const T*>(a.x) + r * xw + c;
     rx[i] = ok ? __ldg(reinterpret_cast<const uint4*>(xr)) : make_uint4(0u, 0u, 0u, 0u);
-    rg[i] = (GATED && ok) ? __ldg(reinterpret_cast<const uint4*>(xr + H)) : make_uint4(0u, 0u, 0u, 0u);
-    rd[i] = (BWD && ok) ? __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) + r * H + c))
-                        : make_uint4(0u, 0u, 0u, 0u);
+    rg[i] =
+        (GATED && ok) ? __ldg(reinterpret_cast<const uint4*>(xr + H)) : make_uint4(0u, 0u, 0u, 0u);
+    rd[i] = (BWD && ok)
+                ? __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) + r * H + c))
+                : make_uint4(0u, 0u, 0u, 0u);
   }
 
   float amax = 0.0f;
@@ -184,8 +187,10 @@ __global__ void __launch_bounds__(kActThreads) act_tile_kernel(const Args a) {
       if (a.hp) *reinterpret_cast<uint4*>(static_cast<T*>(a.hp) + r * ow + oc) = bits;
       if (a.fp8) {
         uint32_t w[E / 4];
-        if (a.e5) fp8_vec<kFmtE5M2, E>(yr, scale, w);
-        else fp8_vec<kFmtE4M3, E>(yr, scale, w);
+        if (a.e5)
+          fp8_vec<kFmtE5M2, E>(yr, scale, w);
+        else
+          fp8_vec<kFmtE4M3, E>(yr, scale, w);
         if constexpr (E == 8) {
           const uint2 p = make_uint2(w[0], w[1]);
           if (a.q_row) *reinterpret_cast<uint2*>(a.q_row + r * ow + oc) = p;
@@ -229,7 +234,8 @@ __global__ void __launch_bounds__(kActThreads) act_tile_kernel(const Args a) {
       for (int o = 0; o < NO; ++o) {
         uint32_t w[16];
 #pragma unroll
-        for (int rr = 0; rr < 16; ++rr) w[rr] = *reinterpret_cast<const uint32_t*>(&qt[o][g * 16 + rr][4 * q]);
+        for (int rr = 0; rr < 16; ++rr)
+          w[rr] = *reinterpret_cast<const uint32_t*>(&qt[o][g * 16 + rr][4 * q]);
         store_colwise_16x4<true>(w, a.q_col, R, c0 + 4 * q, H, o * H, rs, rows);
       }
     }
@@ -262,10 +268,12 @@ __global__ void __launch_bounds__(256) act_generic_kernel(const Args a) {
   const T* dy = static_cast<const T*>(a.dy);
   const float scale = fused_launch_scale<true>(a);
   float amax = 0.0f;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < R * H; i += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < R * H;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / H, c = i - r * H;
     float v[NO];
-    values_dyn<BWD, GATED>(a.act, In<IN>::f(x[r * xw + c]), GATED ? In<IN>::f(x[r * xw + H + c]) : 0.0f,
+    values_dyn<BWD, GATED>(a.act, In<IN>::f(x[r * xw + c]),
+                           GATED ? In<IN>::f(x[r * xw + H + c]) : 0.0f,
                            BWD ? In<IN>::f(dy[r * H + c]) : 0.0f, v);
 #pragma unroll
     for (int o = 0; o < NO; ++o) {
@@ -274,8 +282,10 @@ __global__ void __launch_bounds__(256) act_generic_kernel(const Args a) {
       const float yr = round1<IN>(v[o], &bits);
       amax = fmaxf(amax, fabsf(yr));
       if (a.hp) {
-        if constexpr (IN == 0) static_cast<float*>(a.hp)[r * ow + oc] = yr;
-        else static_cast<uint16_t*>(a.hp)[r * ow + oc] = uint16_t(bits);
+        if constexpr (IN == 0)
+          static_cast<float*>(a.hp)[r * ow + oc] = yr;
+        else
+          static_cast<uint16_t*>(a.hp)[r * ow + oc] = uint16_t(bits);
       }
       if (a.fp8) {
         const float sv = __fmul_rn(yr, scale);
@@ -295,14 +305,16 @@ __global__ void dbias_generic_kernel(const Args a, void* dbias) {
   const int64_t R = a.R, H = a.H, W = GATED ? 2 * H : H;
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
-  for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < W; w += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < W;
+       w += int64_t(gridDim.x) * blockDim.x) {
     const int o = w >= H ? 1 : 0;
     const int64_t c = w - o * H;
     float s = 0.0f;
     for (int64_t r = 0; r < R; ++r) {
       float v[2];
-      values_dyn<true, GATED>(a.act, In<IN>::f(x[r * W + c]), GATED ? In<IN>::f(x[r * W + H + c]) : 0.0f,
-                              In<IN>::f(dy[r * H + c]), v);
+      values_dyn<true, GATED>(a.act, In<IN>::f(x[r * W + c]),
+                              GATED ? In<IN>::f(x[r * W + H + c]) : 0.0f, In<IN>::f(dy[r * H + c]),
+                              v);
       uint32_t bits;
       s = __fadd_rn(s, round1<IN>(v[o], &bits));
     }
@@ -312,7 +324,8 @@ __global__ void dbias_generic_kernel(const Args a, void* dbias) {
 
 template <int IN>
 __global__ void dbias_reduce_kernel(const float* part, int64_t tiles, int64_t W, void* out) {
-  for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < W; w += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < W;
+       w += int64_t(gridDim.x) * blockDim.x) {
     float s = 0.0f;
     for (int64_t t = 0; t < tiles; ++t) s = __fadd_rn(s, part[t * W + w]);
     store_out<IN>(out, w, s);
@@ -323,9 +336,10 @@ __global__ void dbias_reduce_kernel(const float* part, int64_t tiles, int64_t W,
 template <int IN>
 bool tile_path(const Args& a) {
   constexpr int E = 16 / (IN == 0 ? 4 : 2);
-  return a.H % E == 0 && aligned16(a.x) && (!a.dy || aligned16(a.dy)) && (!a.hp || aligned16(a.hp)) &&
-         (!a.q_row || (reinterpret_cast<uintptr_t>(a.q_row) & 7u) == 0) && (!a.q_col || aligned16(a.q_col)) &&
-         (a.R + kRows - 1) / kRows <= 65535;
+  return a.H % E == 0 && aligned16(a.x) && (!a.dy || aligned16(a.dy)) &&
+         (!a.hp || aligned16(a.hp)) &&
+         (!a.q_row || (reinterpret_cast<uintptr_t>(a.q_row) & 7u) == 0) &&
+         (!a.q_col || aligned16(a.q_col)) && (a.R + kRows - 1) / kRows <= 65535;
 }
 
 template <int IN, bool BWD, bool GATED, int ACT>
@@ -361,13 +375,17 @@ Status launch(const Args& a, bool gated, bool tile, cudaStream_t st) {
 
 // Runs the (two-pass for current scaling) sequence for one direction; `dbias` optional (bwd).
 template <int IN, bool BWD>
-Status run(Args a, bool gated, ScalingMode mode, float* amax, void* dbias, void* workspace, cudaStream_t st) {
+Status run(Args a, bool gated, ScalingMode mode, float* amax, void* dbias, void* workspace,
+           cudaStream_t st) {
   const bool tile = tile_path<IN>(a);
   const int64_t W = gated ? 2 * a.H : a.H, tiles_r = (a.R + kRows - 1) / kRows;
   const bool dbias_tiles = dbias && tile && a.R > 0 && a.H > 0;
-  if (dbias_tiles && workspace == nullptr) return Status::Invalid("activation_bwd: workspace missing");
+  if (dbias_tiles && workspace == nullptr)
+    return Status::Invalid("activation_bwd: workspace missing");
   if (is_tensor_scaling(mode)) {
-    if (auto s = api_status(cudaMemsetAsync(amax, 0, sizeof(float), st), "activation: memset amax"); !s.ok()) return s;
+    if (auto s = api_status(cudaMemsetAsync(amax, 0, sizeof(float), st), "activation: memset amax");
+        !s.ok())
+      return s;
     if (mode == ScalingMode::kCurrentTensor) {
       Args first = a;  // amax only
       first.hp = nullptr;
@@ -388,14 +406,16 @@ Status run(Args a, bool gated, ScalingMode mode, float* amax, void* dbias, void*
     dbias_reduce_kernel<IN><<<grid_for(W, 256), 256, 0, st>>>(a.dbias_part, tiles_r, W, dbias);
     return launch_status("dbias_reduce_kernel");
   }
-  if (gated) dbias_generic_kernel<IN, true><<<grid_for(W, 256), 256, 0, st>>>(a, dbias);
-  else dbias_generic_kernel<IN, false><<<grid_for(W, 256), 256, 0, st>>>(a, dbias);
+  if (gated)
+    dbias_generic_kernel<IN, true><<<grid_for(W, 256), 256, 0, st>>>(a, dbias);
+  else
+    dbias_generic_kernel<IN, false><<<grid_for(W, 256), 256, 0, st>>>(a, dbias);
   return launch_status("dbias_generic_kernel");
 }
 
 template <bool BWD>
-Status dispatch(DType dt, const Args& a, bool gated, ScalingMode mode, float* amax, void* dbias, void* ws,
-                cudaStream_t st) {
+Status dispatch(DType dt, const Args& a, bool gated, ScalingMode mode, float* amax, void* dbias,
+                void* ws, cudaStream_t st) {
   switch (dt) {
     case DType::kF32: return run<0, BWD>(a, gated, mode, amax, dbias, ws, st);
     case DType::kBF16: return run<1, BWD>(a, gated, mode, amax, dbias, ws, st);
@@ -408,7 +428,8 @@ Status dispatch(DType dt, const Args& a, bool gated, ScalingMode mode, float* am
 
 size_t act_bwd_workspace_bytes(int64_t rows, int64_t cols, bool gated, bool dbias) {
   if (!dbias || rows <= 0 || cols <= 0) return 0;
-  return size_t((rows + cuda::kRows - 1) / cuda::kRows) * size_t(gated ? 2 * cols : cols) * sizeof(float);
+  return size_t((rows + cuda::kRows - 1) / cuda::kRows) * size_t(gated ? 2 * cols : cols) *
+         sizeof(float);
 }
 
 Status act_fwd_cuda(const ActFwdParams& p, void* stream) {

@@ -26,9 +26,10 @@ __global__ void __launch_bounds__(256) dequant_kernel(const DeqArgs a) {
   const int64_t C = a.C, per_row = C / U, units = a.R * per_row;
   const uint8_t* sbytes = static_cast<const uint8_t*>(a.scale_inv);
   // Tensor modes: one decode scale; NVFP4: the copy's tensor decode scale.
-  const float tensor_si = (a.mode == ScalingMode::kDelayedTensor || a.mode == ScalingMode::kCurrentTensor)
-                              ? *static_cast<const float*>(a.scale_inv)
-                              : 0.0f;
+  const float tensor_si =
+      (a.mode == ScalingMode::kDelayedTensor || a.mode == ScalingMode::kCurrentTensor)
+          ? *static_cast<const float*>(a.scale_inv)
+          : 0.0f;
   const float gsi = QF == kFmtE2M1 ? *a.gsi : 0.0f;
   for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units;
        u += int64_t(gridDim.x) * blockDim.x) {
@@ -69,7 +70,8 @@ __global__ void __launch_bounds__(256) dequant_kernel(const DeqArgs a) {
       if (a.rht) hadamard16_inverse(y, a.mask);
     } else if (a.mode == ScalingMode::kMxfp8_1d) {
 #pragma unroll
-      for (int j = 0; j < U; ++j) y[j] = __fmul_rn(decode(code[j], F), decode_e8m0(sbytes[r * (C / 32) + (c + j) / 32]));
+      for (int j = 0; j < U; ++j)
+        y[j] = __fmul_rn(decode(code[j], F), decode_e8m0(sbytes[r * (C / 32) + (c + j) / 32]));
     } else {
 #pragma unroll
       for (int j = 0; j < U; ++j) y[j] = __fmul_rn(decode(code[j], F), tensor_si);
@@ -78,11 +80,13 @@ __global__ void __launch_bounds__(256) dequant_kernel(const DeqArgs a) {
       if constexpr (OUT == 0) {
         float4* o = reinterpret_cast<float4*>(static_cast<float*>(a.out) + i);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) o[j] = make_float4(y[4 * j], y[4 * j + 1], y[4 * j + 2], y[4 * j + 3]);
+        for (int j = 0; j < 4; ++j)
+          o[j] = make_float4(y[4 * j], y[4 * j + 1], y[4 * j + 2], y[4 * j + 3]);
       } else {
         uint32_t h[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) h[j] = out_bits<OUT>(y[2 * j]) | (out_bits<OUT>(y[2 * j + 1]) << 16);
+        for (int j = 0; j < 8; ++j)
+          h[j] = out_bits<OUT>(y[2 * j]) | (out_bits<OUT>(y[2 * j + 1]) << 16);
         uint4* o = reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + i);
         o[0] = make_uint4(h[0], h[1], h[2], h[3]);
         o[1] = make_uint4(h[4], h[5], h[6], h[7]);
@@ -98,11 +102,15 @@ template <int QF, int OUT>
 Status launch(const DeqArgs& a, bool vec, cudaStream_t st) {
   const int64_t n = a.R * a.C;
   if constexpr (QF == kFmtE2M1) {
-    if (vec) dequant_kernel<QF, OUT, 16, true><<<grid_for(n / 16, 256, 8192), 256, 0, st>>>(a);
-    else dequant_kernel<QF, OUT, 16, false><<<grid_for(n / 16, 256, 8192), 256, 0, st>>>(a);
+    if (vec)
+      dequant_kernel<QF, OUT, 16, true><<<grid_for(n / 16, 256, 8192), 256, 0, st>>>(a);
+    else
+      dequant_kernel<QF, OUT, 16, false><<<grid_for(n / 16, 256, 8192), 256, 0, st>>>(a);
   } else {
-    if (vec) dequant_kernel<QF, OUT, 16, true><<<grid_for(n / 16, 256, 8192), 256, 0, st>>>(a);
-    else dequant_kernel<QF, OUT, 1, false><<<grid_for(n, 256, 8192), 256, 0, st>>>(a);
+    if (vec)
+      dequant_kernel<QF, OUT, 16, true><<<grid_for(n / 16, 256, 8192), 256, 0, st>>>(a);
+    else
+      dequant_kernel<QF, OUT, 1, false><<<grid_for(n, 256, 8192), 256, 0, st>>>(a);
   }
   return launch_status("dequant_kernel");
 }
@@ -126,8 +134,15 @@ Status dequantize_cuda(const DequantizeParams& p, void* stream) {
   const int64_t n = p.rows * p.cols;
   if (n == 0) return Status::Ok();
   if (!p.data || !p.out || !p.scale_inv) return Status::Invalid("dequantize: buffer missing");
-  cuda::DeqArgs a{static_cast<const uint8_t*>(p.data), p.rows, p.cols, p.mode, p.scale_inv,
-                  p.global_scale_inv, is_nvfp4(p.mode) && p.rht, p.rht_sign_mask & 0xFFFFu, p.out};
+  cuda::DeqArgs a{static_cast<const uint8_t*>(p.data),
+                  p.rows,
+                  p.cols,
+                  p.mode,
+                  p.scale_inv,
+                  p.global_scale_inv,
+                  is_nvfp4(p.mode) && p.rht,
+                  p.rht_sign_mask & 0xFFFFu,
+                  p.out};
   // Vector loads/stores when rows split into whole 16-byte pieces and the buffers are aligned.
   const bool vec = p.cols % 16 == 0 && cuda::aligned16(p.data) && cuda::aligned16(p.out);
   if (is_nvfp4(p.mode)) {

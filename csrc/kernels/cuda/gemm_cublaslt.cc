@@ -27,9 +27,9 @@ std::string lt_error(const char* what, cublasStatus_t s) {
          std::to_string(static_cast<int>(s)) + ")";
 }
 
-#define LOWBIT_LT_CHECK(call, what)                              \
-  do {                                                           \
-    cublasStatus_t _s = (call);                                  \
+#define LOWBIT_LT_CHECK(call, what)                                              \
+  do {                                                                           \
+    cublasStatus_t _s = (call);                                                  \
     if (_s != CUBLAS_STATUS_SUCCESS) return Status::Invalid(lt_error(what, _s)); \
   } while (0)
 
@@ -138,33 +138,41 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
   LOWBIT_LT_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
                   "cublasLtMatmulDescCreate");
   const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
-  LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)),
-                  "set TRANSA");
-  LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)),
-                  "set TRANSB");
+  LOWBIT_LT_CHECK(
+      cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)),
+      "set TRANSA");
+  LOWBIT_LT_CHECK(
+      cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)),
+      "set TRANSB");
   if (fp8) {
     // Per-tensor decode scales as device pointers: cuBLASLt reads them on the device.
     const void* sa = p.b_scale_inv;
     const void* sb = p.a_scale_inv;
-    LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)),
-                    "set A_SCALE_POINTER");
-    LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)),
-                    "set B_SCALE_POINTER");
+    LOWBIT_LT_CHECK(
+        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)),
+        "set A_SCALE_POINTER");
+    LOWBIT_LT_CHECK(
+        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)),
+        "set B_SCALE_POINTER");
     const int8_t fast = p.fast_accum ? 1 : 0;
-    LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
-                    "set FAST_ACCUM");
+    LOWBIT_LT_CHECK(
+        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
+        "set FAST_ACCUM");
   }
   if (p.bias) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)),
-                    "set EPILOGUE");
-    LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof(p.bias)),
+    LOWBIT_LT_CHECK(
+        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)),
+        "set EPILOGUE");
+    LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
+                                                   sizeof(p.bias)),
                     "set BIAS_POINTER");
     // Only state the bias type where it differs from the output type (FP8 with F32 output takes
     // a BF16 bias); otherwise cuBLASLt's default (the output type) applies.
     if (t_bias != t_d) {
       const int32_t bt = static_cast<int32_t>(t_bias);
-      LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)),
+      LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt,
+                                                     sizeof(bt)),
                       "set BIAS_DATA_TYPE");
     }
   }
@@ -175,9 +183,20 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
 
   const uint32_t al_a = alignment_of(p.b), al_b = alignment_of(p.a), al_d = alignment_of(p.out);
   const uint32_t al_bias = p.bias ? alignment_of(p.bias) : 256;
-  const AlgoKey key{device, p.m, p.n, p.k, static_cast<int>(p.a_dtype), static_cast<int>(p.b_dtype),
-                    static_cast<int>(p.out_dtype), p.bias ? static_cast<int>(p.bias_dtype) : -1,
-                    p.fast_accum ? 1 : 0, p.workspace_bytes, al_a, al_b, al_d, al_bias};
+  const AlgoKey key{device,
+                    p.m,
+                    p.n,
+                    p.k,
+                    static_cast<int>(p.a_dtype),
+                    static_cast<int>(p.b_dtype),
+                    static_cast<int>(p.out_dtype),
+                    p.bias ? static_cast<int>(p.bias_dtype) : -1,
+                    p.fast_accum ? 1 : 0,
+                    p.workspace_bytes,
+                    al_a,
+                    al_b,
+                    al_d,
+                    al_bias};
 
   cublasLtMatmulAlgo_t algo;
   bool cached = false;
@@ -193,7 +212,8 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
   if (!cached) {
     LOWBIT_LT_CHECK(cublasLtMatmulPreferenceCreate(&d.pref), "cublasLtMatmulPreferenceCreate");
     const uint64_t ws = p.workspace_bytes;
-    LOWBIT_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
+    LOWBIT_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+                        d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
                     "set MAX_WORKSPACE_BYTES");
     // Tell the heuristic the real alignments so it never picks a kernel that needs more.
     const uint32_t al[4] = {al_a, al_b, al_d, al_d};
@@ -206,12 +226,14 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
     cublasLtMatmulHeuristicResult_t result;
     std::memset(&result, 0, sizeof(result));
     int found = 0;
-    LOWBIT_LT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.d, d.d, d.pref, 1, &result, &found),
+    LOWBIT_LT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.d, d.d, d.pref, 1,
+                                                   &result, &found),
                     "cublasLtMatmulAlgoGetHeuristic");
     if (found == 0)
-      return Status::Invalid("gemm: cuBLASLt has no algorithm for M=" + std::to_string(p.m) +
-                             " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
-                             (fp8 ? " (FP8 needs K and N multiples of 16 and 16-byte aligned operands)" : ""));
+      return Status::Invalid(
+          "gemm: cuBLASLt has no algorithm for M=" + std::to_string(p.m) +
+          " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
+          (fp8 ? " (FP8 needs K and N multiples of 16 and 16-byte aligned operands)" : ""));
     algo = result.algo;
     AlgoCache& c = algo_cache();
     std::lock_guard<std::mutex> lock(c.mu);
@@ -219,8 +241,8 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
   }
 
   const float alpha = 1.0f, beta = 0.0f;
-  LOWBIT_LT_CHECK(cublasLtMatmul(handle, d.op, &alpha, p.b, d.a, p.a, d.b, &beta, p.out, d.d, p.out, d.d,
-                                 &algo, p.workspace, p.workspace_bytes, stream),
+  LOWBIT_LT_CHECK(cublasLtMatmul(handle, d.op, &alpha, p.b, d.a, p.a, d.b, &beta, p.out, d.d, p.out,
+                                 d.d, &algo, p.workspace, p.workspace_bytes, stream),
                   "cublasLtMatmul");
   return Status::Ok();
 }

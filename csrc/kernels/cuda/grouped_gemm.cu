@@ -141,8 +141,8 @@ __global__ void __launch_bounds__(256) realign_kernel(Problem p) {
     const bool is_a = r < rows_a;
     const int es = is_a ? ea : eb;
     const char* src = is_a ? p.a + r * p.lda * ea : p.b + (r - rows_a) * p.ldb * eb;
-    char* dst = is_a ? p.realign_a + r * p.realign_ld * ea
-                     : p.realign_b + (r - rows_a) * p.realign_ld * eb;
+    char* dst =
+        is_a ? p.realign_a + r * p.realign_ld * ea : p.realign_b + (r - rows_a) * p.realign_ld * eb;
     for (int64_t g = 0; g < p.groups; ++g) {
       const GroupInfo gi = p.info[g];
       if (gi.slot < 0) continue;
@@ -192,11 +192,13 @@ __device__ void fallback_tile(const Problem& p, const GroupView& v, float alpha,
       const int ii = v.a_sc == 1 ? e / kChunk : e % kTile;
       const int cc = v.a_sc == 1 ? e % kChunk : e / kTile;
       const int64_t i = i0 + ii, c = c0 + cc;
-      As[cc][ii] = (i < v.rows && c < v.kc) ? load_elem(v.A, p.a_dtype, i * v.a_si + c * v.a_sc) : 0.f;
+      As[cc][ii] =
+          (i < v.rows && c < v.kc) ? load_elem(v.A, p.a_dtype, i * v.a_si + c * v.a_sc) : 0.f;
       const int jj = v.b_sc == 1 ? e / kChunk : e % kTile;
       const int cb = v.b_sc == 1 ? e % kChunk : e / kTile;
       const int64_t j = j0 + jj, cj = c0 + cb;
-      Bs[cb][jj] = (j < p.n && cj < v.kc) ? load_elem(v.B, p.b_dtype, cj * v.b_sc + j * v.b_sj) : 0.f;
+      Bs[cb][jj] =
+          (j < p.n && cj < v.kc) ? load_elem(v.B, p.b_dtype, cj * v.b_sc + j * v.b_sj) : 0.f;
     }
     __syncthreads();
 #pragma unroll
@@ -289,18 +291,18 @@ Status grouped_gemm_cuda(const GroupedGemmParams& p, void* stream_ptr) {
     if (realign) {
       const int64_t rows = (p.a_kmajor ? p.m : 0) + (p.b_kmajor ? p.n : 0);
       const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(rows, 8 * sm_count)));
-      gg::realign_kernel<<<grid, 256, 0, stream>>>(prob);
+      gg::realign_kernel<<<grid, 256, 0, stream> > >(prob);
       s = gg::cuda_status(cudaGetLastError(), "grouped_gemm realign kernel");
       if (!s.ok()) return s;
     }
     s = cfg->gemm(prob, arrays, arrays + lay.arrays, lay.cutlass, sm_count, stream);
     if (!s.ok()) return s;
   } else {
-    gg::setup_kernel<gg::NoArrays><<<1, gg::kSetupThreads, 0, stream>>>(prob, gg::NoArrays{});
+    gg::setup_kernel<gg::NoArrays><<<1, gg::kSetupThreads, 0, stream> > >(prob, gg::NoArrays{});
     s = gg::cuda_status(cudaGetLastError(), "grouped_gemm setup kernel");
     if (!s.ok()) return s;
   }
-  gg::fallback_kernel<<<2 * sm_count, gg::kThreads, 0, stream>>>(prob);
+  gg::fallback_kernel<<<2 * sm_count, gg::kThreads, 0, stream> > >(prob);
   return gg::cuda_status(cudaGetLastError(), "grouped_gemm fallback kernel");
 #endif
 }

@@ -8,7 +8,8 @@ namespace lowbit {
 namespace gg {
 
 const Config& config_bf16_mn() {
-  return make_config<GroupedKernel<cutlass::bfloat16_t, cutlass::bfloat16_t, false, false, Bf16Tiles>>();
+  return make_config<
+      GroupedKernel<cutlass::bfloat16_t, cutlass::bfloat16_t, false, false, Bf16Tiles>>();
 }
 
 }  // namespace gg

@@ -84,7 +84,7 @@ struct Problem {
   const float* b_scale_inv;
   bool cutlass_ok;  // a CUTLASS kernel is there and every stride is 16-byte aligned
   GroupInfo* info;
-  int64_t* flags;  // [0]: ragged M, rows covered by the groups; [1]: some group is realigned
+  int64_t* flags;   // [0]: ragged M, rows covered by the groups; [1]: some group is realigned
   char* realign_a;  // ragged K, K-major A: (m, realign_ld) scratch, or null
   char* realign_b;  // ragged K, K-major B: (n, realign_ld) scratch, or null
   int64_t realign_ld;
@@ -134,7 +134,8 @@ __host__ __device__ inline GroupView group_view(const Problem& p, int64_t g, int
 
 __host__ __device__ inline bool aligned16(const void* a, const void* b, const void* c) {
   return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
-           reinterpret_cast<uintptr_t>(c)) & 15u) == 0;
+           reinterpret_cast<uintptr_t>(c)) &
+          15u) == 0;
 }
 
 // Writes nothing besides GroupInfo (no CUTLASS kernel for this call).
@@ -301,7 +302,8 @@ struct Bf16Tiles {
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 // FP8 with CUTLASS's split (promoted) accumulation keeps a second set of accumulators in
-// registers: a 128x256 tile spills, so the gradient GEMMs take 128x128; fast accumulation (the forward) keeps one set and the wide tile.
+// registers: a 128x256 tile spills, so the gradient GEMMs take 128x128; fast accumulation (the
+// forward) keeps one set and the wide tile.
 struct Fp8Tiles {
   using Tile = Shape<_128, _128, _128>;
   using Cluster = Shape<_1, _2, _1>;
@@ -319,8 +321,10 @@ template <class EA, class EB, bool AKMajor, bool BKMajor, class Tiles>
 struct GroupedKernel {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementD = cutlass::bfloat16_t;
-  using LayoutA = std::conditional_t<AKMajor, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
-  using LayoutB = std::conditional_t<BKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutA =
+      std::conditional_t<AKMajor, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
+  using LayoutB =
+      std::conditional_t<BKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignA = 16 / sizeof(EA);
   static constexpr int kAlignB = 16 / sizeof(EB);
@@ -328,8 +332,8 @@ struct GroupedKernel {
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tiles::Tile,
-      typename Tiles::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, typename Tiles::EpiSchedule,
+      typename Tiles::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+      LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, typename Tiles::EpiSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -482,8 +486,8 @@ Status gemm(const Problem& p, char* arrays_area, char* ws, size_t ws_bytes, int 
   if (e != cudaSuccess) return cuda_status(e, "grouped_gemm: CUTLASS kernel launch");
   if (launch != cutlass::Status::kSuccess)
     return Status::Invalid(std::string("grouped_gemm: CUTLASS ") +
-                           (init != cutlass::Status::kSuccess ? "initialize" : "launch") + " failed: " +
-                           cutlass::cutlassGetStatusString(launch));
+                           (init != cutlass::Status::kSuccess ? "initialize" : "launch") +
+                           " failed: " + cutlass::cutlassGetStatusString(launch));
   return Status::Ok();
 }
 

@@ -8,7 +8,8 @@ namespace lowbit {
 namespace gg {
 
 const Config& config_fp8_e4m3_e4m3_fast() {
-  return make_config<GroupedKernel<cutlass::float_e4m3_t, cutlass::float_e4m3_t, true, true, Fp8FastTiles>>();
+  return make_config<
+      GroupedKernel<cutlass::float_e4m3_t, cutlass::float_e4m3_t, true, true, Fp8FastTiles>>();
 }
 
 }  // namespace gg

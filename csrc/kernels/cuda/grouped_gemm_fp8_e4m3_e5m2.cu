@@ -8,7 +8,8 @@ namespace lowbit {
 namespace gg {
 
 const Config& config_fp8_e4m3_e5m2() {
-  return make_config<GroupedKernel<cutlass::float_e4m3_t, cutlass::float_e5m2_t, true, true, Fp8Tiles>>();
+  return make_config<
+      GroupedKernel<cutlass::float_e4m3_t, cutlass::float_e5m2_t, true, true, Fp8Tiles>>();
 }
 
 }  // namespace gg

@@ -19,8 +19,9 @@ size_t rowgroup_off(int64_t G) { return kHeader + size_t(G) * 16; }
 // Group g owns rows [starts[g], ends[g]): the exclusive / inclusive cumulative sums of the sizes
 // (negative sizes count as 0), clamped to M. One block of 1024 threads walks the groups in
 // chunks, carrying the running total; 64-bit sums cannot overflow.
-__global__ void __launch_bounds__(1024) group_offsets_kernel(const int32_t* sizes, int64_t G, int64_t M,
-                                                             int64_t* starts, int64_t* ends) {
+__global__ void __launch_bounds__(1024)
+    group_offsets_kernel(const int32_t* sizes, int64_t G, int64_t M, int64_t* starts,
+                         int64_t* ends) {
   __shared__ long long warp_sum[32];
   __shared__ long long carry;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
@@ -62,12 +63,15 @@ __global__ void __launch_bounds__(1024) group_offsets_kernel(const int32_t* size
 // every earlier group ended before m too); -1 for rows after the last group.
 __global__ void row_group_kernel(const int64_t* starts, const int64_t* ends, int64_t G, int64_t M,
                                  int32_t* row_group) {
-  for (int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; m < M; m += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; m < M;
+       m += int64_t(gridDim.x) * blockDim.x) {
     int64_t lo = 0, hi = G;  // first g with starts[g] > m
     while (lo < hi) {
       const int64_t mid = (lo + hi) >> 1;
-      if (starts[mid] <= m) lo = mid + 1;
-      else hi = mid;
+      if (starts[mid] <= m)
+        lo = mid + 1;
+      else
+        hi = mid;
     }
     const int64_t g = lo - 1;
     row_group[m] = (g >= 0 && m < ends[g]) ? int32_t(g) : -1;
@@ -76,14 +80,16 @@ __global__ void row_group_kernel(const int64_t* starts, const int64_t* ends, int
 
 // Per-group amax: a warp per row (16-byte loads when rows are aligned), one atomic per row.
 template <int IN>
-__global__ void __launch_bounds__(256) grouped_amax_kernel(const void* xv, int64_t M, int64_t K, bool vec,
-                                                           const int32_t* row_group, float* amax) {
+__global__ void __launch_bounds__(256)
+    grouped_amax_kernel(const void* xv, int64_t M, int64_t K, bool vec, const int32_t* row_group,
+                        float* amax) {
   using T = typename In<IN>::T;
   constexpr int CH = 16 / int(sizeof(T));
   const T* x = static_cast<const T*>(xv);
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t m = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); m < M; m += warps) {
+  for (int64_t m = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); m < M;
+       m += warps) {
     const int g = row_group[m];
     if (g < 0) continue;  // warp-uniform
     const T* row = x + m * K;
@@ -105,9 +111,10 @@ __global__ void __launch_bounds__(256) grouped_amax_kernel(const void* xv, int64
 }
 
 // Per-group scale_inv of the tensor modes (an empty group has amax 0, hence scale 1).
-__global__ void grouped_finalize_kernel(int64_t G, const float* delayed, const float* amax, float fmax,
-                                        float* si_row, float* si_col) {
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < G; g += int64_t(gridDim.x) * blockDim.x) {
+__global__ void grouped_finalize_kernel(int64_t G, const float* delayed, const float* amax,
+                                        float fmax, float* si_row, float* si_col) {
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < G;
+       g += int64_t(gridDim.x) * blockDim.x) {
     const float s = delayed ? delayed[g] : scale_from_amax(amax[g], fmax);
     const float inv = 1.0f / s;
     if (si_row) si_row[g] = inv;
@@ -129,21 +136,25 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
   if (G > 0) {
     group_offsets_kernel<<<1, 1024, 0, st>>>(p.group_sizes, G, M, starts, ends);
     if (auto s = launch_status("group_offsets_kernel"); !s.ok()) return s;
-    if (auto s = api_status(cudaMemsetAsync(p.amax, 0, size_t(G) * sizeof(float), st), "memset amax"); !s.ok())
+    if (auto s =
+            api_status(cudaMemsetAsync(p.amax, 0, size_t(G) * sizeof(float), st), "memset amax");
+        !s.ok())
       return s;
   }
   if (M > 0) {
     row_group_kernel<<<grid_for(M, 256, 8192), 256, 0, st>>>(starts, ends, G, M, row_group);
     if (auto s = launch_status("row_group_kernel"); !s.ok()) return s;
   }
-  const bool fast = M % 16 == 0 && K % 16 == 0 && aligned16(p.x) && (!p.rowwise || aligned16(p.data)) &&
+  const bool fast = M % 16 == 0 && K % 16 == 0 && aligned16(p.x) &&
+                    (!p.rowwise || aligned16(p.data)) &&
                     (!(p.colwise && tensor) || aligned16(p.colwise_data));
   // Delayed scaling needs no amax before the cast: the tile kernel accumulates it in the same read.
   const bool fused_amax = fast && tensor && p.mode == ScalingMode::kDelayedTensor;
   if (n > 0 && G > 0 && !fused_amax) {
     constexpr int CH = 16 / int(sizeof(typename In<IN>::T));
     const bool vec = K % CH == 0 && aligned16(p.x);
-    grouped_amax_kernel<IN><<<grid_for(M * 32, 256, 4096), 256, 0, st>>>(p.x, M, K, vec, row_group, p.amax);
+    grouped_amax_kernel<IN>
+        <<<grid_for(M * 32, 256, 4096), 256, 0, st>>>(p.x, M, K, vec, row_group, p.amax);
     if (auto s = launch_status("grouped_amax_kernel"); !s.ok()) return s;
   }
   if (tensor && G > 0) {
@@ -154,7 +165,8 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
     if (auto s = launch_status("grouped_finalize_kernel"); !s.ok()) return s;
   }
   if (n == 0) return Status::Ok();
-  if ((p.rowwise && !p.data) || (p.colwise && !p.colwise_data)) return Status::Invalid("grouped_quantize: output missing");
+  if ((p.rowwise && !p.data) || (p.colwise && !p.colwise_data))
+    return Status::Invalid("grouped_quantize: output missing");
 
   CastArgs a;
   a.x = p.x;
@@ -193,7 +205,8 @@ Status dispatch_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
   switch (p.mode) {
     case ScalingMode::kDelayedTensor:
     case ScalingMode::kCurrentTensor:
-      return e5 ? run_grouped<IN, kTensor, kFmtE5M2>(p, st) : run_grouped<IN, kTensor, kFmtE4M3>(p, st);
+      return e5 ? run_grouped<IN, kTensor, kFmtE5M2>(p, st)
+                : run_grouped<IN, kTensor, kFmtE4M3>(p, st);
     case ScalingMode::kMxfp8_1d:
       return e5 ? run_grouped<IN, kMx, kFmtE5M2>(p, st) : run_grouped<IN, kMx, kFmtE4M3>(p, st);
     default: return Status::Invalid("grouped_quantize: unsupported scaling mode");

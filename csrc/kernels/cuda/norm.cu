@@ -98,9 +98,11 @@ __device__ void write_band_colwise(const uint8_t* band, const FwdArgs& a, int64_
 
 // This lane's NV vectors of row r: vector lane0 + k * stride (warp-coalesced); zeros past the row.
 template <int NV>
-__device__ __forceinline__ void load_row(uint4 (&buf)[NV], const void* x, int64_t r, int64_t R, int64_t C,
-                                         int64_t nvec, int64_t lane0, int64_t stride, int elem_bytes) {
-  const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(x) + r * C * elem_bytes);
+__device__ __forceinline__ void load_row(uint4 (&buf)[NV], const void* x, int64_t r, int64_t R,
+                                         int64_t C, int64_t nvec, int64_t lane0, int64_t stride,
+                                         int elem_bytes) {
+  const uint4* xr =
+      reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(x) + r * C * elem_bytes);
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t v = lane0 + k * stride;
@@ -122,9 +124,10 @@ __device__ __forceinline__ float row_sum(float v, float* red, int wi, int wpr) {
 // One row held by `wpr` warps in registers: statistics, then y / FP8 outputs. `valid`: r < R
 // (an invalid row still takes part in the barriers).
 template <int IN, int NV>
-__device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV], int64_t r, int rr, bool valid,
-                                         int64_t lane0, int64_t stride, float* red_s, float* red_q, int wi, int wpr,
-                                         float scale, uint8_t* band, float& amax) {
+__device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV], int64_t r,
+                                         int rr, bool valid, int64_t lane0, int64_t stride,
+                                         float* red_s, float* red_q, int wi, int wpr, float scale,
+                                         uint8_t* band, float& amax) {
   using T = typename In<IN>::T;
   constexpr int E = vec_elems<IN>();
   const int64_t C = a.C, nvec = C / E;
@@ -139,7 +142,8 @@ __device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV
 #pragma unroll
       for (int e = 0; e < E; ++e) s[e & 3] = __fadd_rn(s[e & 3], f[e]);
     }
-    mean = __fdiv_rn(row_sum(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])), red_s, wi, wpr), fc);
+    mean = __fdiv_rn(
+        row_sum(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])), red_s, wi, wpr), fc);
   }
   float q[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -153,8 +157,8 @@ __device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV
       q[e & 3] = __fmaf_rn(d, d, q[e & 3]);
     }
   }
-  const float rs =
-      rsigma_of(row_sum(__fadd_rn(__fadd_rn(q[0], q[1]), __fadd_rn(q[2], q[3])), red_q, wi, wpr), fc, a.eps);
+  const float rs = rsigma_of(
+      row_sum(__fadd_rn(__fadd_rn(q[0], q[1]), __fadd_rn(q[2], q[3])), red_q, wi, wpr), fc, a.eps);
   if (!valid) return;
   const float nm = __fmul_rn(-mean, rs);
   if (lane0 == 0) {
@@ -176,7 +180,8 @@ __device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV
       const float g[4] = {gg.x, gg.y, gg.z, gg.w}, b[4] = {bb.x, bb.y, bb.z, bb.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        out[4 * h + j] = __fmaf_rn(__fmaf_rn(f[4 * h + j], rs, nm), __fadd_rn(g[j], a.zc_add), b[j]);
+        out[4 * h + j] =
+            __fmaf_rn(__fmaf_rn(f[4 * h + j], rs, nm), __fadd_rn(g[j], a.zc_add), b[j]);
     }
     const uint4 bits = round_vec<IN, E>(out, yr);
 #pragma unroll
@@ -184,8 +189,10 @@ __device__ __forceinline__ void norm_row(const FwdArgs& a, const uint4 (&raw)[NV
     if (a.y) reinterpret_cast<uint4*>(static_cast<T*>(a.y) + r * C)[v] = bits;
     if (a.fp8) {
       uint32_t w[E / 4];
-      if (a.e5) fp8_vec<kFmtE5M2, E>(yr, scale, w);
-      else fp8_vec<kFmtE4M3, E>(yr, scale, w);
+      if (a.e5)
+        fp8_vec<kFmtE5M2, E>(yr, scale, w);
+      else
+        fp8_vec<kFmtE4M3, E>(yr, scale, w);
       if constexpr (E == 8) {
         const uint2 o = make_uint2(w[0], w[1]);
         if (a.q_row) *reinterpret_cast<uint2*>(a.q_row + r * C + v * E) = o;
@@ -221,8 +228,8 @@ __global__ void __launch_bounds__(kFwdWarps * 32, 2) norm_fwd_fast(const FwdArgs
     // RMSNorm has one row sum per pass: alternate its buffer so a pass never overwrites partials
     // another warp of the previous pass may still be reading.
     float* rq = a.rms && (pass & 1) ? red_s : red_q;
-    norm_row<IN, NV>(a, cur, r0 + rr, rr, r0 + rr < R, lane0, stride, red_s + slot * wpr, rq + slot * wpr, wi, wpr,
-                     scale, band, amax);
+    norm_row<IN, NV>(a, cur, r0 + rr, rr, r0 + rr < R, lane0, stride, red_s + slot * wpr,
+                     rq + slot * wpr, wi, wpr, scale, band, amax);
 #pragma unroll
     for (int k = 0; k < NV; ++k) cur[k] = nxt[k];
   }
@@ -266,8 +273,8 @@ __global__ void __launch_bounds__(256) norm_fwd_generic(const FwdArgs a) {
       if (a.mean && !a.rms) a.mean[r] = mean;
     }
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-      const float v = __fmaf_rn(__fmaf_rn(In<IN>::f(xr[c]), rs, nm), __fadd_rn(a.gamma[c], a.zc_add),
-                                a.beta ? a.beta[c] : 0.0f);
+      const float v = __fmaf_rn(__fmaf_rn(In<IN>::f(xr[c]), rs, nm),
+                                __fadd_rn(a.gamma[c], a.zc_add), a.beta ? a.beta[c] : 0.0f);
       const float yr = round1<IN>(v);
       amax = fmaxf(amax, fabsf(yr));
       if (a.y) store_out<IN>(a.y, r * C + c, yr);
@@ -315,11 +322,13 @@ Status launch_fwd_fast(const FwdArgs& a, int wpr, cudaStream_t st) {
 template <int IN>
 Status launch_fwd(const FwdArgs& a, cudaStream_t st) {
   constexpr int E = vec_elems<IN>();
-  const bool vec = a.C % E == 0 && aligned16(a.x) && aligned16(a.gamma) && (!a.beta || aligned16(a.beta)) &&
-                   (!a.y || aligned16(a.y)) && (!a.q_row || (reinterpret_cast<uintptr_t>(a.q_row) & 7u) == 0) &&
+  const bool vec = a.C % E == 0 && aligned16(a.x) && aligned16(a.gamma) &&
+                   (!a.beta || aligned16(a.beta)) && (!a.y || aligned16(a.y)) &&
+                   (!a.q_row || (reinterpret_cast<uintptr_t>(a.q_row) & 7u) == 0) &&
                    (!a.q_col || aligned16(a.q_col));
   // The band of FP8 rows must fit in shared memory (227 KB on Hopper).
-  const FwdSplit sp = vec && int64_t(kBand) * a.C <= 200 * 1024 ? fwd_split(a.C / E) : FwdSplit{0, 0};
+  const FwdSplit sp =
+      vec && int64_t(kBand) * a.C <= 200 * 1024 ? fwd_split(a.C / E) : FwdSplit{0, 0};
   switch (sp.nv) {
     case 1: return launch_fwd_fast<IN, 1>(a, sp.wpr, st);
     case 2: return launch_fwd_fast<IN, 2>(a, sp.wpr, st);
@@ -347,7 +356,9 @@ struct BwdArgs {
   int parts;
 };
 
-__device__ __forceinline__ float bwd_gamma(const BwdArgs& a, float g) { return a.zc ? __fadd_rn(g, 1.0f) : g; }
+__device__ __forceinline__ float bwd_gamma(const BwdArgs& a, float g) {
+  return a.zc ? __fadd_rn(g, 1.0f) : g;
+}
 
 template <int IN, int NV>
 __global__ void __launch_bounds__(256) norm_bwd_fast(const BwdArgs a) {
@@ -419,9 +430,11 @@ __global__ void __launch_bounds__(256) norm_bwd_fast(const BwdArgs a) {
         bits[e] = out_bits<IN>(__fmul_rn(rs, __fsub_rn(dyg, __fadd_rn(__fmul_rn(xh, c1), c2))));
       }
       uint4 o;
-      if constexpr (IN == 0) o = make_uint4(bits[0], bits[1], bits[2], bits[3]);
-      else o = make_uint4(bits[0] | (bits[1] << 16), bits[2] | (bits[3] << 16), bits[4] | (bits[5] << 16),
-                          bits[6] | (bits[7] << 16));
+      if constexpr (IN == 0)
+        o = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+      else
+        o = make_uint4(bits[0] | (bits[1] << 16), bits[2] | (bits[3] << 16),
+                       bits[4] | (bits[5] << 16), bits[6] | (bits[7] << 16));
       reinterpret_cast<uint4*>(static_cast<T*>(a.dx) + r * C)[v] = o;
     }
   }
@@ -470,7 +483,8 @@ __global__ void __launch_bounds__(256) norm_bwd_generic(const BwdArgs a) {
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
       const float xh = __fmul_rn(__fsub_rn(In<IN>::f(x[r * C + c]), mean), rs);
       const float dyg = __fmul_rn(In<IN>::f(dy[r * C + c]), bwd_gamma(a, a.gamma[c]));
-      store_out<IN>(a.dx, r * C + c, __fmul_rn(rs, __fsub_rn(dyg, __fadd_rn(__fmul_rn(xh, c1), c2))));
+      store_out<IN>(a.dx, r * C + c,
+                    __fmul_rn(rs, __fsub_rn(dyg, __fadd_rn(__fmul_rn(xh, c1), c2))));
     }
   }
 }
@@ -479,8 +493,10 @@ __global__ void __launch_bounds__(256) norm_bwd_generic(const BwdArgs a) {
 // chains, then the chains in order) so that the loads of a thread are independent and in flight
 // together; small blocks so that every SM takes part.
 constexpr int kReduceChains = 8;
-__global__ void norm_bwd_reduce(const float* part, int parts, int64_t C, float* dgamma, float* dbeta) {
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C; c += int64_t(gridDim.x) * blockDim.x) {
+__global__ void norm_bwd_reduce(const float* part, int parts, int64_t C, float* dgamma,
+                                float* dbeta) {
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
+       c += int64_t(gridDim.x) * blockDim.x) {
     float g[kReduceChains], b[kReduceChains];
 #pragma unroll
     for (int k = 0; k < kReduceChains; ++k) g[k] = b[k] = 0.0f;
@@ -507,7 +523,9 @@ __global__ void norm_bwd_reduce(const float* part, int parts, int64_t C, float* 
   }
 }
 
-int bwd_parts(int64_t rows) { return int(std::max<int64_t>(1, std::min<int64_t>(rows, kBwdParts))); }
+int bwd_parts(int64_t rows) {
+  return int(std::max<int64_t>(1, std::min<int64_t>(rows, kBwdParts)));
+}
 
 template <int IN, int NV>
 Status launch_bwd_fast(const BwdArgs& a, int tpb, cudaStream_t st) {
@@ -575,7 +593,8 @@ Status norm_fwd_cuda(const NormFwdParams& p, void* stream) {
     }
   };
   if (!fp8) return run(a);
-  if (auto s = cuda::api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "norm: memset amax"); !s.ok())
+  if (auto s = cuda::api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "norm: memset amax");
+      !s.ok())
     return s;
   a.si = p.scale_inv;
   a.csi = p.colwise_scale_inv;

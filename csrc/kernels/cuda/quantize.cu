@@ -4,8 +4,8 @@
 // Launch sequence:
 //   memset amax (and the colwise RHT amax) -> [amax pass when the scale needs it first:
 //   current scaling, NVFP4] -> finalize (scale_inv / global_scale_inv) -> fused cast -> [dbias
-//   reduce]. The fused cast (cast_kernels.cuh, cast_tile_kernel) reads x once and writes both copies;
-//   modes that do not need the amax up front (delayed, MXFP8) fold the amax into it.
+//   reduce]. The fused cast (cast_kernels.cuh, cast_tile_kernel) reads x once and writes both
+//   copies; modes that do not need the amax up front (delayed, MXFP8) fold the amax into it.
 #include "cast_kernels.cuh"
 
 namespace lowbit {
@@ -20,8 +20,9 @@ constexpr int kWsAmaxCol = 0;  // float index: amax of the Hadamard-transformed 
 // along rows: thread = (16-row block, VEC adjacent columns); consecutive threads take consecutive
 // columns, so each of the 16 row reads is coalesced across the warp (16-byte loads when VEC > 1).
 template <int IN, int VEC>
-__global__ void __launch_bounds__(256) amax_rht_kernel(const void* xv, int64_t R, int64_t C,
-                                                       uint32_t mask, float* amax_x, float* amax_t) {
+__global__ void __launch_bounds__(256)
+    amax_rht_kernel(const void* xv, int64_t R, int64_t C, uint32_t mask, float* amax_x,
+                    float* amax_t) {
   using T = typename In<IN>::T;
   __shared__ float red_x[8], red_t[8];
   const T* x = static_cast<const T*>(xv);
@@ -40,7 +41,8 @@ __global__ void __launch_bounds__(256) amax_rht_kernel(const void* xv, int64_t R
     } else {
       uint4 raw[16];
 #pragma unroll
-      for (int j = 0; j < 16; ++j) raw[j] = __ldg(reinterpret_cast<const uint4*>(x + (rb * 16 + j) * C + c));
+      for (int j = 0; j < 16; ++j)
+        raw[j] = __ldg(reinterpret_cast<const uint4*>(x + (rb * 16 + j) * C + c));
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         float v[16];
@@ -85,9 +87,12 @@ __global__ void finalize_kernel(const FinalArgs f) {
 // (quieting bf16 NaNs, canonicalising f16 NaNs); do the same so the bits agree.
 template <int IN>
 __device__ __forceinline__ uint32_t roundtrip(typename In<IN>::T v) {
-  if constexpr (IN == 0) return __float_as_uint(v);
-  else if constexpr (IN == 1) return float_to_bf16(bf16_to_float(v));
-  else return float_to_f16(f16_to_float(v));
+  if constexpr (IN == 0)
+    return __float_as_uint(v);
+  else if constexpr (IN == 1)
+    return float_to_bf16(bf16_to_float(v));
+  else
+    return float_to_f16(f16_to_float(v));
 }
 
 template <int IN>
@@ -95,16 +100,20 @@ __global__ void noscale_copy_kernel(const void* xv, void* outv, int64_t n) {
   using T = typename In<IN>::T;
   const T* x = static_cast<const T*>(xv);
   T* out = static_cast<T*>(outv);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const uint32_t b = roundtrip<IN>(x[i]);
-    if constexpr (IN == 0) out[i] = __uint_as_float(b);
-    else out[i] = uint16_t(b);
+    if constexpr (IN == 0)
+      out[i] = __uint_as_float(b);
+    else
+      out[i] = uint16_t(b);
   }
 }
 
 // (R, C) -> (C, R) through a padded 32x33 shared tile: coalesced on both sides.
 template <int IN>
-__global__ void __launch_bounds__(256) noscale_transpose_kernel(const void* xv, void* outv, int64_t R, int64_t C) {
+__global__ void __launch_bounds__(256)
+    noscale_transpose_kernel(const void* xv, void* outv, int64_t R, int64_t C) {
   using T = typename In<IN>::T;
   __shared__ T tile[32][33];
   const T* x = static_cast<const T*>(xv);
@@ -121,8 +130,10 @@ __global__ void __launch_bounds__(256) noscale_transpose_kernel(const void* xv, 
     const int64_t c = tc * 32 + k, r = tr * 32 + tx;
     if (r < R && c < C) {
       const uint32_t b = roundtrip<IN>(tile[tx][k]);
-      if constexpr (IN == 0) out[c * R + r] = __uint_as_float(b);
-      else out[c * R + r] = uint16_t(b);
+      if constexpr (IN == 0)
+        out[c * R + r] = __uint_as_float(b);
+      else
+        out[c * R + r] = uint16_t(b);
     }
   }
 }
@@ -132,7 +143,8 @@ template <int IN>
 __global__ void dbias_generic_kernel(const void* xv, int64_t R, int64_t C, void* out) {
   using T = typename In<IN>::T;
   const T* x = static_cast<const T*>(xv);
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C; c += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
+       c += int64_t(gridDim.x) * blockDim.x) {
     float s = 0.0f;
     for (int64_t r = 0; r < R; ++r) s += In<IN>::f(x[r * C + c]);
     store_out<IN>(out, c, s);
@@ -142,7 +154,8 @@ __global__ void dbias_generic_kernel(const void* xv, int64_t R, int64_t C, void*
 // dbias from the fused cast's per-tile column sums: fixed order, so deterministic.
 template <int IN>
 __global__ void dbias_reduce_kernel(const float* part, int64_t tiles_r, int64_t C, void* out) {
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C; c += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
+       c += int64_t(gridDim.x) * blockDim.x) {
     float s = 0.0f;
     for (int64_t t = 0; t < tiles_r; ++t) s += part[t * C + c];
     store_out<IN>(out, c, s);
@@ -160,7 +173,8 @@ Status launch_amax(const QuantizeParams& p, float* out, cudaStream_t st) {
 template <int IN>
 Status run_noscale(const QuantizeParams& p, cudaStream_t st) {
   const int64_t R = p.rows, C = p.cols, n = R * C;
-  if (auto s = api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "memset amax"); !s.ok()) return s;
+  if (auto s = api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "memset amax"); !s.ok())
+    return s;
   if (auto s = launch_amax<IN>(p, p.amax, st); !s.ok()) return s;
   if (n > 0 && p.rowwise) {
     noscale_copy_kernel<IN><<<grid_for(n, 256, 8192), 256, 0, st>>>(p.x, p.data, n);
@@ -181,8 +195,8 @@ Status run_noscale(const QuantizeParams& p, cudaStream_t st) {
 
 // The fast tile kernel needs whole 16-element chunks and 16-byte aligned rows.
 bool fast_path(const QuantizeParams& p) {
-  return p.rows % 16 == 0 && p.cols % 16 == 0 && aligned16(p.x) && (!p.rowwise || aligned16(p.data)) &&
-         (!p.colwise || aligned16(p.colwise_data));
+  return p.rows % 16 == 0 && p.cols % 16 == 0 && aligned16(p.x) &&
+         (!p.rowwise || aligned16(p.data)) && (!p.colwise || aligned16(p.colwise_data));
 }
 
 template <int IN, int KIND, int FMT>
@@ -193,33 +207,39 @@ Status run_cast(const QuantizeParams& p, cudaStream_t st) {
   const bool rht_amax = KIND == kNv1 && p.rht && p.colwise && n > 0;
   const bool fast = n > 0 && fast_path(p);
   const bool dbias_fast = fast && p.dbias != nullptr;
-  if ((rht_amax || dbias_fast) && ws == nullptr) return Status::Invalid("quantize: workspace missing");
+  if ((rht_amax || dbias_fast) && ws == nullptr)
+    return Status::Invalid("quantize: workspace missing");
   if (n > 0 && ((p.rowwise && p.data == nullptr) || (p.colwise && p.colwise_data == nullptr)))
     return Status::Invalid("quantize: output missing");
   // The amax is needed before the cast for current scaling and NVFP4; otherwise the fast cast
   // computes it on the way (one read of x fewer).
   const bool amax_first = nv || p.mode == ScalingMode::kCurrentTensor || !fast;
 
-  if (auto s = api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "memset amax"); !s.ok()) return s;
+  if (auto s = api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "memset amax"); !s.ok())
+    return s;
   float* amax_col = p.amax;
   if (rht_amax) {
     amax_col = ws + kWsAmaxCol;
-    if (auto s = api_status(cudaMemsetAsync(amax_col, 0, sizeof(float), st), "memset amax"); !s.ok()) return s;
+    if (auto s = api_status(cudaMemsetAsync(amax_col, 0, sizeof(float), st), "memset amax");
+        !s.ok())
+      return s;
     constexpr int VEC = 16 / int(sizeof(typename In<IN>::T));
     if (C % VEC == 0 && aligned16(p.x))
       amax_rht_kernel<IN, VEC><<<grid_for((R / 16) * (C / VEC), 256, 2048), 256, 0, st>>>(
           p.x, R, C, p.rht_sign_mask, p.amax, amax_col);
     else
-      amax_rht_kernel<IN, 1><<<grid_for((R / 16) * C, 256, 2048), 256, 0, st>>>(p.x, R, C, p.rht_sign_mask,
-                                                                              p.amax, amax_col);
+      amax_rht_kernel<IN, 1><<<grid_for((R / 16) * C, 256, 2048), 256, 0, st>>>(
+          p.x, R, C, p.rht_sign_mask, p.amax, amax_col);
     if (auto s = launch_status("amax_rht_kernel"); !s.ok()) return s;
   } else if (amax_first) {
     if (auto s = launch_amax<IN>(p, p.amax, st); !s.ok()) return s;
   }
 
-  FinalArgs f{p.mode,       fmt_max<FMT>(),
+  FinalArgs f{p.mode,
+              fmt_max<FMT>(),
               p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr,
-              p.amax,       amax_col,
+              p.amax,
+              amax_col,
               p.rowwise && KIND == kTensor ? static_cast<float*>(p.scale_inv) : nullptr,
               p.colwise && KIND == kTensor ? static_cast<float*>(p.colwise_scale_inv) : nullptr,
               p.global_scale_inv};
@@ -248,11 +268,14 @@ Status run_cast(const QuantizeParams& p, cudaStream_t st) {
       if (!set_tiles(a, &tiles)) return Status::Invalid("quantize: tensor too large");
       const int64_t tiles_r = (R + kTileR - 1) / kTileR;
       a.amax_out = amax_first ? nullptr : p.amax;
-      a.dbias_part = dbias_fast ? reinterpret_cast<float*>(static_cast<char*>(p.workspace) + kScalarBytes) : nullptr;
+      a.dbias_part = dbias_fast
+                         ? reinterpret_cast<float*>(static_cast<char*>(p.workspace) + kScalarBytes)
+                         : nullptr;
       cast_tile_kernel<IN, KIND, FMT, false><<<unsigned(tiles), kTileThreads, 0, st>>>(a);
       if (auto s = launch_status("cast_tile_kernel"); !s.ok()) return s;
       if (dbias_fast) {
-        dbias_reduce_kernel<IN><<<grid_for(C, 256), 256, 0, st>>>(a.dbias_part, tiles_r, C, p.dbias);
+        dbias_reduce_kernel<IN>
+            <<<grid_for(C, 256), 256, 0, st>>>(a.dbias_part, tiles_r, C, p.dbias);
         if (auto s = launch_status("dbias_reduce_kernel"); !s.ok()) return s;
       }
       return Status::Ok();

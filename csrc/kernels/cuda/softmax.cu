@@ -64,8 +64,9 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 template <int IN>
 __device__ __forceinline__ uint4 pack16(const float* v) {
-  if constexpr (IN == 0) return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
-                                           __float_as_uint(v[3]));
+  if constexpr (IN == 0)
+    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                      __float_as_uint(v[3]));
   else {
     uint32_t w[4];
 #pragma unroll
@@ -109,7 +110,9 @@ __global__ void __launch_bounds__(kWarps * 32) softmax_fwd_fast(const FwdArgs a)
   for (int k = 0; k < NV; ++k)
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      v[k][e] = (m == ninf || v[k][e] == ninf) ? 0.0f : ex2_approx(__fmul_rn(__fsub_rn(v[k][e], m), kLog2e));
+      v[k][e] = (m == ninf || v[k][e] == ninf)
+                    ? 0.0f
+                    : ex2_approx(__fmul_rn(__fsub_rn(v[k][e], m), kLog2e));
       s = __fadd_rn(s, v[k][e]);
     }
   s = warp_sum(s);
@@ -133,7 +136,8 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   float r = is_max ? -INFINITY : 0.0f;
-  for (int w = 0; w < int(blockDim.x >> 5); ++w) r = is_max ? nan_max(r, red[w]) : __fadd_rn(r, red[w]);
+  for (int w = 0; w < int(blockDim.x >> 5); ++w)
+    r = is_max ? nan_max(r, red[w]) : __fadd_rn(r, red[w]);
   __syncthreads();
   return r;
 }
@@ -152,18 +156,20 @@ __global__ void __launch_bounds__(256) softmax_fwd_generic(const FwdArgs a) {
       if (keep(km, j)) m = nan_max(m, __fmul_rn(In<IN>::f(xr[j]), a.scale));
     m = block_reduce(m, true, red);
     if (m == INFINITY) m = NAN;  // as the fast kernel
-      float s = 0.0f;
+    float s = 0.0f;
     if (m != ninf)
       for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x) {
         const float v = __fmul_rn(In<IN>::f(xr[j]), a.scale);
-        if (keep(km, j) && v != ninf) s = __fadd_rn(s, ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)));
+        if (keep(km, j) && v != ninf)
+          s = __fadd_rn(s, ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)));
       }
     const float inv = __fdiv_rn(1.0f, block_reduce(s, false, red));
     for (int64_t j = threadIdx.x; j < a.Sk; j += blockDim.x) {
       const float v = __fmul_rn(In<IN>::f(xr[j]), a.scale);
       float y = 0.0f;
       // As the fast kernel: -inf entries are 0 (also when m is NaN), the others NaN when m is.
-      if (m != ninf && keep(km, j) && v != ninf) y = __fmul_rn(ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)), inv);
+      if (m != ninf && keep(km, j) && v != ninf)
+        y = __fmul_rn(ex2_approx(__fmul_rn(__fsub_rn(v, m), kLog2e)), inv);
       store_out<IN>(a.y, row * a.Sk + j, y);
     }
   }
@@ -227,11 +233,14 @@ __global__ void __launch_bounds__(256) softmax_bwd_generic(const BwdArgs a) {
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     float dot = 0.0f;
     for (int64_t j = threadIdx.x; j < a.cols; j += blockDim.x)
-      dot = __fadd_rn(dot, __fmul_rn(In<IN>::f(dy[row * a.cols + j]), In<IN>::f(y[row * a.cols + j])));
+      dot = __fadd_rn(dot,
+                      __fmul_rn(In<IN>::f(dy[row * a.cols + j]), In<IN>::f(y[row * a.cols + j])));
     dot = block_reduce(dot, false, red);
     for (int64_t j = threadIdx.x; j < a.cols; j += blockDim.x) {
       const int64_t i = row * a.cols + j;
-      store_out<IN>(a.dx, i, __fmul_rn(a.scale, __fmul_rn(In<IN>::f(y[i]), __fsub_rn(In<IN>::f(dy[i]), dot))));
+      store_out<IN>(
+          a.dx, i,
+          __fmul_rn(a.scale, __fmul_rn(In<IN>::f(y[i]), __fsub_rn(In<IN>::f(dy[i]), dot))));
     }
   }
 }
@@ -244,7 +253,9 @@ int row_nv(int64_t cols, int elems, bool aligned) {
   return 0;
 }
 
-unsigned generic_grid(int64_t rows) { return unsigned(std::max<int64_t>(1, std::min<int64_t>(rows, 65535))); }
+unsigned generic_grid(int64_t rows) {
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>(rows, 65535)));
+}
 
 template <int IN>
 Status fwd(const FwdArgs& a, cudaStream_t st) {
