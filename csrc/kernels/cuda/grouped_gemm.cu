@@ -288,22 +288,24 @@ Status grouped_gemm_cuda(const GroupedGemmParams& p, void* stream_ptr) {
   if (use_cutlass) {
     s = cfg->setup(prob, arrays, stream);
     if (!s.ok()) return s;
+    // clang-format off: it splits a kernel launch's >>> after a template argument list
     if (realign) {
       const int64_t rows = (p.a_kmajor ? p.m : 0) + (p.b_kmajor ? p.n : 0);
       const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(rows, 8 * sm_count)));
-      gg::realign_kernel<<<grid, 256, 0, stream> > >(prob);
+      gg::realign_kernel<<<grid, 256, 0, stream>>>(prob);
       s = gg::cuda_status(cudaGetLastError(), "grouped_gemm realign kernel");
       if (!s.ok()) return s;
     }
     s = cfg->gemm(prob, arrays, arrays + lay.arrays, lay.cutlass, sm_count, stream);
     if (!s.ok()) return s;
   } else {
-    gg::setup_kernel<gg::NoArrays><<<1, gg::kSetupThreads, 0, stream> > >(prob, gg::NoArrays{});
+    gg::setup_kernel<gg::NoArrays><<<1, gg::kSetupThreads, 0, stream>>>(prob, gg::NoArrays{});
     s = gg::cuda_status(cudaGetLastError(), "grouped_gemm setup kernel");
     if (!s.ok()) return s;
   }
-  gg::fallback_kernel<<<2 * sm_count, gg::kThreads, 0, stream> > >(prob);
+  gg::fallback_kernel<<<2 * sm_count, gg::kThreads, 0, stream>>>(prob);
   return gg::cuda_status(cudaGetLastError(), "grouped_gemm fallback kernel");
+  // clang-format on
 #endif
 }
 
