@@ -9,9 +9,10 @@ held-out loss and its gap to BF16 in percent.
     python examples/convergence.py --seeds 0 1 2 --recipes bf16 nvfp4 nvfp4-all
     python examples/convergence.py --small --steps 30  # seconds: what the test runs
 
-Recipe names: bf16 (no recipe), delayed, current, mxfp8, nvfp4 (the default NVFP4 recipe,
-with the layers it keeps in higher precision), and NVFP4 variants: nvfp4-all (every block
-layer in NVFP4), nvfp4-nosr, nvfp4-norht, nvfp4-no2d.
+Recipe names: bf16 (no recipe), delayed, current, mxfp8, nvfp4 (the default NVFP4 recipe:
+first and last transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in
+NVFP4), nvfp4-last (only the last layer BF16), nvfp4-last2 (the last two), nvfp4-nosr,
+nvfp4-norht, nvfp4-no2d (the default with one TE feature disabled).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ import optax
 import lowbit
 from lowbit.flax import OVERWRITE_WITH_GRADIENT, SR_RNG, layer_dot_general_cls
 
+def _nvfp4_layers(first: int, last: int):
+    return lowbit.NVFP4BlockScaling(high_precision_first_layers=first, high_precision_last_layers=last)
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {
     "bf16": lambda: None,
@@ -38,7 +43,9 @@ RECIPES = {
     "current": lowbit.Float8CurrentScaling,
     "mxfp8": lowbit.MXFP8BlockScaling,
     "nvfp4": lowbit.NVFP4BlockScaling,
-    "nvfp4-all": lambda: lowbit.NVFP4BlockScaling(high_precision_last_layers=0),
+    "nvfp4-all": lambda: _nvfp4_layers(0, 0),
+    "nvfp4-last": lambda: _nvfp4_layers(0, 1),
+    "nvfp4-last2": lambda: _nvfp4_layers(0, 2),
     "nvfp4-nosr": lambda: lowbit.NVFP4BlockScaling(disable_stochastic_rounding=True),
     "nvfp4-norht": lambda: lowbit.NVFP4BlockScaling(disable_rht=True),
     "nvfp4-no2d": lambda: lowbit.NVFP4BlockScaling(disable_2d_quantization=True),
@@ -59,7 +66,7 @@ class Config:
     eval_batches: int = 8
 
 
-SMALL = Config(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq=32, batch=8, warmup=5, eval_batches=2)
+SMALL = Config(d_model=32, n_layers=3, n_heads=2, d_ff=64, seq=32, batch=8, warmup=5, eval_batches=2)
 
 
 # ---------------------------------------------------------------------------------------------

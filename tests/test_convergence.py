@@ -29,12 +29,12 @@ def conv():
 
 def test_layer_recipe_defaults_and_validation():
     n = R.NVFP4BlockScaling()
-    assert [n.layer_recipe(i, 4) for i in range(4)] == [n, n, n, None]  # the last layer in BF16
+    assert [n.layer_recipe(i, 4) for i in range(4)] == [None, n, n, None]  # first and last in BF16
     keep = R.NVFP4BlockScaling(high_precision_first_layers=1, high_precision_last_layers=2,
                                high_precision_recipe=R.MXFP8BlockScaling())
     mx, nv = "MXFP8BlockScaling", "NVFP4BlockScaling"
     assert [type(keep.layer_recipe(i, 5)).__name__ for i in range(5)] == [mx, nv, nv, mx, mx]
-    every = R.NVFP4BlockScaling(high_precision_last_layers=0)
+    every = R.NVFP4BlockScaling(high_precision_first_layers=0, high_precision_last_layers=0)
     assert all(every.layer_recipe(i, 3) is every for i in range(3))
     m = R.MXFP8BlockScaling()
     assert m.layer_recipe(3, 4) is m  # FP8 recipes quantize every layer
@@ -67,11 +67,10 @@ def _quantized_layers(conv, recipe):
     return seen
 
 
-def test_nvfp4_default_keeps_last_layer_bf16(conv):
+def test_nvfp4_default_keeps_first_and_last_layer_bf16(conv):
     n = conv.SMALL.n_layers
-    assert _quantized_layers(conv, lowbit.NVFP4BlockScaling()) == {f"block{i}" for i in range(n - 1)}
-    assert _quantized_layers(conv, lowbit.NVFP4BlockScaling(high_precision_last_layers=0)) == {
-        f"block{i}" for i in range(n)}
+    assert _quantized_layers(conv, lowbit.NVFP4BlockScaling()) == {f"block{i}" for i in range(1, n - 1)}
+    assert _quantized_layers(conv, conv.RECIPES["nvfp4-all"]()) == {f"block{i}" for i in range(n)}
     assert _quantized_layers(conv, lowbit.MXFP8BlockScaling()) == {f"block{i}" for i in range(n)}
     assert _quantized_layers(conv, None) == set()
 

@@ -289,7 +289,7 @@ class NVFP4BlockScaling(Recipe):
     fp8_mha: bool = False
     backward_override: Optional[str] = None
     # lowbit's (after TE's fields, so TE's positional order holds): see the docstring.
-    high_precision_first_layers: int = 0
+    high_precision_first_layers: int = 1
     high_precision_last_layers: int = 1
     high_precision_recipe: Recipe | None = None
 
