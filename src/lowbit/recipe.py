@@ -74,6 +74,16 @@ class Recipe:
     def q_dtype(self, role: str):
         raise NotImplementedError
 
+    def layer_recipe(self, layer: int, num_layers: int) -> Recipe | None:
+        """The recipe for transformer layer ``layer`` of ``num_layers`` (None: unquantized).
+
+        A lowbit addition for models that pick a recipe per layer
+        (``lowbit.flax.layer_dot_general_cls``); the ops never call it. Every layer uses this
+        recipe, except where a recipe keeps some layers in higher precision (NVFP4).
+        """
+        _check_layer(layer, num_layers)
+        return self
+
     @property
     def stateful(self) -> bool:
         return False
@@ -123,6 +133,11 @@ class QParams:
     random_hadamard_transform: bool = False
     stochastic_rounding: bool = False
     fp4_2d_quantization: bool = False
+
+
+def _check_layer(layer, num_layers) -> None:
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer must be in [0, num_layers={num_layers}), got {layer}")
 
 
 def _refuse_unless_default(recipe, fields: dict, why: str) -> None:
@@ -261,6 +276,13 @@ class NVFP4BlockScaling(Recipe):
     Gradients use stochastic rounding (needs the ``sr_rng`` RNG stream), the inputs of the
     weight-gradient GEMM a random Hadamard transform, and weights 16x16 2-D blocks, unless
     disabled. ``fp4_quant_{fwd_inp,fwd_weight,bwd_grad}`` describe the result per role.
+
+    lowbit's per-layer fields (not TransformerEngine's; read by :meth:`layer_recipe`, never by
+    the ops), after the NVFP4 pretraining practice of keeping a few layers in higher precision:
+    ``high_precision_first_layers`` / ``high_precision_last_layers`` transformer layers at the
+    start / end of the stack use ``high_precision_recipe`` (None: BF16, unquantized; or an
+    FP8 recipe such as ``MXFP8BlockScaling()``). The embedding and output head are not
+    transformer layers: keep them unquantized in the model.
     """
 
     disable_rht: bool = False
@@ -275,6 +297,10 @@ class NVFP4BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: Optional[str] = None
+    # lowbit's (after TE's fields, so TE's positional order holds): see the docstring.
+    high_precision_first_layers: int = 1
+    high_precision_last_layers: int = 1
+    high_precision_recipe: Recipe | None = None
 
     def __post_init__(self):
         for f in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
@@ -290,7 +316,22 @@ class NVFP4BlockScaling(Recipe):
         _refuse_unless_default(self, {"nvfp4_4over6": "none", "nvfp4_4over6_e4m3_use_256": "all",
                                       "nvfp4_4over6_err_mode": "MAE"},
                                "lowbit has no 4over6 adaptive block scaling")
+        for f in ("high_precision_first_layers", "high_precision_last_layers"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{f} must be a non-negative int, got {v!r}")
+        hp = self.high_precision_recipe
+        if hp is not None and (not isinstance(hp, Recipe) or isinstance(hp, NVFP4BlockScaling)):
+            raise TypeError(f"high_precision_recipe must be None (BF16) or a non-NVFP4 lowbit recipe, "
+                            f"got {hp!r}")
         _check_common(self)
+
+    def layer_recipe(self, layer, num_layers):
+        """``high_precision_recipe`` for the first / last layers these fields name, else self."""
+        _check_layer(layer, num_layers)
+        if layer < self.high_precision_first_layers or layer >= num_layers - self.high_precision_last_layers:
+            return self.high_precision_recipe
+        return self
 
     @property
     def fp4_quant_fwd_inp(self) -> QParams:

@@ -7,7 +7,7 @@ from lowbit.flax.state_module import (
     wrap_function_in_state_module,
     wrap_function_in_te_state_module,
 )
-from lowbit.flax.dot_general import make_dot_general_cls
+from lowbit.flax.dot_general import layer_dot_general_cls, make_dot_general_cls
 from lowbit.flax.ragged_dot import make_ragged_dot_cls
 from lowbit.flax.modules import DenseGeneral, DenseOp, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
 from lowbit.flax.attention import DotProductAttention, MultiHeadAttention, TransformerLayer
@@ -18,6 +18,7 @@ __all__ = [
     "SR_RNG",
     "QuantizeContext",
     "make_dot_general_cls",
+    "layer_dot_general_cls",
     "wrap_function_in_state_module",
     "wrap_function_in_te_state_module",
     "DenseGeneral",

@@ -46,3 +46,17 @@ def make_dot_general_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = 
                      fast_accum=fast_accum, **ctx.dense_kwargs())
 
     return wrap_function_in_state_module(dot_general, recipe, "dot_general")
+
+
+def layer_dot_general_cls(recipe: Recipe | None, layer: int, num_layers: int, *,
+                          fast_accum: bool = True):
+    """What to pass as ``dot_general_cls`` for transformer layer ``layer`` of ``num_layers``.
+
+    ``make_dot_general_cls(recipe.layer_recipe(layer, num_layers))``, or ``lambda: None``
+    (Flax's own ``dot_general``, unquantized) where that layer stays in BF16 or ``recipe`` is
+    None; so ``nn.Dense(..., dot_general=cls())`` works either way.
+    """
+    r = None if recipe is None else recipe.layer_recipe(layer, num_layers)
+    if r is None:
+        return lambda: None
+    return make_dot_general_cls(r, fast_accum=fast_accum)

@@ -1,0 +1,251 @@
+"""Convergence check: a small byte-level decoder LM trained with each recipe vs BF16.
+
+Real text that is always there offline (the Debian licence texts in /usr/share/common-licenses,
+else this repository's docs), byte tokens, the last 10% of every file held out. Every recipe
+trains from the same initial parameters on the same batches; the table gives each recipe's
+held-out loss and its gap to BF16 in percent.
+
+    python examples/convergence.py                     # 500 steps, all recipes, seed 0
+    python examples/convergence.py --seeds 0 1 2 --recipes bf16 nvfp4 nvfp4-all
+    python examples/convergence.py --small --steps 30  # seconds: what the test runs
+
+Recipe names: bf16 (no recipe), delayed, current, mxfp8, nvfp4 (the default NVFP4 recipe:
+first and last transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in
+NVFP4), nvfp4-last (only the last layer BF16), nvfp4-last2 (the last two), nvfp4-nosr,
+nvfp4-norht, nvfp4-no2d (the default with one TE feature disabled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import lowbit
+from lowbit.flax import OVERWRITE_WITH_GRADIENT, SR_RNG, layer_dot_general_cls
+
+def _nvfp4_layers(first: int, last: int):
+    return lowbit.NVFP4BlockScaling(high_precision_first_layers=first, high_precision_last_layers=last)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = {
+    "bf16": lambda: None,
+    "delayed": lowbit.DelayedScaling,
+    "current": lowbit.Float8CurrentScaling,
+    "mxfp8": lowbit.MXFP8BlockScaling,
+    "nvfp4": lowbit.NVFP4BlockScaling,
+    "nvfp4-all": lambda: _nvfp4_layers(0, 0),
+    "nvfp4-last": lambda: _nvfp4_layers(0, 1),
+    "nvfp4-last2": lambda: _nvfp4_layers(0, 2),
+    "nvfp4-nosr": lambda: lowbit.NVFP4BlockScaling(disable_stochastic_rounding=True),
+    "nvfp4-norht": lambda: lowbit.NVFP4BlockScaling(disable_rht=True),
+    "nvfp4-no2d": lambda: lowbit.NVFP4BlockScaling(disable_2d_quantization=True),
+}
+DEFAULT_RECIPES = ("bf16", "delayed", "current", "mxfp8", "nvfp4")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 256
+    seq: int = 64
+    batch: int = 16
+    lr: float = 3e-3
+    warmup: int = 50
+    eval_batches: int = 8
+
+
+SMALL = Config(d_model=32, n_layers=3, n_heads=2, d_ff=64, seq=32, batch=8, warmup=5, eval_batches=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: bytes of real text, same order for every recipe
+# ---------------------------------------------------------------------------------------------
+def text_files() -> list[str]:
+    files = sorted(glob.glob("/usr/share/common-licenses/*"))
+    if not files:  # not Debian: this repository's docs
+        files = sorted([os.path.join(REPO, f) for f in ("README.md", "NOTES.md")]
+                       + glob.glob(os.path.join(REPO, "docs", "*.md")))
+    seen, out = set(), []
+    for f in files:  # GPL -> GPL-3 etc.: each text once
+        real = os.path.realpath(f)
+        if os.path.isfile(real) and real not in seen:
+            seen.add(real)
+            out.append(real)
+    return out
+
+
+def load_corpus() -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) byte arrays: the last 10% of every file is held out."""
+    train, held = [], []
+    for f in text_files():
+        with open(f, "rb") as fh:
+            b = np.frombuffer(fh.read(), np.uint8)
+        cut = int(len(b) * 0.9)
+        train.append(b[:cut])
+        held.append(b[cut:])
+    return np.concatenate(train), np.concatenate(held)
+
+
+def train_batches(data: np.ndarray, cfg: Config, steps: int, seed: int) -> np.ndarray:
+    starts = np.random.default_rng(seed).integers(0, len(data) - cfg.seq - 1, (steps, cfg.batch))
+    return data[starts[..., None] + np.arange(cfg.seq + 1)].astype(np.int32)
+
+
+def eval_batches(data: np.ndarray, cfg: Config) -> np.ndarray:
+    n = min(cfg.eval_batches * cfg.batch, (len(data) - 1) // cfg.seq)
+    n -= n % cfg.batch
+    w = data[np.arange(n)[:, None] * cfg.seq + np.arange(cfg.seq + 1)].astype(np.int32)
+    return w.reshape(n // cfg.batch, cfg.batch, cfg.seq + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model: pre-LN decoder; every block Dense takes the dot_general its layer's recipe gives
+# ---------------------------------------------------------------------------------------------
+class Block(nn.Module):
+    cfg: Config
+    recipe: lowbit.recipe.Recipe | None
+    index: int
+
+    @nn.compact
+    def __call__(self, x):
+        c, dt = self.cfg, jnp.bfloat16
+        dg = layer_dot_general_cls(self.recipe, self.index, c.n_layers)
+
+        def dense(n, name):
+            return nn.Dense(n, dtype=dt, dot_general=dg(), name=name)
+
+        b, t, _ = x.shape
+        h = nn.LayerNorm(dtype=dt)(x)
+        q, k, v = jnp.split(dense(3 * c.d_model, "qkv")(h).reshape(b, t, 3 * c.n_heads, -1), 3, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(dt), v).reshape(b, t, -1)
+        x = x + dense(c.d_model, "out")(a)
+        h = nn.LayerNorm(dtype=dt)(x)
+        return x + dense(c.d_model, "fc2")(nn.gelu(dense(c.d_ff, "fc1")(h)))
+
+
+class ByteLM(nn.Module):
+    """Embedding and output head stay in BF16 for every recipe (as in the NVFP4 papers)."""
+
+    cfg: Config
+    recipe: lowbit.recipe.Recipe | None
+
+    @nn.compact
+    def __call__(self, tokens):
+        c = self.cfg
+        x = nn.Embed(256, c.d_model)(tokens) + self.param(
+            "pos", nn.initializers.normal(0.02), (c.seq, c.d_model))
+        x = x.astype(jnp.bfloat16)
+        for i in range(c.n_layers):
+            x = Block(c, self.recipe, i, name=f"block{i}")(x)
+        x = nn.LayerNorm(dtype=jnp.bfloat16)(x)
+        return nn.Dense(256, dtype=jnp.bfloat16, name="head")(x).astype(jnp.float32)
+
+
+def xent(logits, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
+    train_data, held = data
+    recipe = RECIPES[name]()
+    model = ByteLM(cfg, recipe)
+    batches = train_batches(train_data, cfg, steps, seed)
+    variables = model.init(jax.random.PRNGKey(seed), batches[0, :, :-1])
+    params = variables.pop("params")
+    state = variables  # DelayedScaling's amax histories and scales (else empty)
+    total = max(steps, cfg.warmup + 1)
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, total, cfg.lr / 10)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.95, weight_decay=0.1))
+    opt_state = opt.init(params)
+    sr_key = jax.random.PRNGKey(1000 + seed)
+
+    def loss_fn(params, state, batch, key):
+        logits = model.apply({"params": params, **state}, batch[:, :-1], rngs={SR_RNG: key})
+        return xent(logits, batch[:, 1:])
+
+    @jax.jit
+    def step(params, state, opt_state, batch, i):
+        loss, (g, g_state) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+            params, state, batch, jax.random.fold_in(sr_key, i))
+        updates, opt_state = opt.update(g, opt_state, params)
+        # DelayedScaling: the state's "gradient" is its new value.
+        state = {OVERWRITE_WITH_GRADIENT: g_state[OVERWRITE_WITH_GRADIENT]} if state else state
+        return optax.apply_updates(params, updates), state, opt_state, loss
+
+    @jax.jit
+    def eval_loss(params, state, batch):
+        return xent(model.apply({"params": params, **state}, batch[:, :-1]), batch[:, 1:])
+
+    t0, losses = time.time(), []
+    for i in range(steps):
+        params, state, opt_state, loss = step(params, state, opt_state, batches[i], i)
+        losses.append(float(loss))
+        if i == 0:
+            t1 = time.time()  # compiled
+    held_loss = float(np.mean([eval_loss(params, state, b) for b in eval_batches(held, cfg)]))
+    return dict(recipe=name, seed=seed, first=float(np.mean(losses[:5])),
+                last=float(np.mean(losses[-10:])), held=held_loss, seconds=time.time() - t0,
+                step_ms=1e3 * (time.time() - t1) / max(steps - 1, 1))
+
+
+def run(recipes, seeds, steps: int, cfg: Config, log=print) -> list[dict]:
+    data = load_corpus()
+    rows = []
+    for seed in seeds:
+        for name in recipes:
+            r = train(name, cfg, steps, seed, data)
+            log(f"  seed {seed} {name:12s} train {r['first']:.3f} -> {r['last']:.3f}  "
+                f"held-out {r['held']:.4f}  ({r['seconds']:.0f} s, {r['step_ms']:.0f} ms/step)")
+            rows.append(r)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    names = list(dict.fromkeys(r["recipe"] for r in rows))
+    seeds = sorted({r["seed"] for r in rows})
+    held = {(r["recipe"], r["seed"]): r["held"] for r in rows}
+    out = ["| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | gap vs bf16 |",
+           "|---" * (len(seeds) + 3) + "|"]
+    base = [held.get(("bf16", s)) for s in seeds]
+    for n in names:
+        v = [held[(n, s)] for s in seeds]
+        gaps = [100 * (a / b - 1) for a, b in zip(v, base) if b is not None]
+        gap = f"{np.mean(gaps):+.2f}%" if gaps else "n/a"
+        out.append(f"| {n} | " + " | ".join(f"{x:.4f}" for x in v) + f" | {np.mean(v):.4f} | {gap} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=list(RECIPES))
+    p.add_argument("--small", action="store_true", help="tiny shapes (seconds; for tests)")
+    a = p.parse_args(argv)
+    cfg = SMALL if a.small else Config()
+    recipes = ["bf16"] + [r for r in a.recipes if r != "bf16"]  # the gaps need the baseline
+    print(f"{cfg}\n{a.steps} steps, seeds {a.seeds}, jax {jax.__version__} on {jax.devices()[0].platform}")
+    rows = run(recipes, a.seeds, a.steps, cfg)
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

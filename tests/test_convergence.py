@@ -1,0 +1,84 @@
+"""examples/convergence.py on tiny shapes, and the NVFP4 recipe's per-layer precision."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import lowbit
+from lowbit import recipe as R
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PATH = os.path.join(_REPO, "examples", "convergence.py")
+
+
+@pytest.fixture(scope="module")
+def conv():
+    spec = importlib.util.spec_from_file_location("convergence", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_layer_recipe_defaults_and_validation():
+    n = R.NVFP4BlockScaling()
+    assert [n.layer_recipe(i, 4) for i in range(4)] == [None, n, n, None]  # first and last in BF16
+    keep = R.NVFP4BlockScaling(high_precision_first_layers=1, high_precision_last_layers=2,
+                               high_precision_recipe=R.MXFP8BlockScaling())
+    mx, nv = "MXFP8BlockScaling", "NVFP4BlockScaling"
+    assert [type(keep.layer_recipe(i, 5)).__name__ for i in range(5)] == [mx, nv, nv, mx, mx]
+    every = R.NVFP4BlockScaling(high_precision_first_layers=0, high_precision_last_layers=0)
+    assert all(every.layer_recipe(i, 3) is every for i in range(3))
+    m = R.MXFP8BlockScaling()
+    assert m.layer_recipe(3, 4) is m  # FP8 recipes quantize every layer
+    with pytest.raises(ValueError, match="layer must be in"):
+        n.layer_recipe(4, 4)
+    with pytest.raises(ValueError, match="high_precision_last_layers"):
+        R.NVFP4BlockScaling(high_precision_last_layers=-1)
+    with pytest.raises(TypeError, match="high_precision_recipe"):
+        R.NVFP4BlockScaling(high_precision_recipe=R.NVFP4BlockScaling())
+    same = R.NVFP4BlockScaling(high_precision_first_layers=1, high_precision_last_layers=2,
+                               high_precision_recipe=R.MXFP8BlockScaling())
+    assert hash(keep) == hash(same) and keep == same and keep != n
+
+
+def _quantized_layers(conv, recipe):
+    """Module paths of the blocks whose Dense layers run lowbit's dot_general."""
+    cfg = conv.SMALL
+    model = conv.ByteLM(cfg, recipe)
+    tokens = jnp.zeros((2, cfg.seq), jnp.int32)
+    variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)  # shapes only: fast
+    seen = set()
+
+    def spy(next_fun, args, kwargs, context):
+        if type(context.module).__name__.startswith("LowbitWrapper"):
+            seen.add(context.module.path[0])
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(spy):  # runs at trace time
+        jax.eval_shape(model.apply, variables, tokens)
+    return seen
+
+
+def test_nvfp4_default_keeps_first_and_last_layer_bf16(conv):
+    n = conv.SMALL.n_layers
+    assert _quantized_layers(conv, lowbit.NVFP4BlockScaling()) == {f"block{i}" for i in range(1, n - 1)}
+    assert _quantized_layers(conv, conv.RECIPES["nvfp4-all"]()) == {f"block{i}" for i in range(n)}
+    assert _quantized_layers(conv, lowbit.MXFP8BlockScaling()) == {f"block{i}" for i in range(n)}
+    assert _quantized_layers(conv, None) == set()
+
+
+def test_script_runs_and_every_recipe_learns(conv):
+    rows = conv.run(list(conv.DEFAULT_RECIPES), [0], 12, conv.SMALL, log=lambda s: None)
+    assert [r["recipe"] for r in rows] == list(conv.DEFAULT_RECIPES)
+    for r in rows:
+        assert r["last"] < r["first"] - 0.5, r
+        assert jnp.isfinite(r["held"]), r
+    assert "| nvfp4 |" in conv.table(rows) and "gap vs bf16" in conv.table(rows)
