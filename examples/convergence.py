@@ -32,6 +32,7 @@ import optax
 import lowbit
 from lowbit.flax import OVERWRITE_WITH_GRADIENT, SR_RNG, layer_dot_general_cls
 
+
 def _nvfp4_layers(first: int, last: int):
     return lowbit.NVFP4BlockScaling(high_precision_first_layers=first, high_precision_last_layers=last)
 
@@ -75,8 +76,10 @@ SMALL = Config(d_model=32, n_layers=3, n_heads=2, d_ff=64, seq=32, batch=8, warm
 def text_files() -> list[str]:
     files = sorted(glob.glob("/usr/share/common-licenses/*"))
     if not files:  # not Debian: this repository's docs
-        files = sorted([os.path.join(REPO, f) for f in ("README.md", "NOTES.md")]
-                       + glob.glob(os.path.join(REPO, "docs", "*.md")))
+        files = sorted(
+            [os.path.join(REPO, f) for f in ("README.md", "NOTES.md")]
+            + glob.glob(os.path.join(REPO, "docs", "*.md"))
+        )
     seen, out = set(), []
     for f in files:  # GPL -> GPL-3 etc.: each text once
         real = os.path.realpath(f)
@@ -147,7 +150,8 @@ class ByteLM(nn.Module):
     def __call__(self, tokens):
         c = self.cfg
         x = nn.Embed(256, c.d_model)(tokens) + self.param(
-            "pos", nn.initializers.normal(0.02), (c.seq, c.d_model))
+            "pos", nn.initializers.normal(0.02), (c.seq, c.d_model)
+        )
         x = x.astype(jnp.bfloat16)
         for i in range(c.n_layers):
             x = Block(c, self.recipe, i, name=f"block{i}")(x)
@@ -183,7 +187,8 @@ def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
     @jax.jit
     def step(params, state, opt_state, batch, i):
         loss, (g, g_state) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-            params, state, batch, jax.random.fold_in(sr_key, i))
+            params, state, batch, jax.random.fold_in(sr_key, i)
+        )
         updates, opt_state = opt.update(g, opt_state, params)
         # DelayedScaling: the state's "gradient" is its new value.
         state = {OVERWRITE_WITH_GRADIENT: g_state[OVERWRITE_WITH_GRADIENT]} if state else state
@@ -200,9 +205,15 @@ def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
         if i == 0:
             t1 = time.time()  # compiled
     held_loss = float(np.mean([eval_loss(params, state, b) for b in eval_batches(held, cfg)]))
-    return dict(recipe=name, seed=seed, first=float(np.mean(losses[:5])),
-                last=float(np.mean(losses[-10:])), held=held_loss, seconds=time.time() - t0,
-                step_ms=1e3 * (time.time() - t1) / max(steps - 1, 1))
+    return dict(
+        recipe=name,
+        seed=seed,
+        first=float(np.mean(losses[:5])),
+        last=float(np.mean(losses[-10:])),
+        held=held_loss,
+        seconds=time.time() - t0,
+        step_ms=1e3 * (time.time() - t1) / max(steps - 1, 1),
+    )
 
 
 def run(recipes, seeds, steps: int, cfg: Config, log=print) -> list[dict]:
@@ -211,8 +222,10 @@ def run(recipes, seeds, steps: int, cfg: Config, log=print) -> list[dict]:
     for seed in seeds:
         for name in recipes:
             r = train(name, cfg, steps, seed, data)
-            log(f"  seed {seed} {name:12s} train {r['first']:.3f} -> {r['last']:.3f}  "
-                f"held-out {r['held']:.4f}  ({r['seconds']:.0f} s, {r['step_ms']:.0f} ms/step)")
+            log(
+                f"  seed {seed} {name:12s} train {r['first']:.3f} -> {r['last']:.3f}  "
+                f"held-out {r['held']:.4f}  ({r['seconds']:.0f} s, {r['step_ms']:.0f} ms/step)"
+            )
             rows.append(r)
     return rows
 
@@ -221,8 +234,10 @@ def table(rows: list[dict]) -> str:
     names = list(dict.fromkeys(r["recipe"] for r in rows))
     seeds = sorted({r["seed"] for r in rows})
     held = {(r["recipe"], r["seed"]): r["held"] for r in rows}
-    out = ["| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | gap vs bf16 |",
-           "|---" * (len(seeds) + 3) + "|"]
+    out = [
+        "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | gap vs bf16 |",
+        "|---" * (len(seeds) + 3) + "|",
+    ]
     base = [held.get(("bf16", s)) for s in seeds]
     for n in names:
         v = [held[(n, s)] for s in seeds]

@@ -36,6 +36,8 @@ class FlaxDenseBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         return nn.Dense(features=self.features, use_bias=True, dot_general=self.dot_general_cls())(x)
+
+
 # DENSE_BASELINE_MODEL_END
 
 
@@ -68,8 +70,16 @@ def rngs_for(recipe, dropout_key):
     return rngs
 
 
-def speedometer(model_apply_fn, variables, input, output_grad, forward_kwargs=None, rngs=None,
-                warmup_iters: int = 3, timing_iters: int = 10) -> float:
+def speedometer(
+    model_apply_fn,
+    variables,
+    input,
+    output_grad,
+    forward_kwargs=None,
+    rngs=None,
+    warmup_iters: int = 3,
+    timing_iters: int = 10,
+) -> float:
     """Times a JIT-compiled forward+backward (gradients w.r.t. all variables and the input)."""
     forward_kwargs = dict(forward_kwargs or {})
 
@@ -120,15 +130,24 @@ def main(argv=None) -> dict:
     model = FlaxDenseBlock(features=features, dot_general_cls=dot_general_cls_for(recipe))
     var_collect = model.init(key, x)
     # DENSE_TE_SETUP_END
-    print(f"recipe: {args.recipe}   x {tuple(x.shape)} -> {features} features   device: {jax.devices()[0].device_kind}")
+    print(
+        f"recipe: {args.recipe}   x {tuple(x.shape)} -> {features} features   "
+        f"device: {jax.devices()[0].device_kind}"
+    )
     print("params:", jax.tree_util.tree_map(lambda a: a.shape, var_collect["params"]))
     extra = {k: v for k, v in var_collect.items() if k != "params"}
     if extra:
         print("additional state:", jax.tree_util.tree_map(lambda a: a.shape, extra))
 
     # DENSE_SINGLE_GPU_BENCH_START
-    ms = speedometer(model.apply, var_collect, x, dy, rngs=rngs_for(recipe, dropout_key),
-                     timing_iters=args.iters or (3 if small else 10))
+    ms = speedometer(
+        model.apply,
+        var_collect,
+        x,
+        dy,
+        rngs=rngs_for(recipe, dropout_key),
+        timing_iters=args.iters or (3 if small else 10),
+    )
     # DENSE_SINGLE_GPU_BENCH_END
     return {"recipe": args.recipe, "ms": ms}
 

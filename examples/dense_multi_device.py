@@ -28,16 +28,18 @@ def main(argv=None) -> dict:
     args = parse(argv)
     if args.cpu_devices:
         # Must be set before jax initializes its backends.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.cpu_devices}"
+        ).strip()
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import linen as nn
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import lowbit
+
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from dense import FlaxDenseBlock, dot_general_cls_for, make_recipe, on_gpu, speedometer
 
@@ -61,11 +63,16 @@ def main(argv=None) -> dict:
     # DENSE_MULTI_GPU_SHARD_SETUP_START
     def shard(tree, spec_of):
         return jax.tree_util.tree_map_with_path(
-            lambda p, a: jax.device_put(a, NamedSharding(mesh, spec_of(jax.tree_util.keystr(p), a))), tree)
+            lambda p, a: jax.device_put(a, NamedSharding(mesh, spec_of(jax.tree_util.keystr(p), a))), tree
+        )
 
     # Kernel (hidden, features): P(None, 'tp'); bias P('tp'); DelayedScaling's state replicated.
-    sharded_vars = shard(var_collect, lambda p, a: P(None, "tp") if p.endswith("['kernel']")
-                         else (P("tp") if p.endswith("['bias']") else P()))
+    sharded_vars = shard(
+        var_collect,
+        lambda p, a: (
+            P(None, "tp") if p.endswith("['kernel']") else (P("tp") if p.endswith("['bias']") else P())
+        ),
+    )
     x_sh = jax.device_put(x, NamedSharding(mesh, P("dp", None, None)))
     dy_sh = jax.device_put(dy, NamedSharding(mesh, P("dp", None, "tp")))
     # DENSE_MULTI_GPU_SHARD_SETUP_END
@@ -73,21 +80,25 @@ def main(argv=None) -> dict:
     # DENSE_MULTI_GPU_BENCH_START
     with jax.sharding.set_mesh(mesh), lowbit.global_shard_guard(mesh_resource):
         ms = speedometer(model.apply, sharded_vars, x_sh, dy_sh, timing_iters=args.iters)
-        grads = jax.jit(jax.grad(lambda v, x: jnp.vdot(model.apply(v, x).astype(jnp.float32),
-                                                       dy_sh.astype(jnp.float32))))
+        grads = jax.jit(
+            jax.grad(lambda v, x: jnp.vdot(model.apply(v, x).astype(jnp.float32), dy_sh.astype(jnp.float32)))
+        )
         hlo = grads.lower(sharded_vars, x_sh).compile().as_text()
         g_sharded = grads(sharded_vars, x_sh)
     # DENSE_MULTI_GPU_BENCH_END
 
     # The same step on one device: the kernel gradient sums over dp in another order (float32).
-    g_one = jax.jit(jax.grad(lambda v, x: jnp.vdot(model.apply(v, x).astype(jnp.float32),
-                                                   dy.astype(jnp.float32))))(var_collect, x)
+    g_one = jax.jit(
+        jax.grad(lambda v, x: jnp.vdot(model.apply(v, x).astype(jnp.float32), dy.astype(jnp.float32)))
+    )(var_collect, x)
     k1 = np.asarray(g_one["params"]["Dense_0"]["kernel"], np.float32)
     k4 = np.asarray(g_sharded["params"]["Dense_0"]["kernel"], np.float32)
     diff = float(np.abs(k1 - k4).max() / np.abs(k1).max())
     gathers = sum("all-gather" in line for line in hlo.splitlines())
-    print(f"recipe: {args.recipe}  x {tuple(x.shape)} -> {features}  mesh {dict(mesh.shape)}  "
-          f"all-gathers in the step: {gathers}  kernel grad vs one device: max rel diff {diff:.2e}")
+    print(
+        f"recipe: {args.recipe}  x {tuple(x.shape)} -> {features}  mesh {dict(mesh.shape)}  "
+        f"all-gathers in the step: {gathers}  kernel grad vs one device: max rel diff {diff:.2e}"
+    )
     return {"recipe": args.recipe, "ms": ms, "all_gathers": gathers, "kernel_grad_diff": diff}
 
 

@@ -51,8 +51,9 @@ class FlaxTransformerLayer(nn.Module):
         self.kv_channels = self.hidden_size // self.num_attention_heads
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray, attention_mask: Optional[jnp.ndarray] = None,
-                 deterministic: bool = False) -> jnp.ndarray:
+    def __call__(
+        self, x: jnp.ndarray, attention_mask: Optional[jnp.ndarray] = None, deterministic: bool = False
+    ) -> jnp.ndarray:
         if attention_mask is None:
             attention_mask = nn.make_causal_mask(x[..., 0], dtype=jnp.bool_)
 
@@ -67,9 +68,16 @@ class FlaxTransformerLayer(nn.Module):
         dropout_rng = None
         if not deterministic and self.attention_dropout > 0:
             dropout_rng = self.make_rng("dropout")
-        x = nn.dot_product_attention(query=q, key=k, value=v, mask=attention_mask, dropout_rng=dropout_rng,
-                                     dropout_rate=self.attention_dropout, deterministic=deterministic,
-                                     broadcast_dropout=True)
+        x = nn.dot_product_attention(
+            query=q,
+            key=k,
+            value=v,
+            mask=attention_mask,
+            dropout_rng=dropout_rng,
+            dropout_rate=self.attention_dropout,
+            deterministic=deterministic,
+            broadcast_dropout=True,
+        )
         x = x.reshape(x.shape[0], x.shape[1], self.hidden_size)
 
         x = nn.Dense(features=self.hidden_size, use_bias=True, dot_general=self.dot_general_cls())(x)
@@ -77,8 +85,11 @@ class FlaxTransformerLayer(nn.Module):
 
         res = x
         x = nn.LayerNorm(epsilon=self.layernorm_eps)(x)
-        x = FlaxMLP(hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
-                    dot_general_cls=self.dot_general_cls)(x)
+        x = FlaxMLP(
+            hidden_size=self.hidden_size,
+            ffn_hidden_size=self.ffn_hidden_size,
+            dot_general_cls=self.dot_general_cls,
+        )(x)
         return x + res
 
 
@@ -93,7 +104,13 @@ def main(argv=None) -> dict:
     if small:
         hidden_size, sequence_length, batch_size, ffn_hidden_size, num_attention_heads = 128, 32, 2, 512, 4
     else:
-        hidden_size, sequence_length, batch_size, ffn_hidden_size, num_attention_heads = 4096, 2048, 4, 16384, 32
+        hidden_size, sequence_length, batch_size, ffn_hidden_size, num_attention_heads = (
+            4096,
+            2048,
+            4,
+            16384,
+            32,
+        )
     dtype = jnp.bfloat16
 
     key, dropout_key = jax.random.split(jax.random.PRNGKey(42))
@@ -101,9 +118,12 @@ def main(argv=None) -> dict:
     dy = jax.random.normal(key, (batch_size, sequence_length, hidden_size)).astype(dtype)
 
     recipe = make_recipe(args.recipe)
-    layer = FlaxTransformerLayer(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
-                                 num_attention_heads=num_attention_heads,
-                                 dot_general_cls=dot_general_cls_for(recipe))
+    layer = FlaxTransformerLayer(
+        hidden_size=hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        num_attention_heads=num_attention_heads,
+        dot_general_cls=dot_general_cls_for(recipe),
+    )
     var_collect = layer.init(key, x, attention_mask=None, deterministic=False)
     print(f"recipe: {args.recipe}   x {tuple(x.shape)}   device: {jax.devices()[0].device_kind}")
     print("params:", jax.tree_util.tree_map(lambda a: a.shape, var_collect["params"]))
@@ -114,9 +134,15 @@ def main(argv=None) -> dict:
     rngs = rngs_for(recipe, dropout_key)
     y = layer.apply(var_collect, x, attention_mask=None, deterministic=True, rngs=rngs)
     print(f"output {tuple(y.shape)} {y.dtype}")
-    ms = speedometer(layer.apply, var_collect, x, dy,
-                     forward_kwargs={"attention_mask": None, "deterministic": False}, rngs=rngs,
-                     timing_iters=args.iters or (3 if small else 10))
+    ms = speedometer(
+        layer.apply,
+        var_collect,
+        x,
+        dy,
+        forward_kwargs={"attention_mask": None, "deterministic": False},
+        rngs=rngs,
+        timing_iters=args.iters or (3 if small else 10),
+    )
     return {"recipe": args.recipe, "ms": ms}
 
 

@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_devices() -> tuple:
     try:
         return tuple(jax.devices("cuda"))
@@ -43,8 +43,10 @@ def _require_gpu():
     from lowbit import _native
 
     if _native.cuda_library() is None:
-        pytest.fail("a CUDA device is present but liblowbit_cuda.so was not found next to the lowbit package; "
-                    "build with -DLOWBIT_CUDA=ON and copy it into src/lowbit/")
+        pytest.fail(
+            "a CUDA device is present but liblowbit_cuda.so was not found next to the lowbit package; "
+            "build with -DLOWBIT_CUDA=ON and copy it into src/lowbit/"
+        )
 
 
 DEVICE_PARAMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]

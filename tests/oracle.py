@@ -75,10 +75,12 @@ def encode(v, fmt: Fmt) -> np.ndarray:
     # max is on the grid and rounding is monotone, so val <= max. Now the code of val.
     _, E2 = np.frexp(val)
     e2 = np.maximum(E2 - 1, fmt.emin)
-    sub = val < 2.0 ** fmt.emin
+    sub = val < 2.0**fmt.emin
     exp_field = np.where(sub, 0, e2 + fmt.bias)
-    mant = np.where(sub, val / 2.0 ** (fmt.emin - fmt.mbits), val / np.ldexp(1.0, e2 - fmt.mbits) - 2 ** fmt.mbits)
-    assert np.all(mant == np.floor(mant)) and np.all((mant >= 0) & (mant < 2 ** fmt.mbits))
+    mant = np.where(
+        sub, val / 2.0 ** (fmt.emin - fmt.mbits), val / np.ldexp(1.0, e2 - fmt.mbits) - 2**fmt.mbits
+    )
+    assert np.all(mant == np.floor(mant)) and np.all((mant >= 0) & (mant < 2**fmt.mbits))
     code = (exp_field.astype(np.int64) << fmt.mbits) | mant.astype(np.int64)
     code = np.where(neg, code | fmt.sign_bit, code)
     code = np.where(nan, fmt.nan_code, code)
@@ -92,8 +94,11 @@ def decode(code, fmt: Fmt) -> np.ndarray:
     exp_field = (c >> fmt.mbits) & ((1 << fmt.ebits) - 1)
     mant = c & ((1 << fmt.mbits) - 1)
     sub = exp_field == 0
-    val = np.where(sub, mant * 2.0 ** (fmt.emin - fmt.mbits),
-                   (1.0 + mant / 2.0 ** fmt.mbits) * np.ldexp(1.0, exp_field - fmt.bias))
+    val = np.where(
+        sub,
+        mant * 2.0 ** (fmt.emin - fmt.mbits),
+        (1.0 + mant / 2.0**fmt.mbits) * np.ldexp(1.0, exp_field - fmt.bias),
+    )
     if fmt is E4M3:
         val = np.where((c & 0x7F) == 0x7F, np.nan, val)
     elif fmt is E5M2:
@@ -246,7 +251,7 @@ def stochastic_e2m1(w: np.ndarray, s0: int, s1: int) -> np.ndarray:
     lo, hi = grid[k], grid[k + 1]
     with np.errstate(all="ignore"):
         p = (a - lo) / (hi - lo)
-    mag = np.where(u < p * 2.0 ** 24, hi, lo)
+    mag = np.where(u < p * 2.0**24, hi, lo)
     mag = np.where(a >= 6.0, 6.0, mag)
     neg = np.signbit(w)
     out = np.where(neg, -mag, mag)
@@ -272,7 +277,7 @@ def mx_exponent(a: np.ndarray, fmt: Fmt) -> np.ndarray:
     b = np.clip(e + 127, 0, 254)
     b = np.where(a64 == 0, 127, b)
     b = np.where(np.isinf(a64), 254, b)
-    b = np.where(finite_pos & (a64 < 2.0 ** -126), 0, b)  # float32 subnormal amax
+    b = np.where(finite_pos & (a64 < 2.0**-126), 0, b)  # float32 subnormal amax
     return b.astype(np.uint8)
 
 
@@ -296,7 +301,12 @@ def quantize_copy_nvfp4(v: np.ndarray, *, tiles_2d: bool = False, seed=None):
     gsi = f32_recip(S)
     if tiles_2d:
         assert rows % 16 == 0
-        t = amax(v.reshape(rows // 16, 16, cols // 16, 16).transpose(0, 2, 1, 3).reshape(rows // 16, cols // 16, 256), axis=-1)
+        t = amax(
+            v.reshape(rows // 16, 16, cols // 16, 16)
+            .transpose(0, 2, 1, 3)
+            .reshape(rows // 16, cols // 16, 256),
+            axis=-1,
+        )
         a = np.repeat(t, 16, axis=0)
     else:
         a = amax(v.reshape(rows, cols // 16, 16), axis=-1)
@@ -326,8 +336,18 @@ class QResult:
     w_colwise: Optional[np.ndarray] = None
 
 
-def quantize(x, mode: int, q_dtype=None, *, scale=None, layout: str = "rowwise", flatten_axis: int = -1,
-             seed=None, rht: bool = False, rht_sign_mask: int = 0xA759) -> QResult:
+def quantize(
+    x,
+    mode: int,
+    q_dtype=None,
+    *,
+    scale=None,
+    layout: str = "rowwise",
+    flatten_axis: int = -1,
+    seed=None,
+    rht: bool = False,
+    rht_sign_mask: int = 0xA759,
+) -> QResult:
     """Reference of lowbit.quantize. ``x``: NumPy array (f32 / bf16 / f16). ``seed``: (s0, s1)
     uint32 words (= jax.random.bits(key, (2,), uint32)) for stochastic rounding."""
     x2, shape, axis = as2d(x, flatten_axis)
@@ -398,7 +418,12 @@ def nvfp4_w(v: np.ndarray, *, tiles_2d: bool = False) -> np.ndarray:
     A = amax(v)
     S = scale_from_amax(A, 2688.0)
     if tiles_2d:
-        t = amax(v.reshape(rows // 16, 16, cols // 16, 16).transpose(0, 2, 1, 3).reshape(rows // 16, cols // 16, 256), axis=-1)
+        t = amax(
+            v.reshape(rows // 16, 16, cols // 16, 16)
+            .transpose(0, 2, 1, 3)
+            .reshape(rows // 16, cols // 16, 256),
+            axis=-1,
+        )
         a = np.repeat(t, 16, axis=0)
     else:
         a = amax(v.reshape(rows, cols // 16, 16), axis=-1)
@@ -433,19 +458,40 @@ def dequantize_copy(codes2d, scale_inv, mode: int, fmt: Fmt, *, gsi=None, rht=Fa
     return out
 
 
-def dequantize(res: QResult, mode: int, q_dtype, shape, *, layout="rowwise", flatten_axis=-1, out_dtype=np.float32,
-               rht=False, rht_sign_mask=0xA759) -> np.ndarray:
+def dequantize(
+    res: QResult,
+    mode: int,
+    q_dtype,
+    shape,
+    *,
+    layout="rowwise",
+    flatten_axis=-1,
+    out_dtype=np.float32,
+    rht=False,
+    rht_sign_mask=0xA759,
+) -> np.ndarray:
     axis = flatten_axis + len(shape) if flatten_axis < 0 else flatten_axis
     rows = int(np.prod(shape[:axis], dtype=np.int64))
     cols = int(np.prod(shape[axis:], dtype=np.int64))
     fmt = fmt_of(q_dtype)
     if layout == "rowwise":
-        v = dequantize_copy(res.data.reshape(rows, cols), res.scale_inv, mode, fmt,
-                            gsi=None if res.global_scale_inv is None else res.global_scale_inv[0])
+        v = dequantize_copy(
+            res.data.reshape(rows, cols),
+            res.scale_inv,
+            mode,
+            fmt,
+            gsi=None if res.global_scale_inv is None else res.global_scale_inv[0],
+        )
         return cast_out(v.reshape(shape), out_dtype)
-    v = dequantize_copy(res.colwise_data.reshape(cols, rows), res.colwise_scale_inv, mode, fmt,
-                        gsi=None if res.global_scale_inv is None else res.global_scale_inv[1],
-                        rht=rht, rht_sign_mask=rht_sign_mask)
+    v = dequantize_copy(
+        res.colwise_data.reshape(cols, rows),
+        res.colwise_scale_inv,
+        mode,
+        fmt,
+        gsi=None if res.global_scale_inv is None else res.global_scale_inv[1],
+        rht=rht,
+        rht_sign_mask=rht_sign_mask,
+    )
     return cast_out(v.T.reshape(shape), out_dtype)
 
 
@@ -506,8 +552,8 @@ def grouped_quantize(x, group_sizes, mode: int, q_dtype=None, *, scale=None, lay
 # --------------------------------------------------------------------------------------------
 def _self_check():
     # float32 arithmetic must honor subnormals (no FTZ/DAZ in this process).
-    tiny = np.float32(2.0 ** -126)
-    assert mul32(tiny, np.float32(0.5)) == np.float32(2.0 ** -127), "float32 flushes subnormals"
+    tiny = np.float32(2.0**-126)
+    assert mul32(tiny, np.float32(0.5)) == np.float32(2.0**-127), "float32 flushes subnormals"
     # Every code decodes and re-encodes to itself (except NaN codes / -0 handled).
     for fmt, n in ((E4M3, 256), (E5M2, 256), (E2M1, 16)):
         c = np.arange(n)

@@ -42,8 +42,9 @@ def start(script: str, group: str) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    return subprocess.Popen([sys.executable, script, group], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, script, group], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120.0) -> list[str]:
@@ -57,8 +58,9 @@ def finish(proc: subprocess.Popen, timeout: float = 120.0) -> list[str]:
     lines = out.splitlines()
     started = [ln[6:] for ln in lines if ln.startswith("START ")]
     if proc.returncode != 0 or "DONE" not in lines:
-        raise AssertionError(f"worker died (rc {proc.returncode}) in case {started[-1:]}; "
-                             f"stderr: {err[-2000:]}")
+        raise AssertionError(
+            f"worker died (rc {proc.returncode}) in case {started[-1:]}; stderr: {err[-2000:]}"
+        )
     verdicts = [ln for ln in lines if ln.startswith(("PASS ", "FAIL "))]
     assert len(verdicts) == len(started) > 0, lines
     fails = [ln for ln in verdicts if ln.startswith("FAIL ")]

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_on, to_cpu
+from test_norm import assert_close, assert_same_scaled, bits, f64, make
 
 import lowbit
-from conftest import run_on, to_cpu
 from lowbit.ops.activation import act_lu, dact_dbias
-from test_norm import assert_close, assert_same_scaled, bits, f64, make
 
 SM = lowbit.ScalingMode
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -34,8 +34,10 @@ REF = {
     "linear": (lambda x: x, lambda x: np.ones_like(x)),
     "gelu": (
         lambda x: 0.5 * x * (1 + np.tanh(_C * (x + 0.044715 * x**3))),
-        lambda x: 0.5 * (1 + np.tanh(_C * (x + 0.044715 * x**3)))
-        + 0.5 * x * (1 - np.tanh(_C * (x + 0.044715 * x**3)) ** 2) * _C * (1 + 3 * 0.044715 * x**2),
+        lambda x: (
+            0.5 * (1 + np.tanh(_C * (x + 0.044715 * x**3)))
+            + 0.5 * x * (1 - np.tanh(_C * (x + 0.044715 * x**3)) ** 2) * _C * (1 + 3 * 0.044715 * x**2)
+        ),
     ),
     "gelu_exact": (
         lambda x: 0.5 * x * (1 + _erf(x / math.sqrt(2))),
@@ -43,7 +45,10 @@ REF = {
     ),
     "relu": (lambda x: np.maximum(x, 0), lambda x: (x > 0).astype(np.float64)),
     "silu": (lambda x: x * _sig(x), lambda x: _sig(x) * (1 + x * (1 - _sig(x)))),
-    "quick_gelu": (lambda x: x * _sig(1.702 * x), lambda x: _sig(1.702 * x) * (1 + 1.702 * x * (1 - _sig(1.702 * x)))),
+    "quick_gelu": (
+        lambda x: x * _sig(1.702 * x),
+        lambda x: _sig(1.702 * x) * (1 + 1.702 * x * (1 - _sig(1.702 * x))),
+    ),
     "squared_relu": (lambda x: np.maximum(x, 0) ** 2, lambda x: 2 * np.maximum(x, 0)),
 }
 ACTS = list(REF)
@@ -104,12 +109,21 @@ def test_forward_and_grad(device, rng, name, gated, dtype):
     assert_close(dx, ref_backward(dy, x, name, gated), 2 * tol(dtype), floor=5e-2, what="dx")
 
 
-@pytest.mark.parametrize("alias,pair", [("geglu", ("gelu", "linear")), ("swiglu", ("silu", "linear")),
-                                        ("reglu", ("relu", "linear")), ("qgeglu", ("quick_gelu", "linear")),
-                                        ("sreglu", ("squared_relu", "linear"))])
+@pytest.mark.parametrize(
+    "alias,pair",
+    [
+        ("geglu", ("gelu", "linear")),
+        ("swiglu", ("silu", "linear")),
+        ("reglu", ("relu", "linear")),
+        ("qgeglu", ("quick_gelu", "linear")),
+        ("sreglu", ("squared_relu", "linear")),
+    ],
+)
 def test_gated_aliases(rng, alias, pair):
     x = make_x(rng, (4, 64), F32)
-    np.testing.assert_array_equal(np.asarray(lowbit.activation(x, alias)), np.asarray(lowbit.activation(x, pair)))
+    np.testing.assert_array_equal(
+        np.asarray(lowbit.activation(x, alias)), np.asarray(lowbit.activation(x, pair))
+    )
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
@@ -142,7 +156,9 @@ def spec_args(mode, q, layout):
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("acts", [("gelu",), ("silu", "linear"), ("squared_relu",)], ids=lambda a: "+".join(a))
+@pytest.mark.parametrize(
+    "acts", [("gelu",), ("silu", "linear"), ("squared_relu",)], ids=lambda a: "+".join(a)
+)
 @pytest.mark.parametrize("mode,q,layout", FUSED, ids=lambda v: getattr(v, "name", None) or str(v))
 def test_fused_forward_bit_equal(device, rng, dtype, acts, mode, q, layout):
     x = make_x(rng, (4, 12, 64), dtype)
@@ -243,8 +259,9 @@ def test_gpu_large(gpu_device, rng, acts):
     def fn(dy, x):
         y = act_lu(x, acts)
         qt = act_lu(x, acts, quantize=(SM.DELAYED_TENSOR_SCALING, E4M3, jnp.ones((1,), jnp.float32) * 2.0))
-        ref = lowbit.quantize(y, SM.DELAYED_TENSOR_SCALING, E4M3, scale=jnp.ones((1,), jnp.float32) * 2.0,
-                              layout="both")
+        ref = lowbit.quantize(
+            y, SM.DELAYED_TENSOR_SCALING, E4M3, scale=jnp.ones((1,), jnp.float32) * 2.0, layout="both"
+        )
         dq, db = dact_dbias(dy, x, acts, quantize=spec, with_dbias=True)
         dx, _ = dact_dbias(dy, x, acts)
         return y, qt, ref, dq, db, dx, lowbit.quantize(dx, spec[0], spec[1], layout="both")

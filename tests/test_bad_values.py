@@ -19,12 +19,19 @@ X = jnp.linspace(-2, 2, 32 * 32, dtype=jnp.float32).reshape(32, 32)
 @pytest.mark.parametrize("bad", BAD)
 def test_concrete_delayed_scale_refused(bad):
     s = jnp.float32(bad)
-    for call in (lambda: lowbit.quantize(X, SM.DELAYED_TENSOR_SCALING, scale=s),
-                 lambda: lowbit.quantize_dbias(X, SM.DELAYED_TENSOR_SCALING, scale=s),
-                 lambda: lowbit.grouped_quantize(X, jnp.array([16, 16], jnp.int32), SM.DELAYED_TENSOR_SCALING,
-                                                 scale=jnp.array([1.0, bad], jnp.float32)),
-                 lambda: lowbit.layernorm(X, jnp.ones((32,)), jnp.zeros((32,)),
-                                          quantize=(SM.DELAYED_TENSOR_SCALING, jnp.float8_e4m3fn, s))):
+    for call in (
+        lambda: lowbit.quantize(X, SM.DELAYED_TENSOR_SCALING, scale=s),
+        lambda: lowbit.quantize_dbias(X, SM.DELAYED_TENSOR_SCALING, scale=s),
+        lambda: lowbit.grouped_quantize(
+            X,
+            jnp.array([16, 16], jnp.int32),
+            SM.DELAYED_TENSOR_SCALING,
+            scale=jnp.array([1.0, bad], jnp.float32),
+        ),
+        lambda: lowbit.layernorm(
+            X, jnp.ones((32,)), jnp.zeros((32,)), quantize=(SM.DELAYED_TENSOR_SCALING, jnp.float8_e4m3fn, s)
+        ),
+    ):
         with pytest.raises(ValueError, match="scale must be positive and finite"):
             call()
 
@@ -36,8 +43,9 @@ def test_concrete_state_scale_refused(role, bad):
     state = dict(lowbit.init_delayed_state(r), **{f"{role}_scale": jnp.full((1,), bad, jnp.float32)})
     with pytest.raises(ValueError, match=f"state\\['{role}_scale'\\] must be positive and finite"):
         lowbit.dense(X, X, recipe=r, state=state)
-    gstate = dict(lowbit.init_grouped_delayed_state(r, 2),
-                  **{f"{role}_scale": jnp.array([1.0, bad], jnp.float32)})
+    gstate = dict(
+        lowbit.init_grouped_delayed_state(r, 2), **{f"{role}_scale": jnp.array([1.0, bad], jnp.float32)}
+    )
     with pytest.raises(ValueError, match=f"state\\['{role}_scale'\\]"):
         lowbit.grouped_gemm(X, jnp.ones((2, 32, 16)), jnp.array([16, 16], jnp.int32), recipe=r, state=gstate)
 

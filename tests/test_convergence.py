@@ -30,8 +30,11 @@ def conv():
 def test_layer_recipe_defaults_and_validation():
     n = R.NVFP4BlockScaling()
     assert [n.layer_recipe(i, 4) for i in range(4)] == [None, n, n, None]  # first and last in BF16
-    keep = R.NVFP4BlockScaling(high_precision_first_layers=1, high_precision_last_layers=2,
-                               high_precision_recipe=R.MXFP8BlockScaling())
+    keep = R.NVFP4BlockScaling(
+        high_precision_first_layers=1,
+        high_precision_last_layers=2,
+        high_precision_recipe=R.MXFP8BlockScaling(),
+    )
     mx, nv = "MXFP8BlockScaling", "NVFP4BlockScaling"
     assert [type(keep.layer_recipe(i, 5)).__name__ for i in range(5)] == [mx, nv, nv, mx, mx]
     every = R.NVFP4BlockScaling(high_precision_first_layers=0, high_precision_last_layers=0)
@@ -44,8 +47,11 @@ def test_layer_recipe_defaults_and_validation():
         R.NVFP4BlockScaling(high_precision_last_layers=-1)
     with pytest.raises(TypeError, match="high_precision_recipe"):
         R.NVFP4BlockScaling(high_precision_recipe=R.NVFP4BlockScaling())
-    same = R.NVFP4BlockScaling(high_precision_first_layers=1, high_precision_last_layers=2,
-                               high_precision_recipe=R.MXFP8BlockScaling())
+    same = R.NVFP4BlockScaling(
+        high_precision_first_layers=1,
+        high_precision_last_layers=2,
+        high_precision_recipe=R.MXFP8BlockScaling(),
+    )
     assert hash(keep) == hash(same) and keep == same and keep != n
 
 

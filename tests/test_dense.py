@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_on, to_cpu
 
 import lowbit
-from conftest import run_on, to_cpu
 
 SM = lowbit.ScalingMode
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -20,13 +20,20 @@ RECIPES = {
     "delayed": lowbit.DelayedScaling(amax_history_len=4),
     "mxfp8": lowbit.MXFP8BlockScaling(),
     "nvfp4": lowbit.NVFP4BlockScaling(),
-    "nvfp4_plain": lowbit.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True,
-                                            disable_2d_quantization=True),
+    "nvfp4_plain": lowbit.NVFP4BlockScaling(
+        disable_rht=True, disable_stochastic_rounding=True, disable_2d_quantization=True
+    ),
 }
 # Relative Frobenius error bounds vs float64: (forward, dgrad/wgrad). Measured errors are about
 # half of these (FP8 HYBRID: 0.02 / 0.06; MXFP8: 0.02 / 0.04; NVFP4: 0.08 / 0.18).
-BOUNDS = {"current": (0.04, 0.1), "current_e4m3": (0.04, 0.06), "delayed": (0.04, 0.1),
-          "mxfp8": (0.04, 0.07), "nvfp4": (0.15, 0.3), "nvfp4_plain": (0.15, 0.25)}
+BOUNDS = {
+    "current": (0.04, 0.1),
+    "current_e4m3": (0.04, 0.06),
+    "delayed": (0.04, 0.1),
+    "mxfp8": (0.04, 0.07),
+    "nvfp4": (0.15, 0.3),
+    "nvfp4_plain": (0.15, 0.25),
+}
 
 
 def rel(got, ref) -> float:
@@ -123,11 +130,14 @@ def test_checkpoint_policy_saves_gemm_outputs(rng):
     assert gemms(jax.checkpoint_policies.checkpoint_dots) == 4
 
 
-@pytest.mark.parametrize("dims,kshape,spec", [
-    (((2, 3), (0, 1)), (4, 16, 2, 12), "abcd,cdef->abef"),
-    (((3, 2), (0, 1)), (16, 4, 24), "abcd,dce->abe"),    # pairs given out of order
-    (((2, 3), (1, 2)), (24, 4, 16), "abcd,ecd->abe"),    # contracted kernel axes not leading
-])
+@pytest.mark.parametrize(
+    "dims,kshape,spec",
+    [
+        (((2, 3), (0, 1)), (4, 16, 2, 12), "abcd,cdef->abef"),
+        (((3, 2), (0, 1)), (16, 4, 24), "abcd,dce->abe"),  # pairs given out of order
+        (((2, 3), (1, 2)), (24, 4, 16), "abcd,ecd->abe"),  # contracted kernel axes not leading
+    ],
+)
 def test_dense_general_dimension_numbers(rng, dims, kshape, spec):
     """The dimension numbers nn.DenseGeneral passes; float64 references by einsum."""
     x = rng.standard_normal((2, 3, 4, 16)).astype(np.float32)
@@ -165,7 +175,9 @@ def test_no_recipe_is_plain_dot_general(rng):
     np.testing.assert_allclose(np.asarray(y), np.asarray(jnp.dot(x, w) + b), rtol=1e-6)
     with lowbit.autocast(RECIPES["current"]):
         yq = lowbit.dense(x, w, b)
-    np.testing.assert_array_equal(np.asarray(yq), np.asarray(lowbit.dense(x, w, b, recipe=RECIPES["current"])))
+    np.testing.assert_array_equal(
+        np.asarray(yq), np.asarray(lowbit.dense(x, w, b, recipe=RECIPES["current"]))
+    )
     assert lowbit.get_recipe() is None
 
 
@@ -176,7 +188,7 @@ def _hand_update(history, scale, amax, fmax, margin, algo):
     history = [np.float32(amax)] + history[:-1]
     a = max(history) if algo == "max" else history[0]
     if np.isfinite(a) and a > 0:
-        scale = np.float32(np.float32(fmax) / np.float32(a)) / np.float32(2.0 ** margin)
+        scale = np.float32(np.float32(fmax) / np.float32(a)) / np.float32(2.0**margin)
     return history, np.float32(scale)
 
 
@@ -195,24 +207,38 @@ def test_delayed_state_sequence(rng, algo):
         y, _, _, _, new_state = step(x, w, b, dy, state)
         # The forward used the stored scales (state before this step).
         qx = lowbit.quantize(x, SM.DELAYED_TENSOR_SCALING, jnp.float8_e4m3fn, scale=state["x_scale"])
-        qk = lowbit.quantize(w, SM.DELAYED_TENSOR_SCALING, jnp.float8_e4m3fn, scale=state["kernel_scale"],
-                             layout="colwise")
+        qk = lowbit.quantize(
+            w, SM.DELAYED_TENSOR_SCALING, jnp.float8_e4m3fn, scale=state["kernel_scale"], layout="colwise"
+        )
         np.testing.assert_array_equal(np.asarray(y), np.asarray(lowbit.gemm(qx, qk, b, out_dtype=F32)))
         for role, t_ in (("x", x), ("kernel", w), ("grad", dy)):
             amax = np.max(np.abs(t_.astype(np.float32)))
             hand[role] = _hand_update(*hand[role], amax, fmax[role], margin, algo)
-            np.testing.assert_allclose(np.asarray(new_state[f"{role}_amax_history"]), np.array(hand[role][0]),
-                                       rtol=0, atol=0, err_msg=f"step {t} {role} history")
-            np.testing.assert_allclose(np.asarray(new_state[f"{role}_scale"]), [hand[role][1]], rtol=1e-6,
-                                       err_msg=f"step {t} {role} scale")
+            np.testing.assert_allclose(
+                np.asarray(new_state[f"{role}_amax_history"]),
+                np.array(hand[role][0]),
+                rtol=0,
+                atol=0,
+                err_msg=f"step {t} {role} history",
+            )
+            np.testing.assert_allclose(
+                np.asarray(new_state[f"{role}_scale"]),
+                [hand[role][1]],
+                rtol=1e-6,
+                err_msg=f"step {t} {role} scale",
+            )
         state = new_state
 
 
 def test_update_delayed_scale_guards():
     r = lowbit.DelayedScaling(amax_history_len=2)
-    h, s = lowbit.update_delayed_scale(jnp.zeros(2), jnp.array([3.0]), jnp.float32(jnp.inf), r, jnp.float8_e4m3fn)
+    h, s = lowbit.update_delayed_scale(
+        jnp.zeros(2), jnp.array([3.0]), jnp.float32(jnp.inf), r, jnp.float8_e4m3fn
+    )
     assert float(s[0]) == 3.0
-    h, s = lowbit.update_delayed_scale(jnp.zeros(2), jnp.array([3.0]), jnp.float32(1e-37), r, jnp.float8_e4m3fn)
+    h, s = lowbit.update_delayed_scale(
+        jnp.zeros(2), jnp.array([3.0]), jnp.float32(1e-37), r, jnp.float8_e4m3fn
+    )
     assert np.isfinite(float(s[0])) and float(s[0]) == np.finfo(np.float32).max
 
 

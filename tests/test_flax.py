@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import run_on, to_cpu
 
 import lowbit
 from lowbit import flax as lf
-from conftest import run_on, to_cpu
 
 OWG = lf.OVERWRITE_WITH_GRADIENT
 RECIPES = {
@@ -60,8 +60,13 @@ def test_variables(name):
         assert set(mods) == {"LowbitWrapper_dot_general_0", "LowbitWrapper_dot_general_1"}
         for m in mods.values():
             assert {k: a.shape for k, a in m.items()} == {
-                "x_amax_history": (1024,), "x_scale": (1,), "kernel_amax_history": (1024,),
-                "kernel_scale": (1,), "grad_amax_history": (1024,), "grad_scale": (1,)}
+                "x_amax_history": (1024,),
+                "x_scale": (1,),
+                "kernel_amax_history": (1024,),
+                "kernel_scale": (1,),
+                "grad_amax_history": (1024,),
+                "grad_scale": (1,),
+            }
     else:
         assert set(v) == {"params"}
 
@@ -115,19 +120,24 @@ def test_delayed_state_over_training_steps():
     fmax = {"x": 448.0, "kernel": 448.0, "grad": 57344.0}
     for step in range(6):
         x = jnp.asarray(rng.standard_normal((16, 32)) * (step + 1), jnp.float32)
-        t = jnp.asarray(rng.standard_normal((16, 32)) * 0.1 ** step, jnp.float32)
-        amaxes = {"x": np.abs(np.asarray(x)).max(), "kernel": np.abs(np.asarray(v["params"]["kernel"])).max(),
-                  "grad": np.abs(np.asarray(t)).max()}
+        t = jnp.asarray(rng.standard_normal((16, 32)) * 0.1**step, jnp.float32)
+        amaxes = {
+            "x": np.abs(np.asarray(x)).max(),
+            "kernel": np.abs(np.asarray(v["params"]["kernel"])).max(),
+            "grad": np.abs(np.asarray(t)).max(),
+        }
         v, opt = train_step(v, opt, x, t)
         s = v[OWG]["dot_general"]  # a top-level Dense owns its dot_general attribute
         for role in hand:
             hist = [float(amaxes[role])] + hand[role][0][:-1]
             scale = np.float32(fmax[role]) / np.float32(max(hist))
             hand[role] = (hist, scale)
-            np.testing.assert_allclose(np.asarray(s[f"{role}_amax_history"]), hist, rtol=1e-7,
-                                       err_msg=f"step {step} {role}")
-            np.testing.assert_allclose(np.asarray(s[f"{role}_scale"]), [scale], rtol=1e-6,
-                                       err_msg=f"step {step} {role}")
+            np.testing.assert_allclose(
+                np.asarray(s[f"{role}_amax_history"]), hist, rtol=1e-7, err_msg=f"step {step} {role}"
+            )
+            np.testing.assert_allclose(
+                np.asarray(s[f"{role}_scale"]), [scale], rtol=1e-6, err_msg=f"step {step} {role}"
+            )
 
 
 def test_nvfp4_sr_rng_stream():
@@ -136,10 +146,14 @@ def test_nvfp4_sr_rng_stream():
     x = jax.random.normal(jax.random.PRNGKey(1), (32, 32), jnp.float32)
     v = model.init(jax.random.PRNGKey(0), x)  # init needs no sr_rng
     grad = jax.jit(lambda v, k: jax.grad(lambda v: jnp.sum(model.apply(v, x, rngs={"sr_rng": k}) ** 2))(v))
-    g1, g1b, g2 = grad(v, jax.random.PRNGKey(1)), grad(v, jax.random.PRNGKey(1)), grad(v, jax.random.PRNGKey(2))
+    g1, g1b, g2 = (
+        grad(v, jax.random.PRNGKey(1)),
+        grad(v, jax.random.PRNGKey(1)),
+        grad(v, jax.random.PRNGKey(2)),
+    )
     k1, k1b, k2 = (np.asarray(g["params"]["Dense_0"]["kernel"]) for g in (g1, g1b, g2))
     np.testing.assert_array_equal(k1, k1b)  # the key decides the rounding ...
-    assert not np.array_equal(k1, k2)        # ... and a different key rounds differently
+    assert not np.array_equal(k1, k2)  # ... and a different key rounds differently
     with pytest.raises(ValueError, match="sr_rng"):
         jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(v)
 
@@ -164,7 +178,9 @@ def test_dense_general_and_errors():
     with pytest.raises(ValueError, match="contraction size mismatch"):
         mod.init(jax.random.PRNGKey(0), jnp.ones((8, 16)), jnp.ones((32, 32)), (((1,), (0,)), ((), ())))
     with pytest.raises(TypeError, match="x must be float32"):
-        mod.init(jax.random.PRNGKey(0), jnp.ones((8, 16), jnp.int32), jnp.ones((16, 32)), (((1,), (0,)), ((), ())))
+        mod.init(
+            jax.random.PRNGKey(0), jnp.ones((8, 16), jnp.int32), jnp.ones((16, 32)), (((1,), (0,)), ((), ()))
+        )
 
 
 def test_autocast_and_wrapper_alias():

@@ -50,12 +50,22 @@ def _quantize_cases(dbias=False):
     fn = lowbit.quantize_dbias if dbias else lowbit.quantize
     D, MX, NV = SM.DELAYED_TENSOR_SCALING, SM.MXFP8_1D_SCALING, SM.NVFP4_1D_SCALING
     cases = [
-        ("x", jnp.ones((32, 64), jnp.int32)), ("x", jnp.ones((32, 64), bool)),
-        ("x", jnp.ones((32, 64), jnp.float8_e4m3fn)), ("x", "abc"), ("x", None), ("x", jnp.float32(1)),
+        ("x", jnp.ones((32, 64), jnp.int32)),
+        ("x", jnp.ones((32, 64), bool)),
+        ("x", jnp.ones((32, 64), jnp.float8_e4m3fn)),
+        ("x", "abc"),
+        ("x", None),
+        ("x", jnp.float32(1)),
         ("x", jnp.ones((32, 48)), ("x", "32"), dict(scaling_mode=MX)),
         ("x", jnp.ones((8, 64)), ("x", "16"), dict(scaling_mode=NV, layout="both")),
-        ("scaling_mode", 99), ("scaling_mode", "MXFP8"), ("scaling_mode", None), ("scaling_mode", -1),
-        ("q_dtype", jnp.int8), ("q_dtype", jnp.float32), ("q_dtype", jnp.float4_e2m1fn), ("q_dtype", "fp8"),
+        ("scaling_mode", 99),
+        ("scaling_mode", "MXFP8"),
+        ("scaling_mode", None),
+        ("scaling_mode", -1),
+        ("q_dtype", jnp.int8),
+        ("q_dtype", jnp.float32),
+        ("q_dtype", jnp.float4_e2m1fn),
+        ("q_dtype", "fp8"),
         ("q_dtype", jnp.float8_e4m3fn, ("q_dtype",), dict(scaling_mode=NV)),
         ("scale", jnp.float32(1.0), ("scale", "DELAYED")),
         ("scale", None, ("scale", "required"), dict(scaling_mode=D)),
@@ -64,11 +74,18 @@ def _quantize_cases(dbias=False):
         ("scale", "s", ("scale",), dict(scaling_mode=D)),
         ("scale", jnp.float32(0), ("scale", "positive"), dict(scaling_mode=D)),
         ("scale", jnp.float32(float("nan")), ("scale", "finite"), dict(scaling_mode=D)),
-        ("layout", "row"), ("layout", None), ("layout", 3), ("layout", "ROWWISE"),
-        ("flatten_axis", 2), ("flatten_axis", -3), ("flatten_axis", 1.5), ("flatten_axis", "a"),
+        ("layout", "row"),
+        ("layout", None),
+        ("layout", 3),
+        ("layout", "ROWWISE"),
+        ("flatten_axis", 2),
+        ("flatten_axis", -3),
+        ("flatten_axis", 1.5),
+        ("flatten_axis", "a"),
         ("flatten_axis", None),
         ("rng_key", jnp.zeros((2,), jnp.uint32)),
-        ("rht", True), ("rht", True, ("rht",), dict(scaling_mode=MX)),
+        ("rht", True),
+        ("rht", True, ("rht",), dict(scaling_mode=MX)),
         ("rht_sign_mask", "m", ("rht_sign_mask",), dict(scaling_mode=NV, rht=True, layout="colwise")),
     ]
     return _swap(dict(x=x, scaling_mode=SM.CURRENT_TENSOR_SCALING), cases, fn)
@@ -78,10 +95,16 @@ def _dequantize_cases():
     jnp, lowbit, SM, x = _setup()
     q = lowbit.quantize(x, SM.CURRENT_TENSOR_SCALING)
     cases = [
-        ("qt", x), ("qt", None), ("qt", (q.data, q.scale_inv)),
-        ("layout", "both"), ("layout", "x"), ("layout", None),
+        ("qt", x),
+        ("qt", None),
+        ("qt", (q.data, q.scale_inv)),
+        ("layout", "both"),
+        ("layout", "x"),
+        ("layout", None),
         ("layout", "colwise", ("colwise",)),
-        ("dtype", jnp.int8), ("dtype", jnp.float8_e4m3fn), ("dtype", "abc"),
+        ("dtype", jnp.int8),
+        ("dtype", jnp.float8_e4m3fn),
+        ("dtype", "abc"),
     ]
     return _swap(dict(qt=q), cases, lowbit.dequantize)
 
@@ -91,20 +114,30 @@ def _grouped_quantize_cases():
     gs = jnp.array([10, 22], jnp.int32)
     D, MX = SM.DELAYED_TENSOR_SCALING, SM.MXFP8_1D_SCALING
     cases = [
-        ("x", jnp.ones((2, 16, 64)), ("x", "2-D")), ("x", jnp.ones((32, 64), jnp.int32)), ("x", None),
+        ("x", jnp.ones((2, 16, 64)), ("x", "2-D")),
+        ("x", jnp.ones((32, 64), jnp.int32)),
+        ("x", None),
         ("x", jnp.ones((32, 48)), ("x", "32"), dict(scaling_mode=MX)),
-        ("group_sizes", gs.astype(jnp.float32)), ("group_sizes", gs.reshape(1, 2)),
-        ("group_sizes", jnp.zeros((0,), jnp.int32)), ("group_sizes", None), ("group_sizes", "a"),
-        ("scaling_mode", SM.NVFP4_1D_SCALING), ("scaling_mode", 42), ("scaling_mode", SM.NO_SCALING),
-        ("q_dtype", jnp.float4_e2m1fn), ("q_dtype", jnp.int8),
-        ("layout", "both", ("layout", "rowwise"), dict(scaling_mode=MX)), ("layout", "diag"),
+        ("group_sizes", gs.astype(jnp.float32)),
+        ("group_sizes", gs.reshape(1, 2)),
+        ("group_sizes", jnp.zeros((0,), jnp.int32)),
+        ("group_sizes", None),
+        ("group_sizes", "a"),
+        ("scaling_mode", SM.NVFP4_1D_SCALING),
+        ("scaling_mode", 42),
+        ("scaling_mode", SM.NO_SCALING),
+        ("q_dtype", jnp.float4_e2m1fn),
+        ("q_dtype", jnp.int8),
+        ("layout", "both", ("layout", "rowwise"), dict(scaling_mode=MX)),
+        ("layout", "diag"),
         ("scale", None, ("scale",), dict(scaling_mode=D)),
         ("scale", jnp.ones((3,), jnp.float32), ("scale", "(2,)"), dict(scaling_mode=D)),
         ("scale", jnp.array([1.0, float("inf")], jnp.float32), ("scale", "finite"), dict(scaling_mode=D)),
         ("scale", jnp.ones((2,), jnp.float32), ("scale",)),
     ]
-    return _swap(dict(x=x, group_sizes=gs, scaling_mode=SM.CURRENT_TENSOR_SCALING), cases,
-                 lowbit.grouped_quantize)
+    return _swap(
+        dict(x=x, group_sizes=gs, scaling_mode=SM.CURRENT_TENSOR_SCALING), cases, lowbit.grouped_quantize
+    )
 
 
 def _grouped_dequantize_cases():
@@ -112,12 +145,16 @@ def _grouped_dequantize_cases():
     gs = jnp.array([10, 22], jnp.int32)
     q = lowbit.grouped_quantize(x, gs, SM.CURRENT_TENSOR_SCALING)
     cases = [
-        ("qt", x), ("qt", None),
+        ("qt", x),
+        ("qt", None),
         ("qt", lowbit.quantize(x.reshape(2, 16, 64), SM.CURRENT_TENSOR_SCALING), ("qt.shape", "2-D")),
         ("group_sizes", jnp.array([10, 10, 12], jnp.int32), ("group_sizes", "3", "2")),
         ("group_sizes", jnp.array([32], jnp.int32), ("group_sizes", "1")),
-        ("group_sizes", gs.astype(jnp.float32)), ("group_sizes", gs.reshape(2, 1)), ("group_sizes", "ab"),
-        ("layout", "colwise", ("colwise",)), ("layout", "both"),
+        ("group_sizes", gs.astype(jnp.float32)),
+        ("group_sizes", gs.reshape(2, 1)),
+        ("group_sizes", "ab"),
+        ("layout", "colwise", ("colwise",)),
+        ("layout", "both"),
         ("dtype", jnp.int32),
     ]
     return _swap(dict(qt=q, group_sizes=gs), cases, lowbit.grouped_dequantize)
@@ -131,16 +168,25 @@ def _gemm_cases():
     mx = lowbit.quantize(x, SM.MXFP8_1D_SCALING)
     nv = lowbit.quantize(x, SM.NVFP4_1D_SCALING)
     cases = [
-        ("a", x, ("a", "bfloat16")), ("a", jnp.ones((32, 64), jnp.int8), ("a", "bfloat16")),
-        ("a", None), ("a", "abc"), ("a", jnp.bfloat16(1), ("a", "dimension")),
-        ("a", xb[:, :32], ("K=32", "K=64")), ("a", q4, ("per-tensor", "bf16")),
-        ("a", q5, ("a", "b", "e5m2"), dict(b=q5)), ("a", mx, ("a", "b", "format"), dict(b=nv)),
+        ("a", x, ("a", "bfloat16")),
+        ("a", jnp.ones((32, 64), jnp.int8), ("a", "bfloat16")),
+        ("a", None),
+        ("a", "abc"),
+        ("a", jnp.bfloat16(1), ("a", "dimension")),
+        ("a", xb[:, :32], ("K=32", "K=64")),
+        ("a", q4, ("per-tensor", "bf16")),
+        ("a", q5, ("a", "b", "e5m2"), dict(b=q5)),
+        ("a", mx, ("a", "b", "format"), dict(b=nv)),
         ("a", nv, ("b", "BF16")),
         ("bias", jnp.zeros((3,), jnp.bfloat16), ("bias", "N=32")),
-        ("bias", jnp.zeros((32,), jnp.int32), ("bias", "bfloat16")), ("bias", "b"),
-        ("a_layout", "rowwise", ("a_layout",)), ("a_layout", "diag", ("a_layout",), dict(a=q4, b=q4)),
+        ("bias", jnp.zeros((32,), jnp.int32), ("bias", "bfloat16")),
+        ("bias", "b"),
+        ("a_layout", "rowwise", ("a_layout",)),
+        ("a_layout", "diag", ("a_layout",), dict(a=q4, b=q4)),
         ("b_layout", "colwise", ("colwise",), dict(a=q4, b=q5)),
-        ("out_dtype", jnp.float16), ("out_dtype", jnp.int32), ("out_dtype", "x"),
+        ("out_dtype", jnp.float16),
+        ("out_dtype", jnp.int32),
+        ("out_dtype", "x"),
     ]
     return _swap(dict(a=xb, b=xb), cases, lowbit.gemm)
 
@@ -151,13 +197,19 @@ def _dense_cases():
     cur, dl = lowbit.Float8CurrentScaling(), lowbit.DelayedScaling(amax_history_len=4)
     st = lowbit.init_delayed_state(dl)
     cases = [
-        ("x", x.astype(jnp.int32), ("x", "float32")), ("x", jnp.float32(1), ("x", "rank-0")),
-        ("x", None), ("x", "x"), ("x", x[:, :48], ("x axis", "48", "64")),
+        ("x", x.astype(jnp.int32), ("x", "float32")),
+        ("x", jnp.float32(1), ("x", "rank-0")),
+        ("x", None),
+        ("x", "x"),
+        ("x", x[:, :48], ("x axis", "48", "64")),
         ("kernel", k.astype(jnp.int8), ("kernel", "float32")),
         ("kernel", jnp.float32(1), ("kernel", "rank-0")),
-        ("kernel", jnp.ones((64,)), ("kernel",)), ("kernel", None),
-        ("bias", jnp.zeros((5,)), ("bias", "(32,)")), ("bias", jnp.zeros((32,), jnp.int32), ("bias",)),
-        ("recipe", "fp8", ("recipe",)), ("recipe", 3, ("recipe",)),
+        ("kernel", jnp.ones((64,)), ("kernel",)),
+        ("kernel", None),
+        ("bias", jnp.zeros((5,)), ("bias", "(32,)")),
+        ("bias", jnp.zeros((32,), jnp.int32), ("bias",)),
+        ("recipe", "fp8", ("recipe",)),
+        ("recipe", 3, ("recipe",)),
         ("contracting_dims", ((0,), (0,)), ("trailing",)),
         ("contracting_dims", ((5,), (0,)), ("contracting_dims",)),
         ("contracting_dims", "ab", ("contracting_dims",)),
@@ -168,7 +220,8 @@ def _dense_cases():
         ("state", {"x_scale": st["x_scale"]}, ("state", "missing"), dict(recipe=dl)),
         ("state", dict(st, x_scale=jnp.ones((2,))), ("x_scale", "(1,)"), dict(recipe=dl)),
         ("state", dict(st, grad_scale=jnp.zeros((1,))), ("grad_scale", "positive"), dict(recipe=dl)),
-        ("out_dtype", jnp.int32), ("out_dtype", jnp.float8_e4m3fn),
+        ("out_dtype", jnp.int32),
+        ("out_dtype", jnp.float8_e4m3fn),
         ("recipe", lowbit.MXFP8BlockScaling(), ("K=48", "32"), dict(x=x[:, :48], kernel=k[:48])),
     ]
     return _swap(dict(x=x, kernel=k, recipe=cur), cases, lowbit.dense)
@@ -180,17 +233,25 @@ def _grouped_gemm_cases():
     gs = jnp.array([10, 22], jnp.int32)
     dl = lowbit.DelayedScaling(amax_history_len=4)
     cases = [
-        ("lhs", x[None], ("lhs", "2-D")), ("lhs", x.astype(jnp.int32), ("lhs",)), ("lhs", None),
+        ("lhs", x[None], ("lhs", "2-D")),
+        ("lhs", x.astype(jnp.int32), ("lhs",)),
+        ("lhs", None),
         ("lhs", x[:, :48], ("K=48", "K=64")),
-        ("rhs", w[0], ("rhs", "3-D")), ("rhs", w.astype(jnp.float16), ("rhs",)), ("rhs", "w"),
+        ("rhs", w[0], ("rhs", "3-D")),
+        ("rhs", w.astype(jnp.float16), ("rhs",)),
+        ("rhs", "w"),
         ("rhs", w[:0], ("rhs", "group")),
-        ("group_sizes", gs.astype(jnp.float32)), ("group_sizes", jnp.array([32], jnp.int32)),
-        ("group_sizes", gs.reshape(1, 2)), ("group_sizes", None),
-        ("recipe", lowbit.MXFP8BlockScaling(), ("recipe",)), ("recipe", "fp8", ("recipe",)),
+        ("group_sizes", gs.astype(jnp.float32)),
+        ("group_sizes", jnp.array([32], jnp.int32)),
+        ("group_sizes", gs.reshape(1, 2)),
+        ("group_sizes", None),
+        ("recipe", lowbit.MXFP8BlockScaling(), ("recipe",)),
+        ("recipe", "fp8", ("recipe",)),
         ("state", lowbit.init_grouped_delayed_state(dl, 2), ("state",)),
         ("state", None, ("state", "DelayedScaling"), dict(recipe=dl)),
         ("state", lowbit.init_delayed_state(dl), ("state", "(4, 2)"), dict(recipe=dl)),
-        ("preferred_element_type", jnp.int32), ("preferred_element_type", jnp.float8_e4m3fn),
+        ("preferred_element_type", jnp.int32),
+        ("preferred_element_type", jnp.float8_e4m3fn),
     ]
     return _swap(dict(lhs=x, rhs=w, group_sizes=gs), cases, lowbit.grouped_gemm)
 
@@ -200,16 +261,24 @@ def _layernorm_cases():
     g, b = jnp.ones((64,)), jnp.zeros((64,))
     D = SM.DELAYED_TENSOR_SCALING
     cases = [
-        ("x", x.astype(jnp.int32)), ("x", jnp.float32(1), ("x",)), ("x", None),
+        ("x", x.astype(jnp.int32)),
+        ("x", jnp.float32(1), ("x",)),
+        ("x", None),
         ("x", jnp.ones((4, 0)), ("x",)),
-        ("gamma", jnp.ones((32,)), ("gamma", "(64,)")), ("gamma", jnp.ones((64,), jnp.int32)),
+        ("gamma", jnp.ones((32,)), ("gamma", "(64,)")),
+        ("gamma", jnp.ones((64,), jnp.int32)),
         ("gamma", None),
         ("beta", jnp.zeros((3,)), ("beta", "(64,)")),
         ("beta", b, ("beta", "rmsnorm"), dict(norm_type="rmsnorm")),
-        ("norm_type", "batchnorm"), ("norm_type", None),
-        ("zero_centered_gamma", "yes"), ("zero_centered_gamma", 1),
-        ("epsilon", -1.0), ("epsilon", "e"), ("epsilon", float("nan")),
-        ("quantize", "fp8"), ("quantize", (SM.CURRENT_TENSOR_SCALING, jnp.int8, None), ("q_dtype",)),
+        ("norm_type", "batchnorm"),
+        ("norm_type", None),
+        ("zero_centered_gamma", "yes"),
+        ("zero_centered_gamma", 1),
+        ("epsilon", -1.0),
+        ("epsilon", "e"),
+        ("epsilon", float("nan")),
+        ("quantize", "fp8"),
+        ("quantize", (SM.CURRENT_TENSOR_SCALING, jnp.int8, None), ("q_dtype",)),
         ("quantize", (D, jnp.float8_e4m3fn, None), ("scale",)),
         ("quantize", (D, jnp.float8_e4m3fn, jnp.float32(float("inf"))), ("scale", "finite")),
         ("quantize", (99, jnp.float8_e4m3fn, None), ("scaling_mode",)),
@@ -221,12 +290,18 @@ def _layernorm_cases():
 def _activation_cases():
     jnp, lowbit, SM, x = _setup()
     cases = [
-        ("x", x.astype(jnp.int32)), ("x", jnp.float32(1), ("x", "dimension")), ("x", None),
+        ("x", x.astype(jnp.int32)),
+        ("x", jnp.float32(1), ("x", "dimension")),
+        ("x", None),
         ("x", x[:, :63], ("x", "even"), dict(activations=("silu", "linear"))),
-        ("activations", "foo", ("activation",)), ("activations", ("gelu", "gelu"), ("activations",)),
-        ("activations", 3, ("activations",)), ("activations", (), ("activations",)),
-        ("activations", ("linear", "silu"), ("activation",)), ("activations", None, ("activations",)),
-        ("quantize", "fp8"), ("quantize", (SM.CURRENT_TENSOR_SCALING, jnp.int8, None), ("q_dtype",)),
+        ("activations", "foo", ("activation",)),
+        ("activations", ("gelu", "gelu"), ("activations",)),
+        ("activations", 3, ("activations",)),
+        ("activations", (), ("activations",)),
+        ("activations", ("linear", "silu"), ("activation",)),
+        ("activations", None, ("activations",)),
+        ("quantize", "fp8"),
+        ("quantize", (SM.CURRENT_TENSOR_SCALING, jnp.int8, None), ("q_dtype",)),
         ("quantize", (SM.DELAYED_TENSOR_SCALING, jnp.float8_e4m3fn, jnp.float32(0)), ("scale", "positive")),
         ("quantize", (SM.MXFP8_1D_SCALING, None, None), ("x", "32"), dict(x=x[:, :48])),
     ]
@@ -237,17 +312,32 @@ def _softmax_cases():
     jnp, lowbit, SM, x = _setup()
     x4 = x.reshape(1, 1, 32, 64)
     cases = [
-        ("x", x.astype(jnp.int32)), ("x", jnp.float32(1), ("x", "dimension")), ("x", None),
-        ("scale_factor", "a"), ("scale_factor", jnp.float32(2.0)), ("scale_factor", float("inf")),
-        ("scale_factor", float("nan")), ("scale_factor", True), ("scale_factor", None),
+        ("x", x.astype(jnp.int32)),
+        ("x", jnp.float32(1), ("x", "dimension")),
+        ("x", None),
+        ("scale_factor", "a"),
+        ("scale_factor", jnp.float32(2.0)),
+        ("scale_factor", float("inf")),
+        ("scale_factor", float("nan")),
+        ("scale_factor", True),
+        ("scale_factor", None),
         ("mask", jnp.zeros((1, 1, 32, 64), bool), ("mask", "scaled_masked")),
         ("mask", jnp.zeros((1, 1, 3, 64), bool), ("mask", "broadcast"), dict(softmax_type="scaled_masked")),
-        ("mask", jnp.zeros((1, 1, 32, 64), jnp.float32), ("mask", "boolean"),
-         dict(softmax_type="scaled_masked")),
+        (
+            "mask",
+            jnp.zeros((1, 1, 32, 64), jnp.float32),
+            ("mask", "boolean"),
+            dict(softmax_type="scaled_masked"),
+        ),
         ("mask", None, ("mask", "required"), dict(softmax_type="scaled_masked")),
-        ("x", jnp.ones((1, 1, 1, 32, 64)), ("x", "rank"), dict(softmax_type="scaled_masked",
-                                                                mask=jnp.zeros((32, 64), bool))),
-        ("softmax_type", "causal"), ("softmax_type", None),
+        (
+            "x",
+            jnp.ones((1, 1, 1, 32, 64)),
+            ("x", "rank"),
+            dict(softmax_type="scaled_masked", mask=jnp.zeros((32, 64), bool)),
+        ),
+        ("softmax_type", "causal"),
+        ("softmax_type", None),
         ("softmax_type", "scaled_upper_triang_masked", ("x", "square")),
     ]
     return _swap(dict(x=x4), cases, lowbit.softmax)

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import is_gpu, run_on, to_cpu
 
 import lowbit
-from conftest import is_gpu, run_on, to_cpu
 
 SM = lowbit.ScalingMode
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -124,7 +124,7 @@ def test_fp8_delayed_and_current_mix(device, rng):
 
 def test_fp8_colwise_copies(device, rng):
     """The wgrad pattern: both operands' colwise copies, contracting the tokens."""
-    x = rng.standard_normal((2, 32, 48)).astype(np.float32)   # tokens (2, 32), K = 48
+    x = rng.standard_normal((2, 32, 48)).astype(np.float32)  # tokens (2, 32), K = 48
     dy = rng.standard_normal((2, 32, 24)).astype(np.float32)  # N = 24
 
     def f(x, dy):
@@ -220,8 +220,9 @@ def test_nvfp4(device, rng, rht, mode_b):
 
 
 @pytest.mark.parametrize("mag", [1e-39, 1e-40])
-@pytest.mark.parametrize("mode", [SM.MXFP8_1D_SCALING, SM.NVFP4_1D_SCALING, SM.NVFP4_2D_SCALING],
-                         ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "mode", [SM.MXFP8_1D_SCALING, SM.NVFP4_1D_SCALING, SM.NVFP4_2D_SCALING], ids=lambda m: m.name
+)
 def test_block_scaled_subnormal(device, rng, mode, mag):
     """An operand below float32's normal range (tracker issue 11, point 8): the GEMM of the
     quantized operands must match their float64 product. The BF16 decode of the MXFP8 study path

@@ -18,14 +18,17 @@ def _x():
     return jnp.asarray(np.random.default_rng(11).standard_normal((64, 32)).astype(np.float32))
 
 
-@pytest.mark.parametrize("sizes", [
-    (2147483647, 5),          # the sum wraps int32
-    (2147483647, 2147483647),
-    (40, 2147483600, 70),
-    (10, -3, 70),             # negative counts as 0; the sum passes M
-    (0, 64),
-    (20, 10),                 # rows 30.. are in no group
-])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        (2147483647, 5),  # the sum wraps int32
+        (2147483647, 2147483647),
+        (40, 2147483600, 70),
+        (10, -3, 70),  # negative counts as 0; the sum passes M
+        (0, 64),
+        (20, 10),  # rows 30.. are in no group
+    ],
+)
 @pytest.mark.parametrize("mode", [SM.CURRENT_TENSOR_SCALING, SM.MXFP8_1D_SCALING])
 def test_sizes_past_rows_agree_with_grouped_quantize(sizes, mode):
     x = _x()

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import is_gpu, run_on, to_cpu
 
 import lowbit
-from conftest import is_gpu, run_on, to_cpu
 from lowbit.flax.ragged_dot import make_ragged_dot_cls
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -32,7 +32,7 @@ def ref_forward(lhs, rhs, sizes):
     lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
     out = np.zeros((lhs.shape[0], rhs.shape[2]))
     for g, (o, s) in enumerate(ranges(sizes, lhs.shape[0])):
-        out[o:o + s] = lhs[o:o + s] @ rhs[g]
+        out[o : o + s] = lhs[o : o + s] @ rhs[g]
     return out
 
 
@@ -40,8 +40,8 @@ def ref_grads(lhs, rhs, sizes, dout):
     lhs, rhs, dout = (np.asarray(a, np.float64) for a in (lhs, rhs, dout))
     dlhs, drhs = np.zeros_like(lhs), np.zeros_like(rhs)
     for g, (o, s) in enumerate(ranges(sizes, lhs.shape[0])):
-        dlhs[o:o + s] = dout[o:o + s] @ rhs[g].T
-        drhs[g] = lhs[o:o + s].T @ dout[o:o + s]
+        dlhs[o : o + s] = dout[o : o + s] @ rhs[g].T
+        drhs[g] = lhs[o : o + s].T @ dout[o : o + s]
     return dlhs, drhs
 
 
@@ -112,14 +112,29 @@ def test_bf16_forward_and_grads(device, rng, name):
 def test_float32_inputs_and_preferred_type(device, rng):
     M, K, N, sizes = case_sizes("uneven_with_empty", rng)
     lhs, rhs = bf16_values(rng, (M, K)), bf16_values(rng, (len(sizes), K, N))
-    y = to_cpu(run_on(device, lambda a, b, s: lowbit.grouped_gemm(a, b, s, preferred_element_type=F32),
-                      jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes)))
+    y = to_cpu(
+        run_on(
+            device,
+            lambda a, b, s: lowbit.grouped_gemm(a, b, s, preferred_element_type=F32),
+            jnp.asarray(lhs),
+            jnp.asarray(rhs),
+            jnp.asarray(sizes),
+        )
+    )
     assert y.dtype == np.float32
     assert rel(y, ref_forward(lhs, rhs, sizes)) < 6e-3
     # float32 operands give float32 results and float32 gradients (computed from bf16 operands).
-    g = to_cpu(run_on(device, lambda a, b, s: jax.grad(
-        lambda a, b: jnp.sum(lowbit.grouped_gemm(a, b, s) ** 2), argnums=(0, 1))(a, b),
-        jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes)))
+    g = to_cpu(
+        run_on(
+            device,
+            lambda a, b, s: jax.grad(lambda a, b: jnp.sum(lowbit.grouped_gemm(a, b, s) ** 2), argnums=(0, 1))(
+                a, b
+            ),
+            jnp.asarray(lhs),
+            jnp.asarray(rhs),
+            jnp.asarray(sizes),
+        )
+    )
     assert g[0].dtype == np.float32 and g[1].dtype == np.float32
 
 
@@ -138,7 +153,9 @@ def state_for(recipe, G):
 
 
 @pytest.mark.parametrize("recipe_name", list(FP8_RECIPES))
-@pytest.mark.parametrize("name", ["uneven_with_empty", "G128", "sum_below_M", "sum_above_M", "K_N_not_multiples"])
+@pytest.mark.parametrize(
+    "name", ["uneven_with_empty", "G128", "sum_below_M", "sum_above_M", "K_N_not_multiples"]
+)
 def test_fp8_forward_and_grads_vs_float64(device, rng, recipe_name, name):
     recipe = FP8_RECIPES[recipe_name]
     M, K, N, sizes = case_sizes(name, rng)
@@ -151,7 +168,9 @@ def test_fp8_forward_and_grads_vs_float64(device, rng, recipe_name, name):
         for role, x in (("x", lhs), ("kernel", rhs.reshape(G * K, N)), ("grad", dout)):
             fmax = float(jnp.finfo(recipe.q_dtype(role)).max)
             sz = sizes if role != "kernel" else np.full(G, K, np.int32)
-            amax = np.array([np.abs(x[o:o + s]).max() if s else 0.0 for o, s in ranges(sz, x.shape[0])], np.float32)
+            amax = np.array(
+                [np.abs(x[o : o + s]).max() if s else 0.0 for o, s in ranges(sz, x.shape[0])], np.float32
+            )
             state[f"{role}_scale"] = jnp.asarray(np.where(amax > 0, fmax / np.maximum(amax, 1e-30), 1.0), F32)
 
     def f(a, b, s, d, st):
@@ -184,14 +203,17 @@ def test_fp8_gemm_vs_decoded_operands(device, rng, name):
 
     def f(a, b, s):
         qx = lowbit.grouped_quantize(a, s, SM.CURRENT_TENSOR_SCALING, jnp.float8_e4m3fn)
-        qw = lowbit.grouped_quantize(b.reshape(G * K, N), jnp.full((G,), K, jnp.int32),
-                                     SM.CURRENT_TENSOR_SCALING, jnp.float8_e4m3fn)
+        qw = lowbit.grouped_quantize(
+            b.reshape(G * K, N), jnp.full((G,), K, jnp.int32), SM.CURRENT_TENSOR_SCALING, jnp.float8_e4m3fn
+        )
         return lowbit.grouped_gemm(a, b, s, recipe=recipe), qx.data, qx.scale_inv, qw.data, qw.scale_inv
 
-    y, xd, xs, wd, ws = to_cpu(run_on(device, f, jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16), jnp.asarray(sizes)))
+    y, xd, xs, wd, ws = to_cpu(
+        run_on(device, f, jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16), jnp.asarray(sizes))
+    )
     xq = np.zeros((M, K))
     for g, (o, s) in enumerate(ranges(sizes, M)):
-        xq[o:o + s] = xd[o:o + s].astype(np.float64) * xs[g]
+        xq[o : o + s] = xd[o : o + s].astype(np.float64) * xs[g]
     wq = wd.astype(np.float64).reshape(G, K, N) * ws[:, None, None].astype(np.float64)
     # bfloat16 output rounding; the GPU forward accumulates FP8 products with fast accumulation.
     assert rel(y, ref_forward(xq, wq, sizes)) < (2e-2 if is_gpu(device) else 6e-3)
@@ -209,10 +231,25 @@ def test_delayed_state_update(device, rng):
         _, vjp = jax.vjp(lambda a, b, st: lowbit.grouped_gemm(a, b, s, recipe=recipe, state=st), a, b, st)
         return vjp(d)[2]
 
-    new = to_cpu(run_on(device, f, jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16), jnp.asarray(sizes),
-                        jnp.asarray(dout, BF16), state))
-    for role, x, sz in (("x", lhs, sizes), ("kernel", rhs.reshape(G * K, N), np.full(G, K)), ("grad", dout, sizes)):
-        amax = np.array([np.abs(x[o:o + s]).max() if s else 0.0 for o, s in ranges(sz, x.shape[0])], np.float32)
+    new = to_cpu(
+        run_on(
+            device,
+            f,
+            jnp.asarray(lhs, BF16),
+            jnp.asarray(rhs, BF16),
+            jnp.asarray(sizes),
+            jnp.asarray(dout, BF16),
+            state,
+        )
+    )
+    for role, x, sz in (
+        ("x", lhs, sizes),
+        ("kernel", rhs.reshape(G * K, N), np.full(G, K)),
+        ("grad", dout, sizes),
+    ):
+        amax = np.array(
+            [np.abs(x[o : o + s]).max() if s else 0.0 for o, s in ranges(sz, x.shape[0])], np.float32
+        )
         h = new[f"{role}_amax_history"]
         assert h.shape == (3, G)
         np.testing.assert_array_equal(h[0], amax)
@@ -242,20 +279,27 @@ def test_group_sizes_computed_inside_jit(device, rng, recipe):
         val, (gx, gw) = jax.value_and_grad(loss, argnums=(0, 1))(xs, w)
         return val, gx, gw, sizes, xs
 
-    val, gx, gw, sizes, xs = to_cpu(run_on(device, step, jnp.asarray(x, BF16), jnp.asarray(router), jnp.asarray(w, BF16)))
+    val, gx, gw, sizes, xs = to_cpu(
+        run_on(device, step, jnp.asarray(x, BF16), jnp.asarray(router), jnp.asarray(w, BF16))
+    )
     xs = xs.astype(np.float64)
     y = ref_forward(xs, w, sizes)
     rdl, rdr = ref_grads(xs, w, sizes, 2 * y)
     tol = 6e-3 if recipe is None else 0.12
-    assert abs(float(val) - float(np.sum(y ** 2))) / float(np.sum(y ** 2)) < (1e-2 if recipe is None else 0.1)
+    assert abs(float(val) - float(np.sum(y**2))) / float(np.sum(y**2)) < (1e-2 if recipe is None else 0.1)
     assert rel(gx, rdl) < tol and rel(gw, rdr) < tol
 
 
 def test_matches_ragged_dot(device, rng):
     M, K, N, sizes = case_sizes("uneven_with_empty", rng)
-    lhs, rhs = jnp.asarray(bf16_values(rng, (M, K)), BF16), jnp.asarray(bf16_values(rng, (len(sizes), K, N)), BF16)
-    f = lambda a, b, s: (lowbit.grouped_gemm(a, b, s, preferred_element_type=F32),
-                         jax.lax.ragged_dot(a, b, s, preferred_element_type=F32))
+    lhs, rhs = (
+        jnp.asarray(bf16_values(rng, (M, K)), BF16),
+        jnp.asarray(bf16_values(rng, (len(sizes), K, N)), BF16),
+    )
+    f = lambda a, b, s: (
+        lowbit.grouped_gemm(a, b, s, preferred_element_type=F32),
+        jax.lax.ragged_dot(a, b, s, preferred_element_type=F32),
+    )
     ours, theirs = to_cpu(run_on(device, f, lhs, rhs, jnp.asarray(sizes)))
     assert rel(ours, np.asarray(theirs, np.float64)) < 6e-3
 
@@ -272,8 +316,11 @@ class _Experts(nn.Module):
         return self.ragged_dot_cls(name="ragged_dot")(x, w.astype(x.dtype), sizes)
 
 
-@pytest.mark.parametrize("recipe", [None, lowbit.Float8CurrentScaling(), lowbit.DelayedScaling(amax_history_len=2)],
-                         ids=["bf16", "current", "delayed"])
+@pytest.mark.parametrize(
+    "recipe",
+    [None, lowbit.Float8CurrentScaling(), lowbit.DelayedScaling(amax_history_len=2)],
+    ids=["bf16", "current", "delayed"],
+)
 def test_make_ragged_dot_cls(device, rng, recipe):
     G, M, K, N = 4, 64, 32, 48
     sizes = jnp.asarray([10, 0, 40, 14], jnp.int32)
@@ -345,12 +392,22 @@ def test_gpu_medium_uneven(gpu_device, rng, recipe):
     sizes[3] = 0
     lhs, rhs = bf16_values(rng, (M, K)), bf16_values(rng, (G, K, N), 0.05)
     dout = bf16_values(rng, (M, N))
-    f = lambda a, b, s, d: vjp_outputs(lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d)
-    y, dl, dr = to_cpu(run_on(gpu_device, f, jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16), jnp.asarray(sizes),
-                              jnp.asarray(dout, BF16)))
+    f = lambda a, b, s, d: vjp_outputs(
+        lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d
+    )
+    y, dl, dr = to_cpu(
+        run_on(
+            gpu_device,
+            f,
+            jnp.asarray(lhs, BF16),
+            jnp.asarray(rhs, BF16),
+            jnp.asarray(sizes),
+            jnp.asarray(dout, BF16),
+        )
+    )
     ref = ref_forward(lhs, rhs, sizes)
     rdl, rdr = ref_grads(lhs, rhs, sizes, dout)
     tol = (6e-3, 6e-3) if recipe is None else (0.06, 0.12)
     assert rel(y, ref) < tol[0] and rel(dl, rdl) < tol[1] and rel(dr, rdr) < tol[1]
-    assert not np.any(np.asarray(y, np.float32)[int(sizes.sum()):])
+    assert not np.any(np.asarray(y, np.float32)[int(sizes.sum()) :])
     assert not np.any(np.asarray(dr[3], np.float32))

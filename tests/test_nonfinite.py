@@ -18,8 +18,12 @@ RNG = np.random.default_rng(0)
 X = jnp.asarray(RNG.standard_normal((32, 64)), jnp.float32)
 W = jnp.asarray(RNG.standard_normal((64, 32)) * 0.1, jnp.float32)
 DY = jnp.asarray(RNG.standard_normal((32, 32)), jnp.float32)
-RECIPES = {"delayed": DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling(),
-           "mxfp8": MXFP8BlockScaling(), "nvfp4": NVFP4BlockScaling(disable_stochastic_rounding=True)}
+RECIPES = {
+    "delayed": DelayedScaling(amax_history_len=4),
+    "current": Float8CurrentScaling(),
+    "mxfp8": MXFP8BlockScaling(),
+    "nvfp4": NVFP4BlockScaling(disable_stochastic_rounding=True),
+}
 
 
 def _with_inf(a, at=(3, 5)):
@@ -76,7 +80,8 @@ def test_nonfinite_amax_never_enters_the_history():
         np.testing.assert_array_equal(h2, h)
         np.testing.assert_array_equal(s2, s)
     grads = jax.grad(lambda st: jnp.sum(lowbit.dense(_with_inf(X), W, recipe=r, state=st)))(
-        lowbit.init_delayed_state(r))
+        lowbit.init_delayed_state(r)
+    )
     for k, v in grads.items():  # the whole step leaves the state as it was
         np.testing.assert_array_equal(v, lowbit.init_delayed_state(r)[k], err_msg=k)
 
@@ -100,8 +105,13 @@ def test_apply_if_finite_skips_the_inf_step_and_training_recovers(name):
             new[OWG] = g[OWG]
         return new, opt, loss
 
-    batches = [(jnp.asarray(RNG.standard_normal((32, 64)) * (i + 1), jnp.float32),
-                jnp.asarray(RNG.standard_normal((32, 32)), jnp.float32)) for i in range(5)]
+    batches = [
+        (
+            jnp.asarray(RNG.standard_normal((32, 64)) * (i + 1), jnp.float32),
+            jnp.asarray(RNG.standard_normal((32, 32)), jnp.float32),
+        )
+        for i in range(5)
+    ]
     bad = (_with_inf(batches[1][0]), batches[1][1])
 
     def train(seq):

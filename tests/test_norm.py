@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_on, to_cpu
 
 import lowbit
-from conftest import run_on, to_cpu
 from lowbit.ops.norm import layernorm_bwd, layernorm_fwd
 
 SM = lowbit.ScalingMode
@@ -68,8 +68,10 @@ def assert_close(got, want, rtol, floor=1e-2, what=""):
     bad = np.abs(got - want) > bound
     if bad.any():
         i = tuple(np.argwhere(bad)[0])
-        raise AssertionError(f"{what}: {bad.sum()} of {bad.size} off; first at {i}: got {got[i]}, want {want[i]} "
-                             f"(bound {bound[i]:.3g})")
+        raise AssertionError(
+            f"{what}: {bad.sum()} of {bad.size} off; first at {i}: got {got[i]}, want {want[i]} "
+            f"(bound {bound[i]:.3g})"
+        )
 
 
 def bits(a):
@@ -138,8 +140,14 @@ def test_gradients(device, rng, dtype, norm_type, zc):
     beta = beta if norm_type == "layernorm" else None
 
     def fn(x, gamma, beta, dy):
-        y, vjp = jax.vjp(lambda x, g, b: lowbit.layernorm(x, g, b, norm_type=norm_type, zero_centered_gamma=zc,
-                                                          epsilon=EPS), x, gamma, beta)
+        y, vjp = jax.vjp(
+            lambda x, g, b: lowbit.layernorm(
+                x, g, b, norm_type=norm_type, zero_centered_gamma=zc, epsilon=EPS
+            ),
+            x,
+            gamma,
+            beta,
+        )
         return vjp(dy)
 
     dx, dg, db = to_cpu(run_on(device, fn, x, gamma, beta, dy))
@@ -217,8 +225,11 @@ def test_fused_quantize_bit_equal(device, rng, dtype, norm_type, mode, q, layout
     assert_same_scaled(got, want)
 
 
-@pytest.mark.parametrize("mode,q", [(SM.MXFP8_1D_SCALING, E4M3), (SM.NVFP4_1D_SCALING, jnp.float4_e2m1fn),
-                                    (SM.NO_SCALING, None)], ids=["mxfp8", "nvfp4", "none"])
+@pytest.mark.parametrize(
+    "mode,q",
+    [(SM.MXFP8_1D_SCALING, E4M3), (SM.NVFP4_1D_SCALING, jnp.float4_e2m1fn), (SM.NO_SCALING, None)],
+    ids=["mxfp8", "nvfp4", "none"],
+)
 def test_block_modes_match_quantize(rng, mode, q):
     x = make(rng, (32, 64), BF16)
     gamma, beta = params(rng, 64, False)

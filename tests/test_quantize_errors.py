@@ -71,14 +71,17 @@ def test_bad_scaling_mode(x, mode):
         lowbit.quantize(x, mode)
 
 
-@pytest.mark.parametrize("mode,q_dtype", [
-    (SM.MXFP8_1D_SCALING, E2M1),
-    (SM.CURRENT_TENSOR_SCALING, E2M1),
-    (SM.DELAYED_TENSOR_SCALING, jnp.bfloat16),
-    (SM.CURRENT_TENSOR_SCALING, jnp.float8_e8m0fnu),
-    (SM.NVFP4_1D_SCALING, E4M3),
-    (SM.NVFP4_2D_SCALING, E5M2),
-])
+@pytest.mark.parametrize(
+    "mode,q_dtype",
+    [
+        (SM.MXFP8_1D_SCALING, E2M1),
+        (SM.CURRENT_TENSOR_SCALING, E2M1),
+        (SM.DELAYED_TENSOR_SCALING, jnp.bfloat16),
+        (SM.CURRENT_TENSOR_SCALING, jnp.float8_e8m0fnu),
+        (SM.NVFP4_1D_SCALING, E4M3),
+        (SM.NVFP4_2D_SCALING, E5M2),
+    ],
+)
 def test_q_dtype_mismatch(x, mode, q_dtype):
     kw = dict(scale=jnp.ones((1,), jnp.float32)) if mode == SM.DELAYED_TENSOR_SCALING else {}
     want = "float4_e2m1fn" if mode in (SM.NVFP4_1D_SCALING, SM.NVFP4_2D_SCALING) else "float8_e4m3fn"
@@ -87,7 +90,9 @@ def test_q_dtype_mismatch(x, mode, q_dtype):
 
 
 # --- block multiples -------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape,layout", [((32, 48), "rowwise"), ((32, 100), "both"), ((4, 2, 24), "rowwise")])
+@pytest.mark.parametrize(
+    "shape,layout", [((32, 48), "rowwise"), ((32, 100), "both"), ((4, 2, 24), "rowwise")]
+)
 def test_mxfp8_contraction_axis_multiple_of_32(shape, layout):
     x = jnp.ones(shape, jnp.float32)
     cols = shape[-1]
@@ -102,12 +107,15 @@ def test_mxfp8_colwise_rows_multiple_of_32():
     lowbit.quantize(jnp.ones((48, 64)), SM.MXFP8_1D_SCALING, layout="rowwise")
 
 
-@pytest.mark.parametrize("mode,shape,layout", [
-    (SM.NVFP4_1D_SCALING, (16, 24), "rowwise"),
-    (SM.NVFP4_1D_SCALING, (24, 32), "colwise"),
-    (SM.NVFP4_2D_SCALING, (8, 32), "rowwise"),
-    (SM.NVFP4_2D_SCALING, (32, 40), "both"),
-])
+@pytest.mark.parametrize(
+    "mode,shape,layout",
+    [
+        (SM.NVFP4_1D_SCALING, (16, 24), "rowwise"),
+        (SM.NVFP4_1D_SCALING, (24, 32), "colwise"),
+        (SM.NVFP4_2D_SCALING, (8, 32), "rowwise"),
+        (SM.NVFP4_2D_SCALING, (32, 40), "both"),
+    ],
+)
 def test_nvfp4_multiple_of_16(mode, shape, layout):
     with _raises(ValueError, "16", mode.name):
         lowbit.quantize(jnp.ones(shape), mode, layout=layout)
@@ -126,8 +134,9 @@ def test_delayed_needs_scale(x):
         lowbit.quantize(x, SM.DELAYED_TENSOR_SCALING)
 
 
-@pytest.mark.parametrize("scale", [jnp.ones((2,), jnp.float32), jnp.ones((1,), jnp.int32),
-                                   jnp.ones((1,), jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "scale", [jnp.ones((2,), jnp.float32), jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.bfloat16)]
+)
 def test_delayed_bad_scale(x, scale):
     with _raises(TypeError, "scale", "float32"):
         lowbit.quantize(x, SM.DELAYED_TENSOR_SCALING, scale=scale)
@@ -140,8 +149,9 @@ def test_scale_only_for_delayed(x, mode):
 
 
 # --- rng_key / rht ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", [SM.DELAYED_TENSOR_SCALING, SM.CURRENT_TENSOR_SCALING, SM.MXFP8_1D_SCALING,
-                                  SM.NO_SCALING])
+@pytest.mark.parametrize(
+    "mode", [SM.DELAYED_TENSOR_SCALING, SM.CURRENT_TENSOR_SCALING, SM.MXFP8_1D_SCALING, SM.NO_SCALING]
+)
 def test_rng_key_with_fp8_mode(x, mode):
     kw = dict(scale=jnp.ones((1,), jnp.float32)) if mode == SM.DELAYED_TENSOR_SCALING else {}
     with _raises(ValueError, "rng_key", "NVFP4", mode.name):
@@ -175,9 +185,16 @@ def test_dequantize_errors(x):
 
 
 # --- grouped ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sizes", [jnp.array([32, 32], jnp.float32), jnp.array([32, 32], jnp.uint32),
-                                   jnp.array([32, 32], jnp.int16), jnp.array([[32, 32]], jnp.int32)],
-                         ids=["float32", "uint32", "int16", "2d"])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        jnp.array([32, 32], jnp.float32),
+        jnp.array([32, 32], jnp.uint32),
+        jnp.array([32, 32], jnp.int16),
+        jnp.array([[32, 32]], jnp.int32),
+    ],
+    ids=["float32", "uint32", "int16", "2d"],
+)
 def test_group_sizes_dtype(x, sizes):
     with _raises(TypeError, "group_sizes", "int32", "(G,)"):
         lowbit.grouped_quantize(x, sizes, SM.CURRENT_TENSOR_SCALING)

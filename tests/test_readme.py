@@ -35,9 +35,11 @@ def test_readme_snippets_run_and_give_what_they_say():
     assert np.linalg.norm(y - x) / np.linalg.norm(x) < 0.05
     assert "_overwrite_with_gradient" in ns["variables"]
     assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree_util.tree_leaves(ns["variables"]))
-    ref = np.concatenate([
-        np.asarray(ns["tokens"], np.float64)[a:b] @ np.asarray(ns["experts"], np.float64)[g]
-        for g, (a, b) in enumerate(zip(np.cumsum([0, 100, 0, 300])[:4], np.cumsum([100, 0, 300, 112])))
-    ])
+    ref = np.concatenate(
+        [
+            np.asarray(ns["tokens"], np.float64)[a:b] @ np.asarray(ns["experts"], np.float64)[g]
+            for g, (a, b) in enumerate(zip(np.cumsum([0, 100, 0, 300])[:4], np.cumsum([100, 0, 300, 112])))
+        ]
+    )
     out = np.asarray(ns["out"], np.float64)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2

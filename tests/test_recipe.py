@@ -47,11 +47,14 @@ def test_other_defaults():
     assert np.dtype(n.q_dtype("x")) == np.dtype(jnp.float4_e2m1fn)
 
 
-@pytest.mark.parametrize("fmt,fwd,bwd", [
-    (R.Format.E4M3, jnp.float8_e4m3fn, jnp.float8_e4m3fn),
-    (R.Format.E5M2, jnp.float8_e5m2, jnp.float8_e5m2),
-    (R.Format.HYBRID, jnp.float8_e4m3fn, jnp.float8_e5m2),
-])
+@pytest.mark.parametrize(
+    "fmt,fwd,bwd",
+    [
+        (R.Format.E4M3, jnp.float8_e4m3fn, jnp.float8_e4m3fn),
+        (R.Format.E5M2, jnp.float8_e5m2, jnp.float8_e5m2),
+        (R.Format.HYBRID, jnp.float8_e4m3fn, jnp.float8_e5m2),
+    ],
+)
 def test_formats(fmt, fwd, bwd):
     assert np.dtype(fmt.fwd_dtype) == np.dtype(fwd) and np.dtype(fmt.bwd_dtype) == np.dtype(bwd)
     # MXFP8 decodes before its GEMM, so every format runs there; per-tensor GEMMs refuse E5M2.
@@ -85,18 +88,28 @@ def test_distinct_recipes_hash_differently():
     assert R.DelayedScaling(margin=1) != R.DelayedScaling()
     assert R.DelayedScaling(amax_compute_algo="most_recent") != R.DelayedScaling()
     assert R.NVFP4BlockScaling(disable_rht=True) != R.NVFP4BlockScaling()
-    s = {R.DelayedScaling(), R.DelayedScaling(margin=1), R.Float8CurrentScaling(), R.MXFP8BlockScaling(),
-         R.NVFP4BlockScaling(), R.NVFP4BlockScaling(disable_rht=True)}
+    s = {
+        R.DelayedScaling(),
+        R.DelayedScaling(margin=1),
+        R.Float8CurrentScaling(),
+        R.MXFP8BlockScaling(),
+        R.NVFP4BlockScaling(),
+        R.NVFP4BlockScaling(disable_rht=True),
+    }
     assert len(s) == 6
 
 
-@pytest.mark.parametrize("cls,field,value", [
-    (R.DelayedScaling, "margin", 2),
-    (R.DelayedScaling, "amax_history_len", 16),
-    (R.Float8CurrentScaling, "fp8_format", R.Format.E4M3),
-    (R.MXFP8BlockScaling, "fp8_format", R.Format.E5M2),
-    (R.NVFP4BlockScaling, "disable_rht", True),
-], ids=lambda v: getattr(v, "__name__", str(v)))
+@pytest.mark.parametrize(
+    "cls,field,value",
+    [
+        (R.DelayedScaling, "margin", 2),
+        (R.DelayedScaling, "amax_history_len", 16),
+        (R.Float8CurrentScaling, "fp8_format", R.Format.E4M3),
+        (R.MXFP8BlockScaling, "fp8_format", R.Format.E5M2),
+        (R.NVFP4BlockScaling, "disable_rht", True),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
 def test_immutable(cls, field, value):
     r = cls()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -105,15 +118,18 @@ def test_immutable(cls, field, value):
     assert getattr(r2, field) == value and getattr(r, field) != value
 
 
-@pytest.mark.parametrize("kwargs,exc,words", [
-    (dict(margin=-1), ValueError, ("margin",)),
-    (dict(margin=1.5), ValueError, ("margin",)),
-    (dict(amax_history_len=0), ValueError, ("amax_history_len",)),
-    (dict(amax_history_len=2.0), ValueError, ("amax_history_len",)),
-    (dict(amax_compute_algo="mean"), ValueError, ("amax_compute_algo", "max", "most_recent")),
-    (dict(fp8_format="HYBRID"), TypeError, ("fp8_format", "Format")),
-    (dict(fp8_format=jnp.float8_e4m3fn), TypeError, ("fp8_format",)),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,words",
+    [
+        (dict(margin=-1), ValueError, ("margin",)),
+        (dict(margin=1.5), ValueError, ("margin",)),
+        (dict(amax_history_len=0), ValueError, ("amax_history_len",)),
+        (dict(amax_history_len=2.0), ValueError, ("amax_history_len",)),
+        (dict(amax_compute_algo="mean"), ValueError, ("amax_compute_algo", "max", "most_recent")),
+        (dict(fp8_format="HYBRID"), TypeError, ("fp8_format", "Format")),
+        (dict(fp8_format=jnp.float8_e4m3fn), TypeError, ("fp8_format",)),
+    ],
+)
 def test_delayed_validation(kwargs, exc, words):
     with pytest.raises(exc) as e:
         R.DelayedScaling(**kwargs)

@@ -27,15 +27,23 @@ def _tensor_variants(jnp, lowbit, SM):
     row = lowbit.quantize(x, SM.DELAYED_TENSOR_SCALING, scale=jnp.float32(2.0))
     return [
         ("scale_inv_2", _rep(qt, scale_inv=jnp.ones((2,), jnp.float32)), "rowwise", ("scale_inv", "(1,)")),
-        ("scale_inv_bf16", _rep(qt, scale_inv=qt.scale_inv.astype(jnp.bfloat16)), "rowwise",
-         ("scale_inv", "float32")),
+        (
+            "scale_inv_bf16",
+            _rep(qt, scale_inv=qt.scale_inv.astype(jnp.bfloat16)),
+            "rowwise",
+            ("scale_inv", "float32"),
+        ),
         ("scale_inv_none", _rep(qt, scale_inv=None), "rowwise", ("scale_inv", "None")),
         ("data_e5m2", _rep(qt, data=qt.data.astype(jnp.float8_e5m2)), "rowwise", ("data", "float8_e4m3fn")),
         ("data_flat", _rep(qt, data=qt.data.reshape(-1)), "rowwise", ("data", "(64, 48)")),
         ("swapped", _rep(qt, data=qt.colwise_data, colwise_data=qt.data), "rowwise", ("data", "(64, 48)")),
         ("no_colwise", row, "colwise", ("colwise_data", "colwise")),
-        ("cw_scale_small", _rep(qt, colwise_scale_inv=jnp.ones((0,), jnp.float32)), "colwise",
-         ("colwise_scale_inv", "(1,)")),
+        (
+            "cw_scale_small",
+            _rep(qt, colwise_scale_inv=jnp.ones((0,), jnp.float32)),
+            "colwise",
+            ("colwise_scale_inv", "(1,)"),
+        ),
         ("shape_lies", _rep(qt, shape=(64, 64)), "rowwise", ("data", "(64, 64)")),
         ("flatten_axis", _rep(qt, flatten_axis=5), "rowwise", ("flatten_axis",)),
         ("q_dtype_int8", _rep(qt, q_dtype=jnp.dtype("int8")), "rowwise", ("q_dtype",)),
@@ -47,14 +55,26 @@ def _mxfp8_variants(jnp, lowbit, SM):
     x = jnp.linspace(-3, 3, 64 * 96, dtype=jnp.float32).reshape(64, 96)
     qt = lowbit.quantize(x, SM.MXFP8_1D_SCALING, layout="both")
     return [
-        ("big_scale_1", _rep(big, scale_inv=big.scale_inv.reshape(-1)[:1]), "rowwise",
-         ("scale_inv", "(2048, 64)", "float8_e8m0fnu")),
-        ("scale_f32", _rep(qt, scale_inv=qt.scale_inv.astype(jnp.float32)), "rowwise",
-         ("scale_inv", "float8_e8m0fnu")),
+        (
+            "big_scale_1",
+            _rep(big, scale_inv=big.scale_inv.reshape(-1)[:1]),
+            "rowwise",
+            ("scale_inv", "(2048, 64)", "float8_e8m0fnu"),
+        ),
+        (
+            "scale_f32",
+            _rep(qt, scale_inv=qt.scale_inv.astype(jnp.float32)),
+            "rowwise",
+            ("scale_inv", "float8_e8m0fnu"),
+        ),
         ("scale_T", _rep(qt, scale_inv=qt.scale_inv.reshape(3, 64)), "rowwise", ("scale_inv", "(64, 3)")),
         ("scale_cw_for_row", _rep(qt, scale_inv=qt.colwise_scale_inv), "rowwise", ("scale_inv", "(64, 3)")),
-        ("cw_scale_row", _rep(qt, colwise_scale_inv=qt.scale_inv), "colwise",
-         ("colwise_scale_inv", "(96, 2)")),
+        (
+            "cw_scale_row",
+            _rep(qt, colwise_scale_inv=qt.scale_inv),
+            "colwise",
+            ("colwise_scale_inv", "(96, 2)"),
+        ),
         ("swapped", _rep(qt, data=qt.colwise_data, colwise_data=qt.data), "colwise", ("colwise_data",)),
         ("no_colwise", _rep(qt, colwise_data=None, colwise_scale_inv=None), "colwise", ("colwise_data",)),
         ("data_bf16", _rep(qt, data=qt.data.astype(jnp.bfloat16)), "rowwise", ("data", "float8_e4m3fn")),
@@ -66,10 +86,18 @@ def _nvfp4_variants(jnp, lowbit, SM):
     qt = lowbit.quantize(x, SM.NVFP4_1D_SCALING, layout="both")
     return [
         ("gsi_none", _rep(qt, global_scale_inv=None), "rowwise", ("global_scale_inv", "(2,)")),
-        ("gsi_1", _rep(qt, global_scale_inv=qt.global_scale_inv[:1]), "colwise",
-         ("global_scale_inv", "(2,)")),
-        ("scale_e8m0", _rep(qt, scale_inv=qt.scale_inv.astype(jnp.float8_e8m0fnu)), "rowwise",
-         ("scale_inv", "float8_e4m3fn")),
+        (
+            "gsi_1",
+            _rep(qt, global_scale_inv=qt.global_scale_inv[:1]),
+            "colwise",
+            ("global_scale_inv", "(2,)"),
+        ),
+        (
+            "scale_e8m0",
+            _rep(qt, scale_inv=qt.scale_inv.astype(jnp.float8_e8m0fnu)),
+            "rowwise",
+            ("scale_inv", "float8_e4m3fn"),
+        ),
         ("scale_small", _rep(qt, scale_inv=qt.scale_inv[:1]), "rowwise", ("scale_inv", "(32, 4)")),
         ("data_packed", _rep(qt, data=jnp.zeros((32, 32), jnp.uint8)), "rowwise", ("data", "float4_e2m1fn")),
         ("mode_mxfp8", _rep(qt, scaling_mode=SM.MXFP8_1D_SCALING), "rowwise", ("q_dtype",)),
@@ -78,6 +106,7 @@ def _nvfp4_variants(jnp, lowbit, SM):
 
 def _op_cases(op_name, call):
     """Every tampered variant through one op: call(qt, layout) -> result."""
+
     def build():
         import jax.numpy as jnp
 
@@ -87,9 +116,15 @@ def _op_cases(op_name, call):
         out = []
         for family in (_tensor_variants, _mxfp8_variants, _nvfp4_variants):
             for name, qt, layout, words in family(jnp, lowbit, SM):
-                out.append((f"{op_name}/{family.__name__[1:-9]}/{name}",
-                            lambda qt=qt, layout=layout: call(qt, layout), words))
+                out.append(
+                    (
+                        f"{op_name}/{family.__name__[1:-9]}/{name}",
+                        lambda qt=qt, layout=layout: call(qt, layout),
+                        words,
+                    )
+                )
         return out
+
     return build
 
 
@@ -113,8 +148,9 @@ def _gemm(qt, layout):
     import lowbit
 
     k = qt.cols if layout == "rowwise" else qt.rows
-    return lowbit.gemm(jnp.ones((16, k), jnp.bfloat16) if qt.scaling_mode == 0 else qt, qt,
-                       a_layout=layout, b_layout=layout)
+    return lowbit.gemm(
+        jnp.ones((16, k), jnp.bfloat16) if qt.scaling_mode == 0 else qt, qt, a_layout=layout, b_layout=layout
+    )
 
 
 def _grouped_cases():
@@ -132,14 +168,20 @@ def _grouped_cases():
         ("g3_for_2", lambda: gd(qt, jnp.array([20, 20, 24], jnp.int32)), ("group_sizes", "3", "2")),
         ("scale_1", lambda: gd(_rep(qt, scale_inv=qt.scale_inv[:1]), gs), ("group_sizes", "scale_inv")),
         ("scale_2d", lambda: gd(_rep(qt, scale_inv=qt.scale_inv.reshape(1, 2)), gs), ("scale_inv", "(2,)")),
-        ("cw_scale_none", lambda: gd(_rep(qt, colwise_scale_inv=None), gs, "colwise"),
-         ("colwise_scale_inv",)),
+        (
+            "cw_scale_none",
+            lambda: gd(_rep(qt, colwise_scale_inv=None), gs, "colwise"),
+            ("colwise_scale_inv",),
+        ),
         ("no_colwise", lambda: gd(_rep(qt, colwise_data=None), gs, "colwise"), ("colwise_data",)),
         ("data_T", lambda: gd(_rep(qt, data=qt.colwise_data), gs), ("data", "(64, 32)")),
         ("gs_2d", lambda: gd(qt, gs.reshape(1, 2)), ("group_sizes",)),
         ("gs_float", lambda: gd(qt, gs.astype(jnp.float32)), ("group_sizes",)),
-        ("mx_scale_1", lambda: gd(_rep(mx, scale_inv=mx.scale_inv.reshape(-1)[:1]), gs),
-         ("scale_inv", "(64, 1)")),
+        (
+            "mx_scale_1",
+            lambda: gd(_rep(mx, scale_inv=mx.scale_inv.reshape(-1)[:1]), gs),
+            ("scale_inv", "(64, 1)"),
+        ),
         ("mx_colwise", lambda: gd(mx, gs, "colwise"), ("colwise_data",)),
         ("shape_3d", lambda: gd(_rep(qt, shape=(2, 32, 32)), gs), ("shape", "2-D")),
         ("nvfp4", lambda: gd(lowbit.quantize(x, SM.NVFP4_1D_SCALING), gs), ("scaling_mode",)),

@@ -16,8 +16,15 @@ import sys
 import pytest
 
 N_DEV = 4
-CASES = ("column_delayed", "column_current", "column_mxfp8", "dp_only", "row_parallel",
-         "column_hlo", "flax_dot_general")
+CASES = (
+    "column_delayed",
+    "column_current",
+    "column_mxfp8",
+    "dp_only",
+    "row_parallel",
+    "column_hlo",
+    "flax_dot_general",
+)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -27,8 +34,13 @@ def test_sharded(case):
     env["JAX_PLATFORMS"] = "cpu"
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), case], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), case],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
 
 
@@ -39,14 +51,18 @@ def _worker(case: str) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import lowbit
     from lowbit.sharding import MeshResource, global_shard_guard, tensor_parallel_layout
 
     assert len(jax.devices()) == N_DEV, jax.devices()
-    recipes = {"delayed": lowbit.DelayedScaling(amax_history_len=4), "current": lowbit.Float8CurrentScaling(),
-               "mxfp8": lowbit.MXFP8BlockScaling()}
+    recipes = {
+        "delayed": lowbit.DelayedScaling(amax_history_len=4),
+        "current": lowbit.Float8CurrentScaling(),
+        "mxfp8": lowbit.MXFP8BlockScaling(),
+    }
     rng = np.random.default_rng(0)
     B, S, H, F = 4, 32, 128, 256
     bf = jnp.bfloat16
@@ -59,6 +75,7 @@ def _worker(case: str) -> None:
         def step(x, w, b, dy, st):
             y, vjp = jax.vjp(lambda x, w, b, st: lowbit.dense(x, w, b, recipe=recipe, state=st), x, w, b, st)
             return (y,) + vjp(dy)
+
         return step
 
     def state_for(recipe):
@@ -68,8 +85,10 @@ def _worker(case: str) -> None:
         step = step_for(recipe)
         args = (x, w, b, dy, state_for(recipe))
         with jax.set_mesh(mesh), global_shard_guard(resource), tensor_parallel_layout(layout):
-            args = tuple(a if s is None else jax.device_put(a, NamedSharding(mesh, P(*s)))
-                         for a, s in zip(args, specs + (None,)))
+            args = tuple(
+                a if s is None else jax.device_put(a, NamedSharding(mesh, P(*s)))
+                for a, s in zip(args, specs + (None,))
+            )
             fn = jax.jit(step)
             out = fn(*args)
             return (out, fn.lower(*args).compile().as_text()) if lower else out
@@ -83,7 +102,7 @@ def _worker(case: str) -> None:
                 if n in exact or n == "state":
                     assert np.array_equal(lr, lg), (n, np.abs(lr - lg).max())
                 else:  # bf16 outputs: float32 sums in another order, rounded once to bf16
-                    np.testing.assert_allclose(lg, lr, rtol=2.0 ** -7, atol=1e-6 * np.abs(lr).max(), err_msg=n)
+                    np.testing.assert_allclose(lg, lr, rtol=2.0**-7, atol=1e-6 * np.abs(lr).max(), err_msg=n)
 
     mesh22 = Mesh(np.array(jax.devices()).reshape(2, 2), ("dp", "tp"))
     dp_tp = MeshResource(dp_resource="dp", tp_resource="tp")
@@ -100,8 +119,12 @@ def _worker(case: str) -> None:
         for name in ("delayed", "current"):
             recipe = recipes[name]
             ref = jax.jit(step_for(recipe))(x, w, b, dy, state_for(recipe))
-            got = run(recipe, mesh, MeshResource(dp_resource="dp"),
-                      (("dp", None, None), (None, None), (None,), ("dp", None, None)))
+            got = run(
+                recipe,
+                mesh,
+                MeshResource(dp_resource="dp"),
+                (("dp", None, None), (None, None), (None,), ("dp", None, None)),
+            )
             compare(ref, got, exact={"y", "dx"})
     elif case == "row_parallel":
         for name in ("delayed", "current"):
@@ -129,9 +152,14 @@ def _worker(case: str) -> None:
 
         for name in ("delayed", "current"):
             recipe = recipes[name]
-            model = nn.Dense(F, dtype=bf, param_dtype=bf, dot_general_cls=make_dot_general_cls(recipe),
-                             kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "tp")),
-                             bias_init=nn.with_partitioning(nn.initializers.normal(1.0), ("tp",)))
+            model = nn.Dense(
+                F,
+                dtype=bf,
+                param_dtype=bf,
+                dot_general_cls=make_dot_general_cls(recipe),
+                kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "tp")),
+                bias_init=nn.with_partitioning(nn.initializers.normal(1.0), ("tp",)),
+            )
 
             def loss_fn(v, x):
                 return jnp.sum(model.apply(v, x).astype(jnp.float32) * dy.astype(jnp.float32))
@@ -143,7 +171,9 @@ def _worker(case: str) -> None:
             v = nn.unbox(boxed)
             ref = jax.jit(train)(v, x)
             with mesh22, global_shard_guard(dp_tp):  # the legacy `with mesh:` context
-                v_sh = jax.device_put(v, nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh22, []))
+                v_sh = jax.device_put(
+                    v, nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh22, [])
+                )
                 x_sh = jax.device_put(x, NamedSharding(mesh22, P("dp", None, None)))
                 fn = jax.jit(train)
                 got = fn(v_sh, x_sh)
@@ -156,7 +186,9 @@ def _worker(case: str) -> None:
                 if "_overwrite_with_gradient" in jax.tree_util.keystr(path):
                     assert np.array_equal(r, g), path
                 else:
-                    np.testing.assert_allclose(g, r, rtol=2.0 ** -7, atol=1e-6 * np.abs(r).max(), err_msg=str(path))
+                    np.testing.assert_allclose(
+                        g, r, rtol=2.0**-7, atol=1e-6 * np.abs(r).max(), err_msg=str(path)
+                    )
     else:
         raise SystemExit(f"unknown case {case}")
     print(f"OK {case}")

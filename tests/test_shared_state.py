@@ -79,8 +79,9 @@ def _train(model, *extra, steps=4):
 
     @jax.jit
     def step(v, opt, x, t):
-        (loss, y), g = jax.value_and_grad(lambda v: (lambda y: (jnp.mean((y - t) ** 2), y))(
-            model.apply(v, x, *extra)), has_aux=True)(v)
+        (loss, y), g = jax.value_and_grad(
+            lambda v: (lambda y: (jnp.mean((y - t) ** 2), y))(model.apply(v, x, *extra)), has_aux=True
+        )(v)
         upd, opt = tx.update(g["params"], opt, v["params"])
         return {"params": optax.apply_updates(v["params"], upd), OWG: g[OWG]}, opt, y
 
@@ -127,8 +128,10 @@ def test_shared_te_state_module_matches_separate_modules():
 
 
 def test_shared_nn_dense_gets_one_state_per_call():
-    for kw in (dict(dot_general=lf.make_dot_general_cls(RECIPE)()),
-               dict(dot_general_cls=lf.make_dot_general_cls(RECIPE))):
+    for kw in (
+        dict(dot_general=lf.make_dot_general_cls(RECIPE)()),
+        dict(dot_general_cls=lf.make_dot_general_cls(RECIPE)),
+    ):
         d = nn.Dense(32, **kw)
         v = d.init(jax.random.PRNGKey(0), jnp.ones((8, 32)), method=lambda m, x: m(m(x)))
         (state,) = v[OWG].values()

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import lowbit
 from conftest import run_on, to_cpu
 from test_norm import assert_close, f64, make
+
+import lowbit
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -66,8 +66,16 @@ def test_masked(device, rng, dtype, mask_shape):
     mask = rng.random(mask_shape) < 0.4
     if len(mask_shape) == 4 and mask_shape[2] > 1:
         mask[..., 0, :] = True  # fully masked query rows
-    y, dx = check(device, rng, x, dtype, 0.5, ~np.broadcast_to(mask, shape), softmax_type="scaled_masked",
-                  mask=jnp.asarray(mask))
+    y, dx = check(
+        device,
+        rng,
+        x,
+        dtype,
+        0.5,
+        ~np.broadcast_to(mask, shape),
+        softmax_type="scaled_masked",
+        mask=jnp.asarray(mask),
+    )
     masked = np.broadcast_to(mask, shape)
     assert np.all(y[masked] == 0) and np.all(dx[masked] == 0)
     if len(mask_shape) == 4 and mask_shape[2] > 1:
@@ -78,7 +86,9 @@ def test_integer_mask_and_all_masked(rng):
     x = make(rng, (1, 2, 4, 8), F32)
     y = lowbit.softmax(x, 1.0, mask=jnp.ones((1, 1, 4, 8), jnp.int32), softmax_type="scaled_masked")
     assert np.all(np.asarray(y) == 0)
-    g = jax.grad(lambda x: lowbit.softmax(x, 1.0, mask=jnp.ones((4, 8), bool), softmax_type="scaled_masked").sum())(x)
+    g = jax.grad(
+        lambda x: lowbit.softmax(x, 1.0, mask=jnp.ones((4, 8), bool), softmax_type="scaled_masked").sum()
+    )(x)
     assert np.all(np.asarray(g) == 0)
 
 
@@ -94,8 +104,9 @@ def test_causal(device, rng, dtype, shape):
 
 def test_matches_jax_softmax(rng):
     x = make(rng, (3, 4, 16, 16), F32)
-    np.testing.assert_allclose(np.asarray(lowbit.softmax(x, 0.3)), np.asarray(jax.nn.softmax(0.3 * x)), rtol=1e-5,
-                               atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(lowbit.softmax(x, 0.3)), np.asarray(jax.nn.softmax(0.3 * x)), rtol=1e-5, atol=1e-7
+    )
 
 
 def test_errors(rng):
@@ -125,8 +136,16 @@ def test_gpu_long_rows(gpu_device, rng, dtype, sk):
     shape = (2, 2, 16, sk)
     x = make(rng, shape, dtype, 0.0, 3.0)
     mask = rng.random((2, 1, 16, sk)) < 0.3
-    check(gpu_device, rng, x, dtype, 0.2, ~np.broadcast_to(mask, shape), softmax_type="scaled_masked",
-          mask=jnp.asarray(mask))
+    check(
+        gpu_device,
+        rng,
+        x,
+        dtype,
+        0.2,
+        ~np.broadcast_to(mask, shape),
+        softmax_type="scaled_masked",
+        mask=jnp.asarray(mask),
+    )
 
 
 # --- NaN / Inf rows (tracker issue 11, point 3) ----------------------------------------------

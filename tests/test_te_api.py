@@ -16,8 +16,7 @@ from lowbit.te import quantize as te_q
 from lowbit.te.sharding import BATCH_AXES, HIDDEN_TP_AXES, W_FSDP_AXES, W_TP_AXES, MeshResource
 
 pytestmark = pytest.mark.usefixtures("on_cpu")
-ALL = (recipe.DelayedScaling, recipe.Float8CurrentScaling, recipe.MXFP8BlockScaling,
-       recipe.NVFP4BlockScaling)
+ALL = (recipe.DelayedScaling, recipe.Float8CurrentScaling, recipe.MXFP8BlockScaling, recipe.NVFP4BlockScaling)
 
 
 def test_capability_queries_answer_every_recipe_on_cpu():
@@ -83,19 +82,23 @@ def test_recipe_fields_and_predicates():
     assert not recipe.MXFP8BlockScaling.float8_per_tensor_scaling()
 
 
-@pytest.mark.parametrize("cls,field,value", [
-    (recipe.DelayedScaling, "scaling_factor_compute_algo", lambda *a: 1.0),
-    (recipe.DelayedScaling, "reduce_amax", False),
-    (recipe.DelayedScaling, "fp8_dpa", True),
-    (recipe.Float8CurrentScaling, "fp8_mha", True),
-    (recipe.Float8CurrentScaling, "use_power_2_scales", True),
-    (recipe.Float8CurrentScaling, "fp8_gemm_fprop", recipe.MMParams(use_split_accumulator=True)),
-    (recipe.Float8CurrentScaling, "fp8_quant_fwd_inp", recipe.QParams(amax_epsilon=1e-3)),
-    (recipe.MXFP8BlockScaling, "margin", 1),
-    (recipe.MXFP8BlockScaling, "backward_override", "high_precision"),
-    (recipe.NVFP4BlockScaling, "nvfp4_4over6", "all"),
-    (recipe.NVFP4BlockScaling, "row_scaled_activation", True),
-], ids=lambda v: getattr(v, "__name__", str(v)))
+@pytest.mark.parametrize(
+    "cls,field,value",
+    [
+        (recipe.DelayedScaling, "scaling_factor_compute_algo", lambda *a: 1.0),
+        (recipe.DelayedScaling, "reduce_amax", False),
+        (recipe.DelayedScaling, "fp8_dpa", True),
+        (recipe.Float8CurrentScaling, "fp8_mha", True),
+        (recipe.Float8CurrentScaling, "use_power_2_scales", True),
+        (recipe.Float8CurrentScaling, "fp8_gemm_fprop", recipe.MMParams(use_split_accumulator=True)),
+        (recipe.Float8CurrentScaling, "fp8_quant_fwd_inp", recipe.QParams(amax_epsilon=1e-3)),
+        (recipe.MXFP8BlockScaling, "margin", 1),
+        (recipe.MXFP8BlockScaling, "backward_override", "high_precision"),
+        (recipe.NVFP4BlockScaling, "nvfp4_4over6", "all"),
+        (recipe.NVFP4BlockScaling, "row_scaled_activation", True),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
 def test_unhonoured_fields_are_refused_by_name(cls, field, value):
     cls(**{field: dataclasses.fields(cls)[[f.name for f in dataclasses.fields(cls)].index(field)].default})
     with pytest.raises(NotImplementedError, match=field):
@@ -118,15 +121,19 @@ def test_unsupported_recipes_and_formats():
             cls(fp8_format=recipe.Format.E5M2)
     for mode in (te_q.ScalingMode.DELAYED_TENSOR_SCALING, te_q.ScalingMode.CURRENT_TENSOR_SCALING):
         with pytest.raises(ValueError, match="fp8_format"):
-            te_q.QuantizerFactory.create_set(scaling_mode=mode, fwd_dtype=jnp.float8_e5m2,
-                                             bwd_dtype=jnp.float8_e5m2)
+            te_q.QuantizerFactory.create_set(
+                scaling_mode=mode, fwd_dtype=jnp.float8_e5m2, bwd_dtype=jnp.float8_e5m2
+            )
     assert recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E5M2).fp8_format is recipe.Format.E5M2
 
 
 def test_quantizer_factory():
-    qs = te_q.QuantizerFactory.create_set(scaling_mode=te_q.ScalingMode.CURRENT_TENSOR_SCALING,
-                                          fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2,
-                                          is_2x2x=True)
+    qs = te_q.QuantizerFactory.create_set(
+        scaling_mode=te_q.ScalingMode.CURRENT_TENSOR_SCALING,
+        fwd_dtype=jnp.float8_e4m3fn,
+        bwd_dtype=jnp.float8_e5m2,
+        is_2x2x=True,
+    )
     assert te_q.recipe_of(qs) == (recipe.Float8CurrentScaling(), None)
     assert te_q.QuantizerFactory.create_set() == te_q.noop_quantizer_set  # no autocast: unquantized
     with te.autocast(enabled=True, recipe=recipe.MXFP8BlockScaling()):

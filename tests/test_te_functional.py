@@ -18,12 +18,20 @@ from lowbit.te.quantize import QuantizerFactory, noop_quantizer_set, recipe_of
 from lowbit.te.softmax import SoftmaxType, softmax
 
 pytestmark = pytest.mark.usefixtures("on_cpu")
-RECIPES = {"none": None, "current": recipe.Float8CurrentScaling(),
-           "delayed": recipe.DelayedScaling(amax_history_len=4),
-           "mxfp8": recipe.MXFP8BlockScaling(),
-           "nvfp4": recipe.NVFP4BlockScaling(disable_stochastic_rounding=True)}
-BOUNDS = {"none": (1e-5, 1e-5), "current": (0.04, 0.1), "delayed": (0.04, 0.1), "mxfp8": (0.04, 0.07),
-          "nvfp4": (0.15, 0.3)}
+RECIPES = {
+    "none": None,
+    "current": recipe.Float8CurrentScaling(),
+    "delayed": recipe.DelayedScaling(amax_history_len=4),
+    "mxfp8": recipe.MXFP8BlockScaling(),
+    "nvfp4": recipe.NVFP4BlockScaling(disable_stochastic_rounding=True),
+}
+BOUNDS = {
+    "none": (1e-5, 1e-5),
+    "current": (0.04, 0.1),
+    "delayed": (0.04, 0.1),
+    "mxfp8": (0.04, 0.07),
+    "nvfp4": (0.15, 0.3),
+}
 
 
 def rel(got, ref) -> float:
@@ -84,7 +92,7 @@ def test_layernorm_dense_and_layernorm(name, rng):
     assert rel(layernorm(x, g, beta, "LayerNorm"), ln) < 1e-5
     rms = layernorm(x, g, None, "rmsnorm")
     x64 = np.asarray(x, np.float64)
-    rms64 = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * np.asarray(g, np.float64)
+    rms64 = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * np.asarray(g, np.float64)
     assert rel(rms, rms64) < 1e-5
 
 
@@ -98,8 +106,9 @@ def test_layernorm_mlp_gated(name, rng):
     b1 = jnp.asarray(rng.standard_normal((2, I)) / 4, jnp.float32)
     b2 = jnp.asarray(rng.standard_normal((H,)) / 4, jnp.float32)
     sets = (qset(name), qset(name))
-    y = jax.jit(lambda *a: layernorm_mlp(*a, "layernorm", activation_type=("silu", "linear"),
-                                         quantizer_sets=sets))(x, g, b, [k1, k2], [b1, b2])
+    y = jax.jit(
+        lambda *a: layernorm_mlp(*a, "layernorm", activation_type=("silu", "linear"), quantizer_sets=sets)
+    )(x, g, b, [k1, k2], [b1, b2])
     h = np.einsum("bsh,hai->bsai", _ln64(x, g, b), np.asarray(k1, np.float64)) + np.asarray(b1, np.float64)
     a = h[..., 0, :] / (1 + np.exp(-h[..., 0, :])) * h[..., 1, :]
     ref = a @ np.asarray(k2, np.float64) + np.asarray(b2, np.float64)

@@ -60,8 +60,11 @@ class MnistNet(nn.Module):  # TE's examples/jax/mnist layout, Dense layers throu
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("name", ["delayed", "current", "mxfp8"])
 def test_mnist_style(device, name):
-    r = {"delayed": recipe.DelayedScaling(amax_history_len=4), "current": recipe.Float8CurrentScaling(),
-         "mxfp8": recipe.MXFP8BlockScaling()}[name]
+    r = {
+        "delayed": recipe.DelayedScaling(amax_history_len=4),
+        "current": recipe.Float8CurrentScaling(),
+        "mxfp8": recipe.MXFP8BlockScaling(),
+    }[name]
     x, y = _data()
     with te.autocast(enabled=True, recipe=r, mesh_resource=te.MeshResource()):
         losses = _train(MnistNet(), x, y)
@@ -72,8 +75,9 @@ class EncoderBlock(nn.Module):  # TE's examples/jax/encoder: fused LN+MLP and LN
     @nn.compact
     def __call__(self, x):
         x, _ = te_flax.LayerNormDenseGeneral(features=32, use_bias=True)(x)  # TE: (out, ln_out)
-        h, _ = te_flax.LayerNormMLP(intermediate_dim=64, activations=("gelu", "linear"),
-                                    intermediate_dropout_rate=0.0)(x, deterministic=True)
+        h, _ = te_flax.LayerNormMLP(
+            intermediate_dim=64, activations=("gelu", "linear"), intermediate_dropout_rate=0.0
+        )(x, deterministic=True)
         x = x + h
         return te_flax.DenseGeneral(features=32)(x)
 
@@ -121,7 +125,8 @@ class WrappedNet(nn.Module):
 def test_wrap_function_in_te_state_module():
     x, y = _data()
     v = WrappedNet().init(jax.random.PRNGKey(0), x)
-    assert set(v["_overwrite_with_gradient"]["d1"]) == {f"{r}_{s}" for r in ("x", "kernel", "grad")
-                                                         for s in ("amax_history", "scale")}
+    assert set(v["_overwrite_with_gradient"]["d1"]) == {
+        f"{r}_{s}" for r in ("x", "kernel", "grad") for s in ("amax_history", "scale")
+    }
     losses = _train(WrappedNet(), x, y)
     assert losses[-1] < 0.7 * losses[0]

@@ -20,8 +20,17 @@ import numpy as np
 
 # Every op family (csrc/ffi/<family>.cc); a handler a library lacks is skipped.
 OPS: tuple[str, ...] = (
-    "quantize", "dequantize", "grouped_quantize", "gemm", "grouped_gemm",
-    "norm_fwd", "norm_bwd", "act_fwd", "act_bwd", "softmax_fwd", "softmax_bwd",
+    "quantize",
+    "dequantize",
+    "grouped_quantize",
+    "gemm",
+    "grouped_gemm",
+    "norm_fwd",
+    "norm_bwd",
+    "act_fwd",
+    "act_bwd",
+    "softmax_fwd",
+    "softmax_bwd",
 )
 
 # Stand-ins for optional operands and results the handlers take as zero-length buffers.
@@ -153,6 +162,7 @@ def ffi_call(op: str, result_types, *operands, workspace: Optional[Sequence[int]
         return jax.ffi.ffi_call(f"lowbit_{op}", result_types, vmap_method="sequential")(*operands, **attrs)
     single = isinstance(result_types, jax.ShapeDtypeStruct)
     types = ((result_types,) if single else tuple(result_types)) + (
-        jax.ShapeDtypeStruct((workspace_bytes(op, *workspace),), jnp.uint8),)
+        jax.ShapeDtypeStruct((workspace_bytes(op, *workspace),), jnp.uint8),
+    )
     out = jax.ffi.ffi_call(f"lowbit_{op}", types, vmap_method="sequential")(*operands, **attrs)
     return out[0] if single else tuple(out[:-1])

@@ -32,14 +32,20 @@ def _resolve(enabled, recipe) -> Optional[Recipe]:
     elif enabled is None and recipe is None:  # the same short form with no recipe: off
         enabled = False
     if not isinstance(enabled, bool):
-        raise TypeError(f"autocast: enabled must be a bool (TransformerEngine's order is "
-                        f"autocast(enabled, recipe, mesh_resource)), got {enabled!r}")
+        raise TypeError(
+            f"autocast: enabled must be a bool (TransformerEngine's order is "
+            f"autocast(enabled, recipe, mesh_resource)), got {enabled!r}"
+        )
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"autocast: recipe must be a lowbit recipe, got {type(recipe).__name__}")
     if not enabled:
         if recipe is not None:
-            warnings.warn("autocast(enabled=False, recipe=...): quantization is off inside this block; "
-                          "pass enabled=True to use the recipe", UserWarning, stacklevel=4)
+            warnings.warn(
+                "autocast(enabled=False, recipe=...): quantization is off inside this block; "
+                "pass enabled=True to use the recipe",
+                UserWarning,
+                stacklevel=4,
+            )
         return None
     recipe = DelayedScaling() if recipe is None else recipe  # TransformerEngine's default
     from lowbit.capabilities import is_scaling_mode_supported
@@ -52,8 +58,11 @@ def _resolve(enabled, recipe) -> Optional[Recipe]:
 
 
 @contextlib.contextmanager
-def autocast(enabled: Union[bool, Recipe] = False, recipe: Optional[Recipe] = None,
-             mesh_resource: Optional[MeshResource] = None) -> Iterator[Optional[Recipe]]:
+def autocast(
+    enabled: Union[bool, Recipe] = False,
+    recipe: Optional[Recipe] = None,
+    mesh_resource: Optional[MeshResource] = None,
+) -> Iterator[Optional[Recipe]]:
     """Makes ``recipe`` the default of lowbit's dense/dot_general and Flax modules in the block.
 
     ``enabled=True`` without a recipe uses ``DelayedScaling()``; ``enabled=False`` turns

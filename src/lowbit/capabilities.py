@@ -11,8 +11,7 @@ from typing import List, Optional, Tuple
 import jax
 
 from lowbit.quantization.scaling_modes import ScalingMode
-from lowbit.recipe import (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
-                           Recipe)
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
 
 _MIN_CC = (9, 0)
 
@@ -58,8 +57,9 @@ def is_scaling_mode_supported(scaling_mode: ScalingMode) -> Tuple[bool, str]:
 
 def is_fp8_available(scaling_mode: Optional[ScalingMode] = None) -> Tuple[bool, str]:
     """TransformerEngine's query: (available, reason) for ``scaling_mode`` (default: delayed)."""
-    return is_scaling_mode_supported(ScalingMode.DELAYED_TENSOR_SCALING if scaling_mode is None
-                                     else scaling_mode)
+    return is_scaling_mode_supported(
+        ScalingMode.DELAYED_TENSOR_SCALING if scaling_mode is None else scaling_mode
+    )
 
 
 def get_supported_scaling_modes() -> List[ScalingMode]:
@@ -70,5 +70,8 @@ def get_supported_scaling_modes() -> List[ScalingMode]:
 def get_supported_quantization_recipes() -> List[Recipe]:
     """One default instance of every recipe this machine runs: all four on CPU and Hopper."""
     recipes = [DelayedScaling(), Float8CurrentScaling(), MXFP8BlockScaling(), NVFP4BlockScaling()]
-    return [r for r in recipes if all(is_scaling_mode_supported(r.scaling_mode(role))[0]
-                                      for role in ("x", "kernel", "grad"))]
+    return [
+        r
+        for r in recipes
+        if all(is_scaling_mode_supported(r.scaling_mode(role))[0] for role in ("x", "kernel", "grad"))
+    ]

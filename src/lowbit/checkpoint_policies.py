@@ -17,11 +17,13 @@ _save_gemms = jax.checkpoint_policies.save_only_these_names(GEMM_CHECKPOINT_NAME
 
 #: Saves dot_general/convolution outputs and lowbit GEMM outputs.
 checkpoint_dots_and_lowbit_gemms = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.checkpoint_dots, _save_gemms)
+    jax.checkpoint_policies.checkpoint_dots, _save_gemms
+)
 
 #: Saves dot_general outputs without batch dimensions and lowbit GEMM outputs.
 dots_with_no_batch_dims_and_lowbit_gemms = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_gemms)
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_gemms
+)
 
 #: Saves only lowbit GEMM outputs.
 lowbit_gemms_saveable = _save_gemms

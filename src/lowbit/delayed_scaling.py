@@ -25,8 +25,9 @@ STATE_KEYS = tuple(k for r in ROLES for k in (f"{r}_amax_history", f"{r}_scale")
 _FLT_MAX = float(np.finfo(np.float32).max)
 
 
-def state_layout(recipe: DelayedScaling,
-                 num_groups: Optional[int] = None) -> dict[str, tuple[tuple, Callable]]:
+def state_layout(
+    recipe: DelayedScaling, num_groups: Optional[int] = None
+) -> dict[str, tuple[tuple, Callable]]:
     """``{key: (shape, init)}`` in STATE_KEYS order: histories start at 0, scales at 1."""
     L = recipe.amax_history_len
     hist, scale = ((L,), (1,)) if num_groups is None else ((L, num_groups), (num_groups,))
@@ -52,8 +53,9 @@ def init_grouped_delayed_state(recipe: DelayedScaling, num_groups: int) -> dict[
     return {k: init(shape, jnp.float32) for k, (shape, init) in state_layout(recipe, num_groups).items()}
 
 
-def update_delayed_scale(history: ArrayLike, scale: ArrayLike, amax: ArrayLike, recipe: DelayedScaling,
-                         q_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+def update_delayed_scale(
+    history: ArrayLike, scale: ArrayLike, amax: ArrayLike, recipe: DelayedScaling, q_dtype: DTypeLike
+) -> tuple[jax.Array, jax.Array]:
     """One step of DelayedScaling: push ``amax`` as the newest entry (index 0, the oldest falls
     off the end) and recompute the encode scale from the updated history.
 
@@ -67,7 +69,7 @@ def update_delayed_scale(history: ArrayLike, scale: ArrayLike, amax: ArrayLike, 
     history = jnp.roll(old, 1).at[0].set(amax)
     a = jnp.max(history) if recipe.amax_compute_algo == "max" else history[0]
     fmax = float(jnp.finfo(q_dtype).max)
-    new = jnp.minimum((jnp.float32(fmax) / a) / jnp.float32(2.0 ** recipe.margin), jnp.float32(_FLT_MAX))
+    new = jnp.minimum((jnp.float32(fmax) / a) / jnp.float32(2.0**recipe.margin), jnp.float32(_FLT_MAX))
     ok = jnp.isfinite(a) & (a > 0)
     scale = jnp.asarray(scale, jnp.float32)
     finite = jnp.isfinite(amax)
@@ -87,7 +89,8 @@ def advance(recipe: DelayedScaling, state: dict, amaxes: dict, grouped: bool = F
         if grouped:
             step = jax.vmap(step, in_axes=(1, 0, 0), out_axes=(1, 0))
         out[f"{role}_amax_history"], out[f"{role}_scale"] = step(
-            state[f"{role}_amax_history"], state[f"{role}_scale"], amax)
+            state[f"{role}_amax_history"], state[f"{role}_scale"], amax
+        )
     return out
 
 
@@ -105,8 +108,9 @@ def scale_of(state: Optional[dict], role: str) -> Optional[jax.Array]:
     return None if state is None else state[f"{role}_scale"]
 
 
-def check_state_arg(op: str, recipe: Recipe, state: Optional[dict], init_hint: str,
-                    num_groups: Optional[int] = None) -> Optional[dict]:
+def check_state_arg(
+    op: str, recipe: Recipe, state: Optional[dict], init_hint: str, num_groups: Optional[int] = None
+) -> Optional[dict]:
     """The state an op runs with: checked under DelayedScaling (keys, shapes, float32), refused
     under other recipes. ``init_hint`` names the call that makes a fresh one."""
     if not isinstance(recipe, DelayedScaling):
@@ -114,16 +118,20 @@ def check_state_arg(op: str, recipe: Recipe, state: Optional[dict], init_hint: s
             raise ValueError(f"{op}: state is only used with DelayedScaling, not {type(recipe).__name__}")
         return None
     if state is None:
-        raise ValueError(f"{op}: DelayedScaling needs state={init_hint} (the amax histories and scales; "
-                         "Flax modules keep it in the '_overwrite_with_gradient' collection)")
+        raise ValueError(
+            f"{op}: DelayedScaling needs state={init_hint} (the amax histories and scales; "
+            "Flax modules keep it in the '_overwrite_with_gradient' collection)"
+        )
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise ValueError(f"{op}: state is missing {missing}")
     for k, (want, _) in state_layout(recipe, num_groups).items():
         v = state[k]
         if tuple(v.shape) != want or np.dtype(v.dtype) != np.float32:
-            raise ValueError(f"{op}: state[{k!r}] must be float32 of shape {want}, got "
-                             f"{np.dtype(v.dtype).name} {tuple(v.shape)}")
+            raise ValueError(
+                f"{op}: state[{k!r}] must be float32 of shape {want}, got "
+                f"{np.dtype(v.dtype).name} {tuple(v.shape)}"
+            )
     for role in ROLES:  # concrete scales only; traced ones are guarded where quantize reads them
         check_scale_value(state[f"{role}_scale"], f"{op}: state[{role + '_scale'!r}]")
     return {k: state[k] for k in STATE_KEYS}

@@ -58,7 +58,8 @@ def _check_per_tensor_format(recipe) -> None:
     if recipe.fp8_format is Format.E5M2:
         raise ValueError(
             f"{type(recipe).__name__}(fp8_format=Format.E5M2): every GEMM would multiply E5M2 by E5M2, "
-            "which FP8 tensor cores do not support; use Format.HYBRID (E5M2 gradients) or Format.E4M3")
+            "which FP8 tensor cores do not support; use Format.HYBRID (E5M2 gradients) or Format.E4M3"
+        )
 
 
 class Recipe:
@@ -147,7 +148,8 @@ def _refuse_unless_default(recipe, fields: dict, why: str) -> None:
         if value != default:
             raise NotImplementedError(
                 f"{type(recipe).__name__}({name}={value!r}): lowbit does not support this field "
-                f"(only the default {default!r}); {why}")
+                f"(only the default {default!r}); {why}"
+            )
 
 
 _NO_FP8_ATTENTION = "lowbit has no FP8 attention (attention runs in the input precision)"
@@ -195,10 +197,13 @@ class DelayedScaling(_FP8FormatRecipe):
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be a positive int, got {self.amax_history_len!r}")
         if self.amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent' (lowbit takes no callable), "
-                             f"got {self.amax_compute_algo!r}")
-        _refuse_unless_default(self, {"scaling_factor_compute_algo": None},
-                               "the scale is always (fp8_max / amax) / 2**margin")
+            raise ValueError(
+                f"amax_compute_algo must be 'max' or 'most_recent' (lowbit takes no callable), "
+                f"got {self.amax_compute_algo!r}"
+            )
+        _refuse_unless_default(
+            self, {"scaling_factor_compute_algo": None}, "the scale is always (fp8_max / amax) / 2**margin"
+        )
         _refuse_unless_default(self, {"reduce_amax": True}, "amaxes are always reduced over the mesh")
         _check_common(self)
 
@@ -236,14 +241,26 @@ class Float8CurrentScaling(_FP8FormatRecipe):
     def __post_init__(self):
         _check_per_tensor_format(self)
         why = "lowbit's current scaling uses scale = fp8_max / amax with no power-of-2 rounding or epsilon"
-        _refuse_unless_default(self, {"use_power_2_scales": False, "fp8_quant_fwd_inp": _CURRENT_Q,
-                                      "fp8_quant_fwd_weight": _CURRENT_Q, "fp8_quant_bwd_grad": _CURRENT_Q},
-                               why)
         _refuse_unless_default(
-            self, {"fp8_gemm_fprop": MMParams(False), "fp8_gemm_dgrad": MMParams(True),
-                   "fp8_gemm_wgrad": MMParams(True)},
+            self,
+            {
+                "use_power_2_scales": False,
+                "fp8_quant_fwd_inp": _CURRENT_Q,
+                "fp8_quant_fwd_weight": _CURRENT_Q,
+                "fp8_quant_bwd_grad": _CURRENT_Q,
+            },
+            why,
+        )
+        _refuse_unless_default(
+            self,
+            {
+                "fp8_gemm_fprop": MMParams(False),
+                "fp8_gemm_dgrad": MMParams(True),
+                "fp8_gemm_wgrad": MMParams(True),
+            },
             "lowbit accumulates the forward GEMM fast and the gradient GEMMs split "
-            "(lowbit.dense(fast_accum=False) makes the forward split too)")
+            "(lowbit.dense(fast_accum=False) makes the forward split too)",
+        )
         _check_common(self)
 
     def scaling_mode(self, role):
@@ -309,21 +326,27 @@ class NVFP4BlockScaling(Recipe):
         if self.fp4_format is not Format.E2M1:
             raise ValueError(f"fp4_format must be Format.E2M1 for NVFP4, got {self.fp4_format!r}")
         if self.fp8_format is not Format.E4M3:
-            raise ValueError(f"fp8_format (the block scales' format) must be Format.E4M3 for NVFP4, "
-                             f"got {self.fp8_format!r}")
-        _refuse_unless_default(self, {"row_scaled_activation": False},
-                               "activations carry one FP32 tensor scale")
-        _refuse_unless_default(self, {"nvfp4_4over6": "none", "nvfp4_4over6_e4m3_use_256": "all",
-                                      "nvfp4_4over6_err_mode": "MAE"},
-                               "lowbit has no 4over6 adaptive block scaling")
+            raise ValueError(
+                f"fp8_format (the block scales' format) must be Format.E4M3 for NVFP4, "
+                f"got {self.fp8_format!r}"
+            )
+        _refuse_unless_default(
+            self, {"row_scaled_activation": False}, "activations carry one FP32 tensor scale"
+        )
+        _refuse_unless_default(
+            self,
+            {"nvfp4_4over6": "none", "nvfp4_4over6_e4m3_use_256": "all", "nvfp4_4over6_err_mode": "MAE"},
+            "lowbit has no 4over6 adaptive block scaling",
+        )
         for f in ("high_precision_first_layers", "high_precision_last_layers"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{f} must be a non-negative int, got {v!r}")
         hp = self.high_precision_recipe
         if hp is not None and (not isinstance(hp, Recipe) or isinstance(hp, NVFP4BlockScaling)):
-            raise TypeError(f"high_precision_recipe must be None (BF16) or a non-NVFP4 lowbit recipe, "
-                            f"got {hp!r}")
+            raise TypeError(
+                f"high_precision_recipe must be None (BF16) or a non-NVFP4 lowbit recipe, got {hp!r}"
+            )
         _check_common(self)
 
     def layer_recipe(self, layer, num_layers):
@@ -343,8 +366,10 @@ class NVFP4BlockScaling(Recipe):
 
     @property
     def fp4_quant_bwd_grad(self) -> QParams:
-        return QParams(random_hadamard_transform=not self.disable_rht,
-                       stochastic_rounding=not self.disable_stochastic_rounding)
+        return QParams(
+            random_hadamard_transform=not self.disable_rht,
+            stochastic_rounding=not self.disable_stochastic_rounding,
+        )
 
     def scaling_mode(self, role):
         if role == "kernel" and not self.disable_2d_quantization:
@@ -367,8 +392,10 @@ class _Unsupported(Recipe):
 class Float8BlockScaling(_Unsupported):
     """TransformerEngine's 1x128 / 128x128 block-scaled FP8 recipe (not in lowbit)."""
 
-    _why = ("1x128/128x128 FP8 block scaling is not implemented; use MXFP8BlockScaling (1x32 blocks) "
-            "or Float8CurrentScaling")
+    _why = (
+        "1x128/128x128 FP8 block scaling is not implemented; use MXFP8BlockScaling (1x32 blocks) "
+        "or Float8CurrentScaling"
+    )
 
 
 class CustomRecipe(_Unsupported):

@@ -25,13 +25,13 @@ class MeshResource:
     """Mesh axis names per parallelism kind; ``None`` where that kind is not used."""
 
     # TransformerEngine's positional order: MeshResource("dp", "tp") means what it means there.
-    dp_resource: Optional[str] = None    # data parallel (batch)
-    tp_resource: Optional[str] = None    # tensor parallel (features)
+    dp_resource: Optional[str] = None  # data parallel (batch)
+    tp_resource: Optional[str] = None  # tensor parallel (features)
     tpsp_resource: Optional[str] = None  # tensor + sequence parallel
     fsdp_resource: Optional[str] = None  # fully sharded data parallel (parameters)
-    pp_resource: Optional[str] = None    # pipeline stages
-    cp_resource: Optional[str] = None    # context parallel (sequence)
-    ep_resource: Optional[str] = None    # expert parallel (MoE dispatch)
+    pp_resource: Optional[str] = None  # pipeline stages
+    cp_resource: Optional[str] = None  # context parallel (sequence)
+    ep_resource: Optional[str] = None  # expert parallel (MoE dispatch)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -117,9 +117,9 @@ class ShardPlan:
     """How a dense (M, K) x (K, N) is split over the mesh: the axes splitting each size."""
 
     mesh: Any
-    batch: tuple          # mesh axes splitting M
-    k_axes: tuple         # mesh axes splitting K
-    n_axes: tuple         # mesh axes splitting N
+    batch: tuple  # mesh axes splitting M
+    k_axes: tuple  # mesh axes splitting K
+    n_axes: tuple  # mesh axes splitting N
 
     @staticmethod
     def _entry(axes):
@@ -145,7 +145,9 @@ def plan_dense(recipe, M: int, K: int, N: int) -> Optional[ShardPlan]:
     names = tuple(mesh.axis_names)
     for a in (res.dp_resource, res.fsdp_resource, res.tp_resource):
         if a is not None and a not in names:
-            raise ValueError(f"lowbit: MeshResource names mesh axis {a!r}, but the mesh in context has axes {names}")
+            raise ValueError(
+                f"lowbit: MeshResource names mesh axis {a!r}, but the mesh in context has axes {names}"
+            )
     get_abstract = getattr(jax.sharding, "get_abstract_mesh", None)
     manual = set(getattr(get_abstract(), "manual_axes", ()) or ()) if get_abstract else set()
     used = [a for a in (res.dp_resource, res.fsdp_resource, res.tp_resource) if a is not None]

@@ -76,21 +76,34 @@ def _charts(name: str, rows: list, out: str, suffix: str, device: str) -> list:
         rows = [dict(r, bar=r["case"]) for r in rows if not r["case"].startswith("copy")]
         specs = [("", rows, "fraction of copy bandwidth (copy = 1)", "frac_of_copy", "shape")]
     elif name == "grouped":
-        rows = [dict(r, bar=f"{r['sizes']} {r['pass']}: {r['case']}") for r in rows
-                if r["case"] not in ("ragged_dot bf16", "dense bf16")]
+        rows = [
+            dict(r, bar=f"{r['sizes']} {r['pass']}: {r['case']}")
+            for r in rows
+            if r["case"] not in ("ragged_dot bf16", "dense bf16")
+        ]
         specs = [("", rows, "speed-up over jax.lax.ragged_dot (bf16)", "speedup", "shape")]
     else:
         baselines = list(dict.fromkeys(r.get("speedup_vs") for r in rows if r.get("speedup_vs")))
         specs = []
         for i, base in enumerate(baselines):
-            part = [dict(r, bar=r["name"]) for r in rows
-                    if r.get("speedup_vs") == base and r["name"].split(": ")[-1] != base]
+            part = [
+                dict(r, bar=r["name"])
+                for r in rows
+                if r.get("speedup_vs") == base and r["name"].split(": ")[-1] != base
+            ]
             tag = "" if i == 0 else "-vs-" + "-".join(base.replace(".", "").split())
             specs.append((tag, part, f"speed-up over {base}", "speedup", "model"))
     paths = []
     for tag, part, xlabel, value, group in specs:
-        path = ratio_chart(os.path.join(out, f"{name}{tag}-{suffix}.png"), part, f"{name} on {device}",
-                           xlabel, value=value, group=group, label="bar")
+        path = ratio_chart(
+            os.path.join(out, f"{name}{tag}-{suffix}.png"),
+            part,
+            f"{name} on {device}",
+            xlabel,
+            value=value,
+            group=group,
+            label="bar",
+        )
         if path:
             paths.append(path)
     return paths

@@ -37,8 +37,9 @@ def ratio_chart(
     groups = list(dict.fromkeys(r[group] for r in rows))
     per = [[r for r in rows if r[group] == g] for g in groups]
     heights = [0.32 * len(p) + 0.7 for p in per]
-    fig, axes = plt.subplots(len(groups), 1, figsize=(9, sum(heights) + 0.8), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(
+        len(groups), 1, figsize=(9, sum(heights) + 0.8), squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
     values = [r[value] for r in rows]
     log = max(values) / max(min(values), 1e-9) > 10
     for ax, g, part in zip(axes[:, 0], groups, per):

@@ -71,7 +71,9 @@ def print_table(title: str, rows: Sequence[dict], columns: Sequence[str]) -> Non
         return "" if v is None else str(v)
 
     cells = [[fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    widths = [
+        max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)
+    ]
     print(f"\n## {title}")
     print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -21,10 +21,19 @@ import lowbit
 from lowbit import flax as lowbit_flax
 from lowbit.bench.common import case_named, on_gpu, time_fn
 
-FULL = dict(tokens_dense=(4, 2048), dense_in=4096, dense_out=16384,
-            batch=4, seq=2048, hidden=4096, ffn=16384, heads=32)
-SMALL = dict(tokens_dense=(2, 128), dense_in=256, dense_out=1024,
-             batch=2, seq=64, hidden=256, ffn=1024, heads=4)
+FULL = dict(
+    tokens_dense=(4, 2048),
+    dense_in=4096,
+    dense_out=16384,
+    batch=4,
+    seq=2048,
+    hidden=4096,
+    ffn=16384,
+    heads=32,
+)
+SMALL = dict(
+    tokens_dense=(2, 128), dense_in=256, dense_out=1024, batch=2, seq=64, hidden=256, ffn=1024, heads=4
+)
 
 
 # ---- the seeds' models (plain Flax; only dot_general_cls varies) -----------------------------
@@ -68,9 +77,16 @@ class TransformerLayer(nn.Module):
         qkv = qkv.reshape(qkv.shape[0], qkv.shape[1], self.num_attention_heads, 3 * kv)
         q, k, v = jnp.split(qkv, 3, axis=3)
         rng = self.make_rng("dropout") if (not deterministic and self.attention_dropout > 0) else None
-        x = nn.dot_product_attention(query=q, key=k, value=v, mask=attention_mask, dropout_rng=rng,
-                                     dropout_rate=self.attention_dropout, deterministic=deterministic,
-                                     broadcast_dropout=True)
+        x = nn.dot_product_attention(
+            query=q,
+            key=k,
+            value=v,
+            mask=attention_mask,
+            dropout_rng=rng,
+            dropout_rate=self.attention_dropout,
+            deterministic=deterministic,
+            broadcast_dropout=True,
+        )
         x = x.reshape(x.shape[0], x.shape[1], self.hidden_size)
         x = nn.Dense(features=self.hidden_size, use_bias=True, dot_general=self.dot_general_cls())(x)
         x = res + x
@@ -121,11 +137,22 @@ def _model(kind: str, cfg: dict):
         shape = cfg["tokens_dense"] + (cfg["dense_in"],)
         out_shape = cfg["tokens_dense"] + (cfg["dense_out"],)
         make = lambda cls: DenseBlock(features=cfg["dense_out"], dot_general_cls=cls)
-        return make, shape, out_shape, {}, f"dense {shape[0] * shape[1]}x{cfg['dense_in']}->{cfg['dense_out']}"
+        return (
+            make,
+            shape,
+            out_shape,
+            {},
+            f"dense {shape[0] * shape[1]}x{cfg['dense_in']}->{cfg['dense_out']}",
+        )
     shape = (cfg["batch"], cfg["seq"], cfg["hidden"])
     make = lambda cls: TransformerLayer(cfg["hidden"], cfg["ffn"], cfg["heads"], dot_general_cls=cls)
-    return (make, shape, shape, {"attention_mask": None, "deterministic": False},
-            f"layer b{cfg['batch']} s{cfg['seq']} h{cfg['hidden']} ffn{cfg['ffn']}")
+    return (
+        make,
+        shape,
+        shape,
+        {"attention_mask": None, "deterministic": False},
+        f"layer b{cfg['batch']} s{cfg['seq']} h{cfg['hidden']} ffn{cfg['ffn']}",
+    )
 
 
 def build_case(kind: str, name: str, cfg: dict, key, drop):
@@ -174,15 +201,26 @@ def _gemm_rows(cfg: dict, small: bool, progress) -> list[dict]:
         cases = (
             ("bf16 jnp.dot", jax.jit(lambda a, w: jnp.dot(a, w)), (a, w)),
             ("lowbit fp8", jax.jit(lambda qa, qw: lowbit.gemm(qa, qw, out_dtype=jnp.bfloat16)), (qa, qw)),
-            ("lowbit fp8 fast-accum",
-             jax.jit(lambda qa, qw: lowbit.gemm(qa, qw, out_dtype=jnp.bfloat16, fast_accum=True)), (qa, qw)),
+            (
+                "lowbit fp8 fast-accum",
+                jax.jit(lambda qa, qw: lowbit.gemm(qa, qw, out_dtype=jnp.bfloat16, fast_accum=True)),
+                (qa, qw),
+            ),
         )
         base = None
         for name, fn, args in cases:
             ms = time_fn(fn, *args, warmup=2, iters=3 if small else 20, repeats=3 if small else 5)
             base = base or ms
-            rows.append(dict(model=f"gemm {label} {m}x{k}x{n}", name=f"gemm {label}: {name}", ms=ms,
-                             TFLOPs=flops / (ms * 1e-3) / 1e12, speedup=base / ms, speedup_vs="bf16 jnp.dot"))
+            rows.append(
+                dict(
+                    model=f"gemm {label} {m}x{k}x{n}",
+                    name=f"gemm {label}: {name}",
+                    ms=ms,
+                    TFLOPs=flops / (ms * 1e-3) / 1e12,
+                    speedup=base / ms,
+                    speedup_vs="bf16 jnp.dot",
+                )
+            )
             if progress:
                 progress()
     return rows

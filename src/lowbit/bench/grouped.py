@@ -7,8 +7,9 @@ twice: amax, then cast; delayed scaling once), except the "fp8 gemm only" rows, 
 FP8 GEMM on operands quantized beforehand. Forward+backward returns the output and both
 gradients. A dense GEMM reads one (K, N) matrix where the grouped one reads G of them: where
 G*K*N dominates the bytes (G=128) the grouped GEMM is bandwidth-bound, the dense one is not.
-``speedup`` is against ragged_dot in the same pass. Group sizes: balanced, or Dirichlet(1) draws (any value: FP8's weight-gradient
-GEMM then copies the groups that do not start at a multiple of 16 to aligned slots first).
+``speedup`` is against ragged_dot in the same pass. Group sizes: balanced, or Dirichlet(1) draws
+(any value: FP8's weight-gradient GEMM then copies the groups that do not start at a multiple of 16
+to aligned slots first).
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ from lowbit.ops import grouped_gemm as gg_mod
 GPU_SHAPES = [(8, 32768, 4096, 14336), (64, 65536, 2048, 1536), (128, 16384, 4096, 1024)]
 CPU_SHAPES = [(4, 256, 128, 256), (16, 512, 64, 128)]
 DISTS = ("balanced", "dirichlet")
-CASES = ("ragged_dot bf16", "lowbit bf16", "lowbit fp8", "lowbit fp8 delayed", "lowbit fp8 gemm only",
-         "dense bf16")
+CASES = (
+    "ragged_dot bf16",
+    "lowbit bf16",
+    "lowbit fp8",
+    "lowbit fp8 delayed",
+    "lowbit fp8 gemm only",
+    "dense bf16",
+)
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -55,8 +62,13 @@ def _fwd_bwd(f):
 def _fp8_gemm_only(lhs, rhs, gs, bwd: bool):
     """The FP8 GEMMs alone: operands quantized outside the timed function."""
     recipe = lowbit.Float8CurrentScaling()
-    cfg = gg_mod._Fp8Config(recipe=recipe, out_dtype=np.dtype(jnp.bfloat16), lhs_dtype=np.dtype(lhs.dtype),
-                            rhs_dtype=np.dtype(rhs.dtype), fast_accum=True)
+    cfg = gg_mod._Fp8Config(
+        recipe=recipe,
+        out_dtype=np.dtype(jnp.bfloat16),
+        lhs_dtype=np.dtype(lhs.dtype),
+        rhs_dtype=np.dtype(rhs.dtype),
+        fast_accum=True,
+    )
     (M, K), (G, _, N) = lhs.shape, rhs.shape
     qx = gg_mod._quantize(cfg, "x", lhs, gs, None, "both")
     qw = gg_mod._quantize(cfg, "kernel", rhs.reshape(G * K, N), gg_mod._expert_sizes(rhs), None, "both")
@@ -64,15 +76,57 @@ def _fp8_gemm_only(lhs, rhs, gs, bwd: bool):
     R = gg_mod._RAGGED_M
 
     def fwd(qx, qw, gs):
-        return gg_mod._call(R, qx.data, qw.colwise_data, gs, qx.scale_inv, qw.colwise_scale_inv, m=M, n=N, k=K,
-                            lda=K, ldb=G * K, bgs=K, a_kmajor=True, b_kmajor=True, fast_accum=True)
+        return gg_mod._call(
+            R,
+            qx.data,
+            qw.colwise_data,
+            gs,
+            qx.scale_inv,
+            qw.colwise_scale_inv,
+            m=M,
+            n=N,
+            k=K,
+            lda=K,
+            ldb=G * K,
+            bgs=K,
+            a_kmajor=True,
+            b_kmajor=True,
+            fast_accum=True,
+        )
 
     def all3(qx, qw, qg, gs):
         y = fwd(qx, qw, gs)
-        dl = gg_mod._call(R, qg.data, qw.data, gs, qg.scale_inv, qw.scale_inv, m=M, n=K, k=N, lda=N, ldb=N,
-                          bgs=K * N, a_kmajor=True, b_kmajor=True)
-        dr = gg_mod._call(gg_mod._RAGGED_K, qx.colwise_data, qg.colwise_data, gs, qx.colwise_scale_inv,
-                          qg.colwise_scale_inv, m=K, n=N, k=M, lda=M, ldb=M, a_kmajor=True, b_kmajor=True)
+        dl = gg_mod._call(
+            R,
+            qg.data,
+            qw.data,
+            gs,
+            qg.scale_inv,
+            qw.scale_inv,
+            m=M,
+            n=K,
+            k=N,
+            lda=N,
+            ldb=N,
+            bgs=K * N,
+            a_kmajor=True,
+            b_kmajor=True,
+        )
+        dr = gg_mod._call(
+            gg_mod._RAGGED_K,
+            qx.colwise_data,
+            qg.colwise_data,
+            gs,
+            qx.colwise_scale_inv,
+            qg.colwise_scale_inv,
+            m=K,
+            n=N,
+            k=M,
+            lda=M,
+            ldb=M,
+            a_kmajor=True,
+            b_kmajor=True,
+        )
         return y, dl, dr
 
     if bwd:
@@ -107,7 +161,9 @@ def run(small: bool, progress=None) -> list[dict]:
     for G, M, K, N in CPU_SHAPES if small else GPU_SHAPES:
         key = jax.random.PRNGKey(0)
         lhs = jax.random.normal(key, (M, K), jnp.float32).astype(jnp.bfloat16)
-        rhs = (jax.random.normal(jax.random.fold_in(key, 1), (G, K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        rhs = (jax.random.normal(jax.random.fold_in(key, 1), (G, K, N), jnp.float32) * 0.02).astype(
+            jnp.bfloat16
+        )
         for dist in DISTS:
             gs = jnp.asarray(group_sizes(G, M, dist))
             base = {}
@@ -118,10 +174,18 @@ def run(small: bool, progress=None) -> list[dict]:
                     ms = time_fn(fn, *args, warmup=2, iters=iters, repeats=3)
                     if name == "ragged_dot bf16":
                         base[pas] = ms
-                    rows.append({
-                        "name": f"G{G} {dist} {pas} {name}", "shape": f"G={G} {M}x{K}x{N}", "sizes": dist,
-                        "pass": pas, "case": name, "ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12,
-                        "speedup": base[pas] / ms})
+                    rows.append(
+                        {
+                            "name": f"G{G} {dist} {pas} {name}",
+                            "shape": f"G={G} {M}x{K}x{N}",
+                            "sizes": dist,
+                            "pass": pas,
+                            "case": name,
+                            "ms": ms,
+                            "TFLOPs": flops / (ms * 1e-3) / 1e12,
+                            "speedup": base[pas] / ms,
+                        }
+                    )
                     if progress:
                         progress()
                     del fn, args

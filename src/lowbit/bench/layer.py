@@ -25,9 +25,18 @@ def _cases():
     """(name, builder(cfg) -> module, params dtype, recipe, note)."""
     seed = lambda cfg: SeedLayer(cfg["hidden"], cfg["ffn"], cfg["heads"])
     ours = lambda cfg: lowbit_flax.TransformerLayer(
-        hidden_size=cfg["hidden"], mlp_hidden_size=cfg["ffn"], num_attention_heads=cfg["heads"],
-        layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,
-        mlp_activations=("gelu",), use_bias=True, self_attn_mask_type="causal", dtype=jnp.bfloat16)
+        hidden_size=cfg["hidden"],
+        mlp_hidden_size=cfg["ffn"],
+        num_attention_heads=cfg["heads"],
+        layernorm_epsilon=1e-5,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        intermediate_dropout=0.0,
+        mlp_activations=("gelu",),
+        use_bias=True,
+        self_attn_mask_type="causal",
+        dtype=jnp.bfloat16,
+    )
     return [
         ("flax f32 params", seed, jnp.float32, None, "the seed's setting"),
         ("flax bf16 params", seed, jnp.bfloat16, None, "baseline"),

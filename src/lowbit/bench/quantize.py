@@ -21,7 +21,7 @@ def _xla_current_both(x):
     # The plain-XLA peer: amax, scale, cast, and a transposed cast.
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     scale = jnp.where(amax > 0, 448.0 / amax, 1.0)
-    y = (x.astype(jnp.float32) * scale)
+    y = x.astype(jnp.float32) * scale
     y = jnp.clip(y, -448.0, 448.0).astype(jnp.float8_e4m3fn)
     return y, y.T, 1.0 / scale, amax
 
@@ -37,12 +37,24 @@ def _cases(x):
     return [
         ("copy (-x, bf16)", jax.jit(lambda x: -x), 4 * n),
         ("xla fp8 current both", jax.jit(_xla_current_both), 4 * n),
-        ("lowbit fp8 delayed rowwise", jax.jit(lambda x: lowbit.quantize(x, m.DELAYED_TENSOR_SCALING, scale=scale)), 3 * n),
-        ("lowbit fp8 delayed both", jax.jit(lambda x: lowbit.quantize(x, m.DELAYED_TENSOR_SCALING, scale=scale, layout="both")), 4 * n),
+        (
+            "lowbit fp8 delayed rowwise",
+            jax.jit(lambda x: lowbit.quantize(x, m.DELAYED_TENSOR_SCALING, scale=scale)),
+            3 * n,
+        ),
+        (
+            "lowbit fp8 delayed both",
+            jax.jit(lambda x: lowbit.quantize(x, m.DELAYED_TENSOR_SCALING, scale=scale, layout="both")),
+            4 * n,
+        ),
         ("lowbit fp8 current both (+amax)", q(m.CURRENT_TENSOR_SCALING), 4 * n),
-        ("lowbit fp8 current both +dbias",
-         jax.jit(lambda x: lowbit.quantize_dbias(x, m.CURRENT_TENSOR_SCALING, jnp.float8_e5m2, layout="both")),
-         4 * n + 2 * c),
+        (
+            "lowbit fp8 current both +dbias",
+            jax.jit(
+                lambda x: lowbit.quantize_dbias(x, m.CURRENT_TENSOR_SCALING, jnp.float8_e5m2, layout="both")
+            ),
+            4 * n + 2 * c,
+        ),
         ("lowbit mxfp8 both", q(m.MXFP8_1D_SCALING), 4 * n + 2 * (n // 32)),
         ("lowbit nvfp4 1d both", q(m.NVFP4_1D_SCALING), 3 * n + 2 * (n // 16)),
     ]
@@ -59,8 +71,16 @@ def run(small: bool, progress=None) -> list[dict]:
             gbs = nbytes / (ms * 1e-3) / 1e9
             if copy_gbs is None:
                 copy_gbs = gbs
-            rows.append(dict(shape=f"{shape[0]}x{shape[1]}", case=name, ms=ms, GBps=gbs,
-                             frac_of_copy=gbs / copy_gbs, bytes=nbytes))
+            rows.append(
+                dict(
+                    shape=f"{shape[0]}x{shape[1]}",
+                    case=name,
+                    ms=ms,
+                    GBps=gbs,
+                    frac_of_copy=gbs / copy_gbs,
+                    bytes=nbytes,
+                )
+            )
             if progress:
                 progress()
     return rows

@@ -1,5 +1,9 @@
 """Flax (linen) integration: a drop-in quantized ``dot_general`` and state-owning wrappers."""
 
+from lowbit.flax.attention import DotProductAttention, MultiHeadAttention, TransformerLayer
+from lowbit.flax.dot_general import layer_dot_general_cls, make_dot_general_cls
+from lowbit.flax.modules import DenseGeneral, DenseOp, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
+from lowbit.flax.ragged_dot import make_ragged_dot_cls
 from lowbit.flax.state_module import (
     OVERWRITE_WITH_GRADIENT,
     SR_RNG,
@@ -7,10 +11,6 @@ from lowbit.flax.state_module import (
     wrap_function_in_state_module,
     wrap_function_in_te_state_module,
 )
-from lowbit.flax.dot_general import layer_dot_general_cls, make_dot_general_cls
-from lowbit.flax.ragged_dot import make_ragged_dot_cls
-from lowbit.flax.modules import DenseGeneral, DenseOp, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
-from lowbit.flax.attention import DotProductAttention, MultiHeadAttention, TransformerLayer
 
 __all__ = [
     "make_ragged_dot_cls",

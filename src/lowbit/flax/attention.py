@@ -39,7 +39,9 @@ def _enum_name(v, name, choices):
     """Accepts a string or an enum member (TransformerEngine's AttnMaskType etc.)."""
     s = getattr(v, "name", v)
     s = s.lower() if isinstance(s, str) else s
-    s = {"padding_causal_mask": "padding_causal", "causal_mask": "causal", "padding_mask": "padding"}.get(s, s)
+    s = {"padding_causal_mask": "padding_causal", "causal_mask": "causal", "padding_mask": "padding"}.get(
+        s, s
+    )
     if s not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {v!r}")
     return s
@@ -57,16 +59,20 @@ def _check_mask(mask, mask_type, b, h, sq, sk):
     needs = mask_type in ("padding", "padding_causal")
     if mask is None:
         if needs:
-            raise ValueError(f"mask is required for attn_mask_type={mask_type!r} (True = masked out, "
-                             f"shape (batch, 1, sq, sk))")
+            raise ValueError(
+                f"mask is required for attn_mask_type={mask_type!r} (True = masked out, "
+                f"shape (batch, 1, sq, sk))"
+            )
         return None
     if not needs:
         return None  # TransformerEngine ignores the mask of no_mask/causal types
     mask = jnp.asarray(mask)
     want = (b, h, sq, sk)
     if mask.ndim != 4 or any(m not in (1, w) for m, w in zip(mask.shape, want)) or mask.shape[2:] != (sq, sk):
-        raise ValueError(f"mask must have shape (batch, 1 or heads, sq, sk) = ({b}, 1 or {h}, {sq}, {sk}) "
-                         f"(True = masked out), got {tuple(mask.shape)}")
+        raise ValueError(
+            f"mask must have shape (batch, 1 or heads, sq, sk) = ({b}, 1 or {h}, {sq}, {sk}) "
+            f"(True = masked out), got {tuple(mask.shape)}"
+        )
     dt = np.dtype(mask.dtype)
     if not (dt == np.bool_ or np.issubdtype(dt, np.integer)):
         raise TypeError(f"mask must be boolean (True = masked out), got {dt.name}")
@@ -92,21 +98,41 @@ class DotProductAttention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, mask: Optional[jax.Array] = None,
-                 bias: Optional[jax.Array] = None, *, deterministic: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        mask: Optional[jax.Array] = None,
+        bias: Optional[jax.Array] = None,
+        *,
+        deterministic: bool = False,
+    ) -> jax.Array:
         mask_type = _enum_name(self.attn_mask_type, "attn_mask_type", _MASK_TYPES)
         h, d = self.num_attention_heads, self.head_dim
         g = self.num_gqa_groups if self.num_gqa_groups is not None else h
-        if not isinstance(h, (int, np.integer)) or h < 1 or not isinstance(g, (int, np.integer)) or g < 1 or h % g:
+        if (
+            not isinstance(h, (int, np.integer))
+            or h < 1
+            or not isinstance(g, (int, np.integer))
+            or g < 1
+            or h % g
+        ):
             raise ValueError(f"num_gqa_groups ({g}) must be a positive divisor of num_attention_heads ({h})")
         if query.ndim != 4 or query.shape[2:] != (h, d):
-            raise ValueError(f"query must be (batch, sq, num_attention_heads={h}, head_dim={d}), got {query.shape}")
+            raise ValueError(
+                f"query must be (batch, sq, num_attention_heads={h}, head_dim={d}), got {query.shape}"
+            )
         b, sq = query.shape[:2]
         for name, t in (("key", key), ("value", value)):
             if t.ndim != 4 or t.shape[0] != b or t.shape[2:] != (g, d):
-                raise ValueError(f"{name} must be (batch={b}, sk, num_gqa_groups={g}, head_dim={d}), got {t.shape}")
+                raise ValueError(
+                    f"{name} must be (batch={b}, sk, num_gqa_groups={g}, head_dim={d}), got {t.shape}"
+                )
         if key.shape[1] != value.shape[1]:
-            raise ValueError(f"key and value must have the same sequence length, got {key.shape} and {value.shape}")
+            raise ValueError(
+                f"key and value must have the same sequence length, got {key.shape} and {value.shape}"
+            )
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
         sk = key.shape[1]
@@ -119,7 +145,9 @@ class DotProductAttention(nn.Module):
             bias = jnp.asarray(bias).astype(dt)
         if self.attention_dropout > 0 and not deterministic:
             rng = self.make_rng(self.dropout_rng_name)
-            return _attention_with_dropout(query, key, value, masked, bias, causal, scale, self.attention_dropout, rng)
+            return _attention_with_dropout(
+                query, key, value, masked, bias, causal, scale, self.attention_dropout, rng
+            )
         keep = None if masked is None else jnp.logical_not(masked)
         kw = dict(bias=bias, mask=keep, is_causal=causal, scale=scale)
         if self.implementation not in (None, "cudnn", "xla"):
@@ -148,11 +176,16 @@ def _attention_with_dropout(q, k, v, masked, bias, causal, scale, rate, rng):
         if causal:
             tri = jnp.arange(sk)[None, :] > jnp.arange(sq)[:, None]
             masked = tri[None, None] if masked is None else (masked | tri[None, None])
-        probs = _softmax(logits, scale, mask=masked, softmax_type="scaled_masked") if masked is not None \
+        probs = (
+            _softmax(logits, scale, mask=masked, softmax_type="scaled_masked")
+            if masked is not None
             else _softmax(logits, scale)
+        )
     keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
     probs = jnp.where(keep, probs / (1.0 - rate), 0.0).astype(q.dtype)
-    out = jnp.einsum("bgrqk,bkgd->bqgrd", probs.reshape(b, g, h // g, sq, sk), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "bgrqk,bkgd->bqgrd", probs.reshape(b, g, h // g, sq, sk), v, preferred_element_type=jnp.float32
+    )
     return out.reshape(b, sq, h, d).astype(q.dtype)
 
 
@@ -185,9 +218,15 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs_q: jax.Array, inputs_kv: Optional[jax.Array] = None,
-                 mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None, *,
-                 deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_kv: Optional[jax.Array] = None,
+        mask: Optional[jax.Array] = None,
+        bias: Optional[jax.Array] = None,
+        *,
+        deterministic: bool = False,
+    ) -> tuple[jax.Array, jax.Array]:
         h, d = self.num_attention_heads, self.head_dim
         g = self.num_gqa_groups if self.num_gqa_groups is not None else h
         if not isinstance(h, (int, np.integer)) or h < 1:
@@ -197,34 +236,68 @@ class MultiHeadAttention(nn.Module):
         check_norm_type(self.layernorm_type)
         self_attn = inputs_kv is None or inputs_kv is inputs_q
         hidden = inputs_q.shape[-1]
-        common = dict(kernel_init=self.kernel_init, use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype,
-                      enable_low_rank_adaptation=self.enable_low_rank_adaptation,
-                      low_rank_adaptation_dim=self.low_rank_adaptation_dim,
-                      low_rank_adaptation_alpha=self.low_rank_adaptation_alpha)
-        norm = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
-                    epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                    return_layernorm_output=True)
+        common = dict(
+            kernel_init=self.kernel_init,
+            use_bias=self.use_bias,
+            bias_init=self.bias_init,
+            dtype=self.dtype,
+            enable_low_rank_adaptation=self.enable_low_rank_adaptation,
+            low_rank_adaptation_dim=self.low_rank_adaptation_dim,
+            low_rank_adaptation_alpha=self.low_rank_adaptation_alpha,
+        )
+        norm = dict(
+            enable_layernorm=self.input_layernorm,
+            layernorm_type=self.layernorm_type,
+            epsilon=self.layernorm_epsilon,
+            zero_centered_gamma=self.zero_centered_gamma,
+            return_layernorm_output=True,
+        )
         lead = inputs_q.shape[:-1]
         if self_attn:
-            qkv, ln_out = LayerNormDenseGeneral(features=(h + 2 * g) * d, kernel_axes=("embed", "joined_kv"),
-                                                bias_axes=("joined_kv",), name="qkv", **norm, **common)(inputs_q)
+            qkv, ln_out = LayerNormDenseGeneral(
+                features=(h + 2 * g) * d,
+                kernel_axes=("embed", "joined_kv"),
+                bias_axes=("joined_kv",),
+                name="qkv",
+                **norm,
+                **common,
+            )(inputs_q)
             q, k, v = jnp.split(qkv, [h * d, (h + g) * d], axis=-1)
         else:
-            q, ln_out = LayerNormDenseGeneral(features=h * d, kernel_axes=("embed", "joined_kv"),
-                                              bias_axes=("joined_kv",), name="query", **norm, **common)(inputs_q)
-            kv = DenseGeneral(features=2 * g * d, kernel_axes=("embed", "joined_kv"), bias_axes=("joined_kv",),
-                              name="kv", **common)(inputs_kv)
+            q, ln_out = LayerNormDenseGeneral(
+                features=h * d,
+                kernel_axes=("embed", "joined_kv"),
+                bias_axes=("joined_kv",),
+                name="query",
+                **norm,
+                **common,
+            )(inputs_q)
+            kv = DenseGeneral(
+                features=2 * g * d,
+                kernel_axes=("embed", "joined_kv"),
+                bias_axes=("joined_kv",),
+                name="kv",
+                **common,
+            )(inputs_kv)
             k, v = jnp.split(kv, 2, axis=-1)
         kv_lead = k.shape[:-1]
         q = q.reshape(lead + (h, d))
         k, v = k.reshape(kv_lead + (g, d)), v.reshape(kv_lead + (g, d))
-        x = DotProductAttention(head_dim=d, num_attention_heads=h, num_gqa_groups=g,
-                                attention_dropout=self.attention_dropout, attn_mask_type=self.attn_mask_type,
-                                dropout_rng_name=self.dropout_rng_name, scale_factor=self.scale_factor,
-                                dtype=self.dtype, name="attention")(q, k, v, mask, bias, deterministic=deterministic)
+        x = DotProductAttention(
+            head_dim=d,
+            num_attention_heads=h,
+            num_gqa_groups=g,
+            attention_dropout=self.attention_dropout,
+            attn_mask_type=self.attn_mask_type,
+            dropout_rng_name=self.dropout_rng_name,
+            scale_factor=self.scale_factor,
+            dtype=self.dtype,
+            name="attention",
+        )(q, k, v, mask, bias, deterministic=deterministic)
         x = x.reshape(lead + (h * d,))
-        out = DenseGeneral(features=hidden, kernel_axes=("joined_kv", "embed"), bias_axes=("embed",), name="out",
-                           **common)(x)
+        out = DenseGeneral(
+            features=hidden, kernel_axes=("joined_kv", "embed"), bias_axes=("embed",), name="out", **common
+        )(x)
         return out, (ln_out if self.return_layernorm_output else inputs_q)
 
 
@@ -260,14 +333,21 @@ class TransformerLayer(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs: jax.Array, encoded: Optional[jax.Array] = None,
-                 attention_mask: Optional[jax.Array] = None, encoder_decoder_mask: Optional[jax.Array] = None,
-                 deterministic: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        inputs: jax.Array,
+        encoded: Optional[jax.Array] = None,
+        attention_mask: Optional[jax.Array] = None,
+        encoder_decoder_mask: Optional[jax.Array] = None,
+        deterministic: bool = False,
+    ) -> jax.Array:
         layer_type = _enum_name(self.layer_type, "layer_type", _LAYER_TYPES)
         mask_type = _enum_name(self.self_attn_mask_type, "self_attn_mask_type", _MASK_TYPES)
         if encoded is not None or encoder_decoder_mask is not None:
-            raise NotImplementedError("TransformerLayer: cross-attention (encoded / encoder_decoder_mask) is not "
-                                      "supported; layer_type='decoder' is a causal self-attention layer")
+            raise NotImplementedError(
+                "TransformerLayer: cross-attention (encoded / encoder_decoder_mask) is not "
+                "supported; layer_type='decoder' is a causal self-attention layer"
+            )
         if layer_type == "decoder" and "causal" not in mask_type:
             mask_type = "causal" if mask_type == "no_mask" else "padding_causal"
         H, heads = self.hidden_size, self.num_attention_heads
@@ -280,31 +360,52 @@ class TransformerLayer(nn.Module):
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         norm = dict(layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma)
         x, _ = MultiHeadAttention(
-            head_dim=H // heads, num_attention_heads=heads, num_gqa_groups=self.num_gqa_groups,
-            attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
-            layernorm_epsilon=self.layernorm_epsilon, kernel_init=self.mha_kernel_init, use_bias=self.use_bias,
-            bias_init=self.bias_init, attn_mask_type=mask_type, dtype=self.dtype, name="attention", **norm,
+            head_dim=H // heads,
+            num_attention_heads=heads,
+            num_gqa_groups=self.num_gqa_groups,
+            attention_dropout=self.attention_dropout,
+            dropout_rng_name=self.dropout_rng_name,
+            layernorm_epsilon=self.layernorm_epsilon,
+            kernel_init=self.mha_kernel_init,
+            use_bias=self.use_bias,
+            bias_init=self.bias_init,
+            attn_mask_type=mask_type,
+            dtype=self.dtype,
+            name="attention",
+            **norm,
         )(inputs, inputs, attention_mask, deterministic=deterministic)
         x = self._dropout(x, self.hidden_dropout_dims, deterministic) + inputs
         y, _ = LayerNormMLP(
-            intermediate_dim=self.mlp_hidden_size, epsilon=self.layernorm_epsilon, kernel_init=self.mlp_kernel_init,
-            kernel_axes_1=("embed", "mlp"), kernel_axes_2=("mlp", "embed"), use_bias=self.use_bias,
-            bias_init=self.bias_init, bias_axes_1=("mlp",), bias_axes_2=("embed",),
-            activations=tuple(self.mlp_activations), intermediate_dropout_rng_name=self.dropout_rng_name,
+            intermediate_dim=self.mlp_hidden_size,
+            epsilon=self.layernorm_epsilon,
+            kernel_init=self.mlp_kernel_init,
+            kernel_axes_1=("embed", "mlp"),
+            kernel_axes_2=("mlp", "embed"),
+            use_bias=self.use_bias,
+            bias_init=self.bias_init,
+            bias_axes_1=("mlp",),
+            bias_axes_2=("embed",),
+            activations=tuple(self.mlp_activations),
+            intermediate_dropout_rng_name=self.dropout_rng_name,
             intermediate_dropout_rate=self.intermediate_dropout,
-            intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims), dtype=self.dtype, name="mlp",
+            intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims),
+            dtype=self.dtype,
+            name="mlp",
             **norm,
         )(x, deterministic=deterministic)
         out = self._dropout(y, self.hidden_dropout_dims, deterministic) + x
         if self.output_layernorm:
-            out = LayerNorm(epsilon=self.layernorm_epsilon, dtype=self.dtype, name="output_layernorm", **norm)(out)
+            out = LayerNorm(
+                epsilon=self.layernorm_epsilon, dtype=self.dtype, name="output_layernorm", **norm
+            )(out)
         return out
 
     def _dropout(self, x, dims, deterministic):
         if self.hidden_dropout == 0 or deterministic:
             return x
-        return nn.Dropout(self.hidden_dropout, broadcast_dims=tuple(dims), rng_collection=self.dropout_rng_name)(
-            x, deterministic=False)
+        return nn.Dropout(
+            self.hidden_dropout, broadcast_dims=tuple(dims), rng_collection=self.dropout_rng_name
+        )(x, deterministic=False)
 
 
 __all__ = ["DotProductAttention", "MultiHeadAttention", "TransformerLayer"]

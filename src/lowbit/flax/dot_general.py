@@ -18,16 +18,22 @@ def _check_dimension_numbers(dimension_numbers, lhs_ndim: int):
     try:
         (lc, rc), (lb, rb) = dimension_numbers
     except (TypeError, ValueError):
-        raise ValueError(f"lowbit dot_general: dimension_numbers must be ((lhs_contract, rhs_contract), "
-                         f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}") from None
+        raise ValueError(
+            f"lowbit dot_general: dimension_numbers must be ((lhs_contract, rhs_contract), "
+            f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
+        ) from None
     if tuple(lb) or tuple(rb):
         raise ValueError(
             f"lowbit dot_general: batch dimensions are not supported (got lhs_batch={tuple(lb)}, "
-            f"rhs_batch={tuple(rb)}); use DenseGeneral without batch_dims, or lax.dot_general for batched matmuls")
+            f"rhs_batch={tuple(rb)}); use DenseGeneral without batch_dims, "
+            "or lax.dot_general for batched matmuls"
+        )
     lc = tuple(d + lhs_ndim if d < 0 else d for d in lc)
     if sorted(lc) != list(range(lhs_ndim - len(lc), lhs_ndim)):
         raise ValueError(
-            f"lowbit dot_general: lhs must be contracted over its trailing axes (got {tuple(lc)} for rank {lhs_ndim})")
+            f"lowbit dot_general: lhs must be contracted over its trailing axes "
+            f"(got {tuple(lc)} for rank {lhs_ndim})"
+        )
     return tuple(lc), tuple(rc)
 
 
@@ -39,17 +45,29 @@ def make_dot_general_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = 
     ``precision`` is ignored (the recipe decides). It creates no parameters.
     """
 
-    def dot_general(ctx: QuantizeContext, lhs, rhs, dimension_numbers, precision=None,
-                    preferred_element_type=None, **unused: Any) -> jax.Array:
+    def dot_general(
+        ctx: QuantizeContext,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        **unused: Any,
+    ) -> jax.Array:
         contracting = _check_dimension_numbers(dimension_numbers, jnp.ndim(lhs))
-        return dense(lhs, rhs, contracting_dims=contracting, out_dtype=preferred_element_type,
-                     fast_accum=fast_accum, **ctx.dense_kwargs())
+        return dense(
+            lhs,
+            rhs,
+            contracting_dims=contracting,
+            out_dtype=preferred_element_type,
+            fast_accum=fast_accum,
+            **ctx.dense_kwargs(),
+        )
 
     return wrap_function_in_state_module(dot_general, recipe, "dot_general")
 
 
-def layer_dot_general_cls(recipe: Recipe | None, layer: int, num_layers: int, *,
-                          fast_accum: bool = True):
+def layer_dot_general_cls(recipe: Recipe | None, layer: int, num_layers: int, *, fast_accum: bool = True):
     """What to pass as ``dot_general_cls`` for transformer layer ``layer`` of ``num_layers``.
 
     ``make_dot_general_cls(recipe.layer_recipe(layer, num_layers))``, or ``lambda: None``

@@ -53,8 +53,10 @@ def _param(module, name, init, shape, dtype, axes):
     axes = tuple(axes or ())
     if axes:
         if len(axes) != len(shape):
-            raise ValueError(f"{type(module).__name__}: {name} axes {axes} must name each of its {len(shape)} "
-                             f"dimensions (shape {tuple(shape)})")
+            raise ValueError(
+                f"{type(module).__name__}: {name} axes {axes} must name each of its {len(shape)} "
+                f"dimensions (shape {tuple(shape)})"
+            )
         init = nn.with_logical_partitioning(init, axes)
     return module.param(name, init, tuple(shape), dtype)
 
@@ -65,7 +67,9 @@ def check_norm_type(layernorm_type: str) -> None:
         raise ValueError(f"layernorm_type must be 'layernorm' or 'rmsnorm', got {layernorm_type!r}")
 
 
-def _norm_params(module, C, layernorm_type, zero_centered_gamma, scale_init, bias_init, scale_axes, bias_axes, dtype):
+def _norm_params(
+    module, C, layernorm_type, zero_centered_gamma, scale_init, bias_init, scale_axes, bias_axes, dtype
+):
     check_norm_type(layernorm_type)
     if scale_init is None:
         scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
@@ -77,8 +81,14 @@ def _norm_params(module, C, layernorm_type, zero_centered_gamma, scale_init, bia
 
 
 def _norm(x, gamma, beta, layernorm_type, zero_centered_gamma, epsilon):
-    return _layernorm(x, gamma, beta, norm_type=layernorm_type, zero_centered_gamma=bool(zero_centered_gamma),
-                      epsilon=float(epsilon))
+    return _layernorm(
+        x,
+        gamma,
+        beta,
+        norm_type=layernorm_type,
+        zero_centered_gamma=bool(zero_centered_gamma),
+        epsilon=float(epsilon),
+    )
 
 
 def _cast_for_math(x, *arrays):
@@ -103,13 +113,25 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        gamma, beta = _norm_params(self, x.shape[-1], self.layernorm_type, self.zero_centered_gamma, self.scale_init,
-                                   self.bias_init, self.scale_axes, self.bias_axes, self.dtype)
+        gamma, beta = _norm_params(
+            self,
+            x.shape[-1],
+            self.layernorm_type,
+            self.zero_centered_gamma,
+            self.scale_init,
+            self.bias_init,
+            self.scale_axes,
+            self.bias_axes,
+            self.dtype,
+        )
         return _norm(x, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
 
 
-_SOFTMAX_TYPES = {"scaled": "scaled", "scaled_masked": "scaled_masked",
-                  "scaled_upper_triang_masked": "scaled_upper_triang_masked"}
+_SOFTMAX_TYPES = {
+    "scaled": "scaled",
+    "scaled_masked": "scaled_masked",
+    "scaled_upper_triang_masked": "scaled_upper_triang_masked",
+}
 
 
 class Softmax(nn.Module):
@@ -123,12 +145,15 @@ class Softmax(nn.Module):
     softmax_type: Any = "scaled"
 
     @nn.compact
-    def __call__(self, inputs: jax.Array, mask: Optional[jax.Array] = None,
-                 bias: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(
+        self, inputs: jax.Array, mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None
+    ) -> jax.Array:
         st = getattr(self.softmax_type, "name", self.softmax_type)
         st = st.lower() if isinstance(st, str) else st
         if st not in _SOFTMAX_TYPES:
-            raise ValueError(f"softmax_type must be one of {sorted(_SOFTMAX_TYPES)}, got {self.softmax_type!r}")
+            raise ValueError(
+                f"softmax_type must be one of {sorted(_SOFTMAX_TYPES)}, got {self.softmax_type!r}"
+            )
         if bias is not None:
             inputs = (inputs + bias).astype(inputs.dtype)
         if mask is not None and st != "scaled_masked":
@@ -151,7 +176,7 @@ def _dense_general(m, x, features, axis, owner: str):
     if rest + list(axis) != list(range(nd)):
         x = jnp.transpose(x, rest + list(axis))
     c = len(axis)
-    in_shape = tuple(x.shape[nd - c:])
+    in_shape = tuple(x.shape[nd - c :])
     kernel = _param(m, "kernel", m.kernel_init, in_shape + features, m.dtype, m.kernel_axes)
     bias = _param(m, "bias", m.bias_init, features, m.dtype, m.bias_axes) if m.use_bias else None
     k, b = _cast_for_math(x, kernel, bias)
@@ -168,7 +193,7 @@ def _lora(m, x, in_shape, features, dims, owner):
         raise ValueError(f"{owner}: low_rank_adaptation_dim must be a positive int, got {r!r}")
     kax = tuple(m.kernel_axes)
     a_axes = (kax[: len(in_shape)] + (None,)) if kax else ()
-    b_axes = ((None,) + kax[len(in_shape):]) if kax else ()
+    b_axes = ((None,) + kax[len(in_shape) :]) if kax else ()
     a = _param(m, "lora_a_kernel", m.kernel_init, in_shape + (r,), m.dtype, a_axes)
     b = _param(m, "lora_b_kernel", nn.initializers.zeros, (r,) + features, m.dtype, b_axes)
     alpha = m.low_rank_adaptation_alpha
@@ -235,9 +260,17 @@ class LayerNormDenseGeneral(nn.Module):
     def __call__(self, inputs: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
         y = inputs
         if self.enable_layernorm:
-            gamma, beta = _norm_params(self, inputs.shape[-1], self.layernorm_type, self.zero_centered_gamma,
-                                       self.scale_init, self.ln_bias_init, self.scale_axes, self.ln_bias_axes,
-                                       self.dtype)
+            gamma, beta = _norm_params(
+                self,
+                inputs.shape[-1],
+                self.layernorm_type,
+                self.zero_centered_gamma,
+                self.scale_init,
+                self.ln_bias_init,
+                self.scale_axes,
+                self.ln_bias_axes,
+                self.dtype,
+            )
             y = _norm(inputs, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
         out = _dense_general(self, y, self.features, self.axis, "LayerNormDenseGeneral")
         return out, (y if self.return_layernorm_output else None)
@@ -275,43 +308,73 @@ class LayerNormMLP(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs: jax.Array,
-                 deterministic: bool = False) -> tuple[jax.Array, Optional[jax.Array]]:
+    def __call__(
+        self, inputs: jax.Array, deterministic: bool = False
+    ) -> tuple[jax.Array, Optional[jax.Array]]:
         _, gated = parse_activations(self.activations)
         n_act = 2 if gated else 1
         if not isinstance(self.intermediate_dim, (int, np.integer)) or self.intermediate_dim < 1:
-            raise ValueError(f"LayerNormMLP: intermediate_dim must be a positive int, got {self.intermediate_dim!r}")
+            raise ValueError(
+                f"LayerNormMLP: intermediate_dim must be a positive int, got {self.intermediate_dim!r}"
+            )
         if not 0.0 <= self.intermediate_dropout_rate < 1.0:
-            raise ValueError(f"LayerNormMLP: intermediate_dropout_rate must be in [0, 1), "
-                             f"got {self.intermediate_dropout_rate!r}")
+            raise ValueError(
+                f"LayerNormMLP: intermediate_dropout_rate must be in [0, 1), "
+                f"got {self.intermediate_dropout_rate!r}"
+            )
         H, F = inputs.shape[-1], int(self.intermediate_dim)
         y = inputs
         if self.enable_layernorm:
-            gamma, beta = _norm_params(self, H, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
-                                       self.ln_bias_init, self.scale_axes, self.ln_bias_axes, self.dtype)
+            gamma, beta = _norm_params(
+                self,
+                H,
+                self.layernorm_type,
+                self.zero_centered_gamma,
+                self.scale_init,
+                self.ln_bias_init,
+                self.scale_axes,
+                self.ln_bias_axes,
+                self.dtype,
+            )
             y = _norm(inputs, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
         ax1 = tuple(self.kernel_axes_1)
         if len(ax1) == 2:  # (embed, mlp) names the 2-D view; the activation axis is unsharded
             ax1 = (ax1[0], None, ax1[1])
         # Kernel init per activation slot, so each slot has fan_in = hidden like a separate Dense.
         init = self.kernel_init
-        wi = _param(self, "wi_kernel", lambda k, s, d: jnp.stack(
-            [init(kk, (s[0], s[2]), d) for kk in jax.random.split(k, s[1])], axis=1), (H, n_act, F), self.dtype, ax1)
+        wi = _param(
+            self,
+            "wi_kernel",
+            lambda k, s, d: jnp.stack(
+                [init(kk, (s[0], s[2]), d) for kk in jax.random.split(k, s[1])], axis=1
+            ),
+            (H, n_act, F),
+            self.dtype,
+            ax1,
+        )
         wi_b = None
         if self.use_bias:
             b1 = tuple(self.bias_axes_1)
             b1 = (None, b1[0]) if len(b1) == 1 else b1
             wi_b = _param(self, "wi_bias", self.bias_init, (n_act, F), self.dtype, b1)
         wo = _param(self, "wo_kernel", self.kernel_init, (F, H), self.dtype, self.kernel_axes_2)
-        wo_b = _param(self, "wo_bias", self.bias_init, (H,), self.dtype, self.bias_axes_2) if self.use_bias else None
+        wo_b = (
+            _param(self, "wo_bias", self.bias_init, (H,), self.dtype, self.bias_axes_2)
+            if self.use_bias
+            else None
+        )
         wi, wi_b, wo, wo_b = _cast_for_math(inputs, wi, wi_b, wo, wo_b)
         # (H, n_act, F) -> (H, n_act*F): the output's last axis holds the (act, linear) halves.
-        h = DenseOp(name="wi_op")(y, wi.reshape(H, n_act * F), None if wi_b is None else wi_b.reshape(-1),
-                                  ((y.ndim - 1,), (0,)))
+        h = DenseOp(name="wi_op")(
+            y, wi.reshape(H, n_act * F), None if wi_b is None else wi_b.reshape(-1), ((y.ndim - 1,), (0,))
+        )
         h = _activation(h, tuple(self.activations))
         if self.intermediate_dropout_rate > 0 and not deterministic:
-            h = nn.Dropout(self.intermediate_dropout_rate, broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
-                           rng_collection=self.intermediate_dropout_rng_name)(h, deterministic=False)
+            h = nn.Dropout(
+                self.intermediate_dropout_rate,
+                broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+                rng_collection=self.intermediate_dropout_rng_name,
+            )(h, deterministic=False)
         out = DenseOp(name="wo_op")(h, wo, wo_b, ((h.ndim - 1,), (0,)))
         return out, (y if self.return_layernorm_output else None)
 

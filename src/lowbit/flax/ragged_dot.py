@@ -36,15 +36,29 @@ def make_ragged_dot_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = T
 
     class RaggedDot(nn.Module):
         @nn.compact
-        def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
-                     preferred_element_type=None, group_offset=None) -> jax.Array:
+        def __call__(
+            self,
+            lhs: jax.Array,
+            rhs: jax.Array,
+            group_sizes: jax.Array,
+            precision=None,
+            preferred_element_type=None,
+            group_offset=None,
+        ) -> jax.Array:
             if group_offset is not None:
                 raise NotImplementedError("lowbit ragged_dot: group_offset is not supported")
             r = recipe if recipe is not None else get_recipe()
             state = None
             if isinstance(r, DelayedScaling):
                 state = delayed_state_variables(self, r, num_groups=jnp.shape(rhs)[0])
-            return grouped_gemm(lhs, rhs, group_sizes, recipe=r, state=state,
-                                preferred_element_type=preferred_element_type, fast_accum=fast_accum)
+            return grouped_gemm(
+                lhs,
+                rhs,
+                group_sizes,
+                recipe=r,
+                state=state,
+                preferred_element_type=preferred_element_type,
+                fast_accum=fast_accum,
+            )
 
     return RaggedDot

@@ -5,7 +5,7 @@ state (DelayedScaling's amax histories and scales) and RNG stream (NVFP4's stoch
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -56,8 +56,9 @@ def state_variable_name(key: str, call: int) -> str:
     return key if call == 0 else f"{key}_call{call}"
 
 
-def delayed_state_variables(module: nn.Module, recipe: DelayedScaling,
-                            num_groups: Optional[int] = None) -> dict[str, jax.Array]:
+def delayed_state_variables(
+    module: nn.Module, recipe: DelayedScaling, num_groups: Optional[int] = None
+) -> dict[str, jax.Array]:
     """The DelayedScaling state as variables of ``module`` in ``_overwrite_with_gradient``
     (created at init, read after); ``num_groups``: one history and scale per group.
 
@@ -67,13 +68,17 @@ def delayed_state_variables(module: nn.Module, recipe: DelayedScaling,
     separate modules would.
     """
     call = call_index(module)
-    return {k: module.variable(OVERWRITE_WITH_GRADIENT, state_variable_name(k, call), init, shape,
-                               jnp.float32).value
-            for k, (shape, init) in state_layout(recipe, num_groups).items()}
+    return {
+        k: module.variable(
+            OVERWRITE_WITH_GRADIENT, state_variable_name(k, call), init, shape, jnp.float32
+        ).value
+        for k, (shape, init) in state_layout(recipe, num_groups).items()
+    }
 
 
-def wrap_function_in_state_module(f: Callable, recipe: Optional[Recipe] = None,
-                                  name: Optional[str] = None) -> type[nn.Module]:
+def wrap_function_in_state_module(
+    f: Callable, recipe: Optional[Recipe] = None, name: Optional[str] = None
+) -> type[nn.Module]:
     """Returns a Flax module class whose ``__call__(*args, **kwargs)`` is
     ``f(ctx, *args, **kwargs)`` with ``ctx`` a :class:`QuantizeContext`.
 
@@ -93,7 +98,11 @@ def wrap_function_in_state_module(f: Callable, recipe: Optional[Recipe] = None,
             r = recipe if recipe is not None else get_recipe()
             state = delayed_state_variables(self, r) if isinstance(r, DelayedScaling) else None
             rng = None
-            if isinstance(r, NVFP4BlockScaling) and not r.disable_stochastic_rounding and self.has_rng(SR_RNG):
+            if (
+                isinstance(r, NVFP4BlockScaling)
+                and not r.disable_stochastic_rounding
+                and self.has_rng(SR_RNG)
+            ):
                 rng = self.make_rng(SR_RNG)
             return f(QuantizeContext(r, state, rng), *args, **kwargs)
 

@@ -70,8 +70,10 @@ def parse_activations(activations):
     try:
         names = tuple(activations)
     except TypeError:
-        raise TypeError(f"activations must be a tuple of names such as ('gelu',) or ('silu', 'linear'), "
-                        f"got {activations!r}") from None
+        raise TypeError(
+            f"activations must be a tuple of names such as ('gelu',) or ('silu', 'linear'), "
+            f"got {activations!r}"
+        ) from None
     if not names or not all(isinstance(n, str) for n in names):
         raise TypeError(f"activations must be a non-empty tuple of strings, got {activations!r}")
     names = tuple(n.lower() for n in names)
@@ -86,7 +88,9 @@ def parse_activations(activations):
         if names[0] not in _ACTS:
             raise ValueError(f"activations: unknown activation {names[0]!r}; choose from {known}")
         return _ACTS[names[0]], True
-    raise ValueError(f"activations must be one activation or an (activation, 'linear') gated pair, got {activations!r}")
+    raise ValueError(
+        f"activations must be one activation or an (activation, 'linear') gated pair, got {activations!r}"
+    )
 
 
 def _check_x(x, gated):
@@ -94,8 +98,10 @@ def _check_x(x, gated):
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension (..., W), got a rank-0 array (shape ())")
     if gated and x.shape[-1] % 2:
-        raise ValueError(f"x: a gated activation needs an even last axis holding (act, linear) halves, "
-                         f"got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"x: a gated activation needs an even last axis holding (act, linear) halves, "
+            f"got shape {tuple(x.shape)}"
+        )
     return x
 
 
@@ -118,8 +124,15 @@ def _act_lu(x, act, gated, spec, return_hp):
     y_type = jax.ShapeDtypeStruct((R, H), x.dtype) if want_y else NO_RESULT_U8
     out_types = (y_type, *fused_outputs(spec, R, H))
     scale, q_attrs = fused_operands(spec)
-    y, *fp8 = _native.ffi_call("act_fwd", out_types, x.reshape(R, W), scale,
-                               act=np.int32(act), gated=np.int32(bool(gated)), **q_attrs)
+    y, *fp8 = _native.ffi_call(
+        "act_fwd",
+        out_types,
+        x.reshape(R, W),
+        scale,
+        act=np.int32(act),
+        gated=np.int32(bool(gated)),
+        **q_attrs,
+    )
     y = y.reshape(out_shape) if want_y else None
     out = finish_output(spec, y, tuple(fp8), out_shape, x.dtype)
     return (out, y) if return_hp else out
@@ -138,7 +151,10 @@ def dact_dbias(dy, x, activations=("gelu",), quantize=None, with_dbias: bool = F
     H = W // 2 if gated else W
     want = tuple(x.shape[:-1]) + (H,)
     if tuple(dy.shape) != want or dy.dtype != x.dtype:
-        raise TypeError(f"dy must be {x.dtype} of shape {want} (the activation's output), got {dy.dtype} {tuple(dy.shape)}")
+        raise TypeError(
+            f"dy must be {x.dtype} of shape {want} (the activation's output), "
+            f"got {dy.dtype} {tuple(dy.shape)}"
+        )
     spec = parse_quantize_spec(quantize, x.dtype)
     return _dact(dy, x, act, gated, spec, with_dbias)
 
@@ -157,9 +173,16 @@ def _dact(dy, x, act, gated, spec, with_dbias):
     )
     scale, q_attrs = fused_operands(spec)
     dx, *fp8, db = _native.ffi_call(
-        "act_bwd", out_types, dy.reshape(R, H), x.reshape(R, W), scale,
+        "act_bwd",
+        out_types,
+        dy.reshape(R, H),
+        x.reshape(R, W),
+        scale,
         workspace=(R, H, int(gated), int(kernel_dbias)),
-        act=np.int32(act), gated=np.int32(bool(gated)), **q_attrs)
+        act=np.int32(act),
+        gated=np.int32(bool(gated)),
+        **q_attrs,
+    )
     if spec is None:
         return dx.reshape(shape), (db if with_dbias else None)
     if fused:
@@ -169,8 +192,9 @@ def _dact(dy, x, act, gated, spec, with_dbias):
     return quantize_output(spec, dx.reshape(shape)), None
 
 
-def activation(x: ArrayLike, activations: Union[str, Sequence[str]] = ("gelu",),
-               quantize: Optional[QuantizeArg] = None) -> Union[jax.Array, ScaledTensor]:
+def activation(
+    x: ArrayLike, activations: Union[str, Sequence[str]] = ("gelu",), quantize: Optional[QuantizeArg] = None
+) -> Union[jax.Array, ScaledTensor]:
     """``act(x)`` or, gated, ``act(a) * b`` over the last axis; differentiable (custom VJP).
 
     Args:

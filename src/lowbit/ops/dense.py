@@ -66,15 +66,27 @@ class _Config:
 
 def _quantize_role(cfg: _Config, role: str, state, **kw):
     r = cfg.recipe
-    return dict(scaling_mode=r.scaling_mode(role), q_dtype=r.q_dtype(role), scale=ds.scale_of(state, role),
-                layout="both", **kw)
+    return dict(
+        scaling_mode=r.scaling_mode(role),
+        q_dtype=r.q_dtype(role),
+        scale=ds.scale_of(state, role),
+        layout="both",
+        **kw,
+    )
 
 
 def _forward(cfg: _Config, x, kernel, bias, state):
     qx = poison_nonfinite(quantize(x, **_quantize_role(cfg, "x", state, rht=cfg.rht)))
     qk = poison_nonfinite(quantize(kernel, **_quantize_role(cfg, "kernel", state)))
-    y = gemm(qx, qk, gemm_bias(bias), a_layout="rowwise", b_layout="colwise",
-             out_dtype=gemm_out_dtype(cfg.out_dtype), fast_accum=cfg.fast_accum)
+    y = gemm(
+        qx,
+        qk,
+        gemm_bias(bias),
+        a_layout="rowwise",
+        b_layout="colwise",
+        out_dtype=gemm_out_dtype(cfg.out_dtype),
+        fast_accum=cfg.fast_accum,
+    )
     return y.astype(cfg.out_dtype), qx, qk
 
 
@@ -96,7 +108,9 @@ def _dense_2d_bwd(cfg: _Config, res, dy):
     if cfg.stochastic and rng is None:
         raise ValueError(
             "dense: NVFP4BlockScaling rounds gradients stochastically and needs an rng key "
-            "(Flax: pass rngs={'sr_rng': key} to apply; or NVFP4BlockScaling(disable_stochastic_rounding=True))")
+            "(Flax: pass rngs={'sr_rng': key} to apply; "
+            "or NVFP4BlockScaling(disable_stochastic_rounding=True))"
+        )
     kw = dict(rht=cfg.rht, rng_key=rng if cfg.stochastic else None)
     q_kw = _quantize_role(cfg, "grad", state, **kw)
     if cfg.bias_dtype is not None:
@@ -127,23 +141,33 @@ def _normalize_dims(contracting_dims, x_ndim: int, k_ndim: int):
         lhs = tuple(int(d) for d in (lhs if isinstance(lhs, (tuple, list)) else (lhs,)))
         rhs = tuple(int(d) for d in (rhs if isinstance(rhs, (tuple, list)) else (rhs,)))
     except (TypeError, ValueError):
-        raise ValueError(f"dense: contracting_dims must be ((x dims...), (kernel dims...)), got {contracting_dims!r}") from None
+        raise ValueError(
+            f"dense: contracting_dims must be ((x dims...), (kernel dims...)), got {contracting_dims!r}"
+        ) from None
     lhs = tuple(d + x_ndim if d < 0 else d for d in lhs)
     rhs = tuple(d + k_ndim if d < 0 else d for d in rhs)
     if not lhs or len(lhs) != len(rhs):
-        raise ValueError(f"dense: contracting_dims must pair up at least one x dim with one kernel dim, got {contracting_dims!r}")
+        raise ValueError(
+            f"dense: contracting_dims must pair up at least one x dim with one kernel dim, "
+            f"got {contracting_dims!r}"
+        )
     if len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs):
         raise ValueError(f"dense: contracting_dims repeat a dimension: {contracting_dims!r}")
     if any(not 0 <= d < x_ndim for d in lhs) or any(not 0 <= d < k_ndim for d in rhs):
-        raise ValueError(f"dense: contracting_dims {contracting_dims!r} are out of range for x of rank {x_ndim} "
-                         f"and kernel of rank {k_ndim}")
+        raise ValueError(
+            f"dense: contracting_dims {contracting_dims!r} are out of range for x of rank {x_ndim} "
+            f"and kernel of rank {k_ndim}"
+        )
     if sorted(lhs) != list(range(x_ndim - len(lhs), x_ndim)):
         raise ValueError(
             f"dense: x must be contracted over its trailing axes (got x dims {lhs} of rank {x_ndim}); "
-            "move the contracted axes to the end of x first")
+            "move the contracted axes to the end of x first"
+        )
     if len(rhs) == k_ndim:
-        raise ValueError(f"dense: kernel of rank {k_ndim} needs at least one axis outside contracting_dims "
-                         f"{contracting_dims!r} (its output features)")
+        raise ValueError(
+            f"dense: kernel of rank {k_ndim} needs at least one axis outside contracting_dims "
+            f"{contracting_dims!r} (its output features)"
+        )
     return lhs, rhs
 
 
@@ -195,10 +219,13 @@ def dense(
     lhs, rhs = _normalize_dims(contracting_dims, x.ndim, kernel.ndim)
     for i, j in zip(lhs, rhs):
         if x.shape[i] != kernel.shape[j]:
-            raise ValueError(f"dense: contraction size mismatch: x axis {i} has {x.shape[i]}, kernel axis {j} "
-                             f"has {kernel.shape[j]} (x {tuple(x.shape)}, kernel {tuple(kernel.shape)})")
-    out_dtype = as_dtype(out_dtype if out_dtype is not None else jnp.result_type(x, kernel),
-                         "dense: out_dtype")
+            raise ValueError(
+                f"dense: contraction size mismatch: x axis {i} has {x.shape[i]}, kernel axis {j} "
+                f"has {kernel.shape[j]} (x {tuple(x.shape)}, kernel {tuple(kernel.shape)})"
+            )
+    out_dtype = as_dtype(
+        out_dtype if out_dtype is not None else jnp.result_type(x, kernel), "dense: out_dtype"
+    )
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"dense: out_dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
     if recipe is None:
@@ -209,34 +236,48 @@ def dense(
     if order != list(range(kernel.ndim)):
         kernel = jnp.transpose(kernel, order)
     lead, feat = tuple(x.shape[: x.ndim - c]), tuple(kernel.shape[c:])
-    M, K, N = prod(lead), prod(x.shape[x.ndim - c:]), prod(feat)
+    M, K, N = prod(lead), prod(x.shape[x.ndim - c :]), prod(feat)
     if bias is not None:
         bias = check_input(bias, "dense: bias")
         if bias.shape not in (feat, (N,)):
-            raise ValueError(f"dense: bias must have shape {feat} (the kernel's feature axes), got {tuple(bias.shape)}")
+            raise ValueError(
+                f"dense: bias must have shape {feat} (the kernel's feature axes), got {tuple(bias.shape)}"
+            )
         bias = bias.reshape(N)
 
     if recipe is None:
         dt = jnp.result_type(x, kernel)
-        y = jax.lax.dot_general(x.astype(dt), kernel.astype(dt),
-                                ((tuple(range(x.ndim - c, x.ndim)), tuple(range(c))), ((), ())),
-                                preferred_element_type=out_dtype)
+        y = jax.lax.dot_general(
+            x.astype(dt),
+            kernel.astype(dt),
+            ((tuple(range(x.ndim - c, x.ndim)), tuple(range(c))), ((), ())),
+            preferred_element_type=out_dtype,
+        )
         return (y + bias.reshape(feat).astype(out_dtype)) if bias is not None else y.astype(out_dtype)
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"dense: recipe must be a lowbit recipe (DelayedScaling, Float8CurrentScaling, "
-                        f"MXFP8BlockScaling, NVFP4BlockScaling), got {type(recipe).__name__}")
+        raise TypeError(
+            f"dense: recipe must be a lowbit recipe (DelayedScaling, Float8CurrentScaling, "
+            f"MXFP8BlockScaling, NVFP4BlockScaling), got {type(recipe).__name__}"
+        )
 
     b = _block_multiple(recipe)
     if K % b or N % b:
-        raise ValueError(f"dense: {type(recipe).__name__} needs the contraction size K and the output size N to be "
-                         f"multiples of {b}; got K={K}, N={N}")
+        raise ValueError(
+            f"dense: {type(recipe).__name__} needs the contraction size K and the output size N to be "
+            f"multiples of {b}; got K={K}, N={N}"
+        )
     state = ds.check_state_arg("dense", recipe, state, "lowbit.init_delayed_state(recipe)")
     if rng is not None and not isinstance(recipe, NVFP4BlockScaling):
         rng = None  # only NVFP4's stochastic rounding draws random bits
 
-    cfg = _Config(recipe=recipe, out_dtype=out_dtype, x_dtype=np.dtype(x.dtype),
-                  kernel_dtype=np.dtype(kernel.dtype), bias_dtype=None if bias is None else np.dtype(bias.dtype),
-                  fast_accum=bool(fast_accum))
+    cfg = _Config(
+        recipe=recipe,
+        out_dtype=out_dtype,
+        x_dtype=np.dtype(x.dtype),
+        kernel_dtype=np.dtype(kernel.dtype),
+        bias_dtype=None if bias is None else np.dtype(bias.dtype),
+        fast_accum=bool(fast_accum),
+    )
     x2 = x.reshape(M, K)
     # Block-scaled colwise copies need the token count in whole blocks: zero rows change no
     # result (nor any amax, nor the bias gradient), so pad and slice.

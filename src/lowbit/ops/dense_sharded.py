@@ -86,8 +86,15 @@ def _quantize(cfg, role, v, scale, axes, dbias=False):
 def _mm(a, b, a_layout, b_layout, out_dtype, sum_axes, bias=None, fast_accum=False):
     """a . b^T (+ bias); a split contraction is summed over ``sum_axes`` in float32."""
     if not sum_axes:
-        y = gemm(a, b, bias, a_layout=a_layout, b_layout=b_layout, out_dtype=gemm_out_dtype(out_dtype),
-                 fast_accum=fast_accum)
+        y = gemm(
+            a,
+            b,
+            bias,
+            a_layout=a_layout,
+            b_layout=b_layout,
+            out_dtype=gemm_out_dtype(out_dtype),
+            fast_accum=fast_accum,
+        )
         return y.astype(out_dtype)
     y = gemm(a, b, a_layout=a_layout, b_layout=b_layout, out_dtype=_F32, fast_accum=fast_accum)
     y = jax.lax.psum(y, sum_axes)
@@ -122,12 +129,21 @@ def _fwd(cfg, plan: ShardPlan, x, k, bias, state):
 
     tensor = cfg.recipe.scaling_mode("x").is_tensor_scaling
     x_res = plan.spec("k_axes", "batch")
-    res_specs = (x_res, P() if tensor else x_res, plan.spec("k_axes", "n_axes"),
-                 P() if cfg.recipe.scaling_mode("kernel").is_tensor_scaling else plan.spec("k_axes", "n_axes"))
+    res_specs = (
+        x_res,
+        P() if tensor else x_res,
+        plan.spec("k_axes", "n_axes"),
+        P() if cfg.recipe.scaling_mode("kernel").is_tensor_scaling else plan.spec("k_axes", "n_axes"),
+    )
     sx, sk = ds.scale_of(state, "x"), ds.scale_of(state, "kernel")
     args = dict(x=x, k=k, bias=gemm_bias(bias), sx=sx, sk=sk)
-    specs = dict(x=plan.spec("batch", "k_axes"), k=plan.spec("k_axes", "n_axes"), bias=plan.spec("n_axes"),
-                 sx=P(), sk=P())
+    specs = dict(
+        x=plan.spec("batch", "k_axes"),
+        k=plan.spec("k_axes", "n_axes"),
+        bias=plan.spec("n_axes"),
+        sx=P(),
+        sk=P(),
+    )
     y, res, amaxes = _call(plan, body, args, specs, (plan.spec("batch", "n_axes"), res_specs, (P(), P())))
     return y, res, amaxes
 
@@ -139,10 +155,19 @@ def _local_tensor(cfg, role, data, s_inv, colwise):
         mode = ScalingMode.DELAYED_TENSOR_SCALING
     r, c = (data.shape[1], data.shape[0]) if colwise else data.shape
     dq = cfg.x_dtype if role == "x" else cfg.kernel_dtype
-    return ScaledTensor(data=None if colwise else data, scale_inv=None if colwise else s_inv,
-                        colwise_data=data if colwise else None, colwise_scale_inv=s_inv if colwise else None,
-                        amax=jnp.zeros((1,), jnp.float32), global_scale_inv=None, scaling_mode=mode,
-                        q_dtype=np.dtype(q), dq_dtype=np.dtype(dq), shape=(r, c), flatten_axis=1)
+    return ScaledTensor(
+        data=None if colwise else data,
+        scale_inv=None if colwise else s_inv,
+        colwise_data=data if colwise else None,
+        colwise_scale_inv=s_inv if colwise else None,
+        amax=jnp.zeros((1,), jnp.float32),
+        global_scale_inv=None,
+        scaling_mode=mode,
+        q_dtype=np.dtype(q),
+        dq_dtype=np.dtype(dq),
+        shape=(r, c),
+        flatten_axis=1,
+    )
 
 
 def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
@@ -164,15 +189,22 @@ def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
     k_tensor = cfg.recipe.scaling_mode("kernel").is_tensor_scaling
     xc, xcs, kr, krs = res
     args = dict(dy=dy, xc=xc, xcs=xcs, kr=kr, krs=krs, sg=grad_scale)
-    specs = dict(dy=plan.spec("batch", "n_axes"), xc=plan.spec("k_axes", "batch"),
-                 xcs=P() if tensor else plan.spec("k_axes", "batch"), kr=plan.spec("k_axes", "n_axes"),
-                 krs=P() if k_tensor else plan.spec("k_axes", "n_axes"), sg=P())
+    specs = dict(
+        dy=plan.spec("batch", "n_axes"),
+        xc=plan.spec("k_axes", "batch"),
+        xcs=P() if tensor else plan.spec("k_axes", "batch"),
+        kr=plan.spec("k_axes", "n_axes"),
+        krs=P() if k_tensor else plan.spec("k_axes", "n_axes"),
+        sg=P(),
+    )
     db_spec = plan.spec("n_axes") if cfg.bias_dtype is not None else None
     outs = (plan.spec("batch", "k_axes"), plan.spec("k_axes", "n_axes"), db_spec, P())
     if cfg.bias_dtype is None:
+
         def body_nb(**kw):
             dx, dk, _, a = body(**kw)
             return dx, dk, a
+
         dx, dk, a = _call(plan, body_nb, args, specs, (outs[0], outs[1], outs[3]))
         return dx, dk, None, a
     return _call(plan, body, args, specs, outs)

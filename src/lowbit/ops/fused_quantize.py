@@ -41,15 +41,18 @@ class QuantizeSpec(NamedTuple):
 QuantizeArg = Union[QuantizeSpec, ScalingMode, tuple]
 
 
-def parse_quantize_spec(quantize: Optional[QuantizeArg], x_dtype,
-                        name: str = "quantize") -> Optional[QuantizeSpec]:
+def parse_quantize_spec(
+    quantize: Optional[QuantizeArg], x_dtype, name: str = "quantize"
+) -> Optional[QuantizeSpec]:
     """Validates a quantize spec; returns a QuantizeSpec with checked mode, dtype and scale."""
     if quantize is None:
         return None
     if isinstance(quantize, ScalingMode):
         quantize = (quantize,)
     if not isinstance(quantize, (tuple, list)) or not 1 <= len(quantize) <= 4:
-        raise TypeError(f"{name} must be None or a (scaling_mode, q_dtype, scale[, layout]) tuple, got {quantize!r}")
+        raise TypeError(
+            f"{name} must be None or a (scaling_mode, q_dtype, scale[, layout]) tuple, got {quantize!r}"
+        )
     spec = QuantizeSpec(*quantize)
     mode = check_scaling_mode(spec.scaling_mode)
     q = check_q_dtype(mode, spec.q_dtype, x_dtype)
@@ -84,8 +87,10 @@ def fused_operands(spec: Optional[QuantizeSpec]) -> tuple[Any, dict]:
     """The encode-scale operand and the ``mode``/``q_dtype`` attributes of a fused kernel."""
     fused = is_fused(spec)
     scale = spec.scale if (fused and spec.scale is not None) else EMPTY_F32
-    attrs = dict(mode=np.int32(int(spec.scaling_mode) if fused else int(ScalingMode.NO_SCALING)),
-                 q_dtype=np.int32(dtype_code(spec.q_dtype) if fused else 0))
+    attrs = dict(
+        mode=np.int32(int(spec.scaling_mode) if fused else int(ScalingMode.NO_SCALING)),
+        q_dtype=np.int32(dtype_code(spec.q_dtype) if fused else 0),
+    )
     return scale, attrs
 
 

@@ -38,12 +38,12 @@ _FP8_ALIGN = 16  # cuBLASLt FP8: K (leading dimension) and N in multiples of 16 
 class _Operand:
     """One GEMM operand as a K-major 2-D matrix, plus how to decode it."""
 
-    kind: str                 # "bf16", "fp8" (per-tensor scale) or "block" (MXFP8/NVFP4)
-    lead: tuple               # the non-contracted dims, in the copy's order
-    k: int                    # contraction size
-    data: Optional[jax.Array] = None       # (rows, k) for bf16/fp8
+    kind: str  # "bf16", "fp8" (per-tensor scale) or "block" (MXFP8/NVFP4)
+    lead: tuple  # the non-contracted dims, in the copy's order
+    k: int  # contraction size
+    data: Optional[jax.Array] = None  # (rows, k) for bf16/fp8
     scale_inv: Optional[jax.Array] = None  # (1,) float32 for fp8
-    qt: Optional[ScaledTensor] = None      # block-scaled source tensor
+    qt: Optional[ScaledTensor] = None  # block-scaled source tensor
     layout: str = "rowwise"
     mode: Optional[ScalingMode] = None
 
@@ -56,14 +56,19 @@ def _operand(x, name: str, layout: Optional[str]) -> _Operand:
     if isinstance(x, ScaledTensor):
         return _scaled_operand(x, name, layout)
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        raise TypeError(f"gemm: {name} must be a bfloat16 array or a lowbit.ScaledTensor, got {type(x).__name__}")
+        raise TypeError(
+            f"gemm: {name} must be a bfloat16 array or a lowbit.ScaledTensor, got {type(x).__name__}"
+        )
     if layout is not None:
-        raise ValueError(f"gemm: {name}_layout must be None for an array operand {name} (it picks a copy "
-                         f"of a ScaledTensor), got {layout!r}")
+        raise ValueError(
+            f"gemm: {name}_layout must be None for an array operand {name} (it picks a copy "
+            f"of a ScaledTensor), got {layout!r}"
+        )
     if np.dtype(x.dtype) != _BF16:
         raise TypeError(
             f"gemm: array operand {name} must be bfloat16, got {np.dtype(x.dtype).name}; cast it, or "
-            "quantize it with lowbit.quantize for an FP8 GEMM")
+            "quantize it with lowbit.quantize for an FP8 GEMM"
+        )
     if x.ndim < 1:
         raise ValueError(f"gemm: {name} must have at least one dimension (its last is contracted)")
     lead, k = tuple(x.shape[:-1]), int(x.shape[-1])
@@ -84,12 +89,15 @@ def _scaled_operand(qt: ScaledTensor, name: str, layout: Optional[str]) -> _Oper
     mode = qt.scaling_mode
     if mode == ScalingMode.NO_SCALING:
         if np.dtype(data.dtype) != _BF16:
-            raise TypeError(f"gemm: {name} holds {np.dtype(data.dtype).name} data; only bfloat16 is supported")
+            raise TypeError(
+                f"gemm: {name} holds {np.dtype(data.dtype).name} data; only bfloat16 is supported"
+            )
         return _Operand("bf16", lead, k, data=data.reshape(prod(lead), k))
     if mode.is_tensor_scaling:
         s_inv = qt.colwise_scale_inv if colwise else qt.scale_inv
-        return _Operand("fp8", lead, k, data=data.reshape(prod(lead), k), scale_inv=s_inv,
-                        qt=qt, layout=layout, mode=mode)
+        return _Operand(
+            "fp8", lead, k, data=data.reshape(prod(lead), k), scale_inv=s_inv, qt=qt, layout=layout, mode=mode
+        )
     return _Operand("block", lead, k, qt=qt, layout=layout, mode=mode)
 
 
@@ -101,30 +109,38 @@ def _check_pair(a: _Operand, b: _Operand) -> None:
     if a.k != b.k:
         raise ValueError(
             f"gemm: contraction sizes differ: a has K={a.k} (non-contracted dims {a.lead}), "
-            f"b has K={b.k} (non-contracted dims {b.lead})")
+            f"b has K={b.k} (non-contracted dims {b.lead})"
+        )
     if a.kind != b.kind:
         desc = {"bf16": "BF16", "fp8": "per-tensor FP8", "block": "block-scaled"}
-        raise TypeError(f"gemm: operands must both be {desc[a.kind]}; a is {desc[a.kind]}, b is {desc[b.kind]}")
+        raise TypeError(
+            f"gemm: operands must both be {desc[a.kind]}; a is {desc[a.kind]}, b is {desc[b.kind]}"
+        )
     if a.kind == "fp8":
         qa, qb = np.dtype(a.qt.q_dtype), np.dtype(b.qt.q_dtype)
         for q, n in ((qa, "a"), (qb, "b")):
             if q not in FP8_DTYPES:
                 raise TypeError(f"gemm: {n} must hold float8_e4m3fn or float8_e5m2 data, got {q.name}")
         if qa == _E5M2 and qb == _E5M2:
-            raise TypeError("gemm: a and b are both float8_e5m2 (their q_dtype): E5M2 x E5M2 is not "
-                            "supported "
-                            "(the FP8 tensor cores need float8_e4m3fn on one side)")
+            raise TypeError(
+                "gemm: a and b are both float8_e5m2 (their q_dtype): E5M2 x E5M2 is not "
+                "supported "
+                "(the FP8 tensor cores need float8_e4m3fn on one side)"
+            )
     if a.kind == "block":
         fa, fb = _block_family(a.mode), _block_family(b.mode)
         if fa != fb:
-            raise TypeError(f"gemm: a and b must use the same block-scaled format (their scaling_mode); "
-                            f"a is {fa} ({a.mode.name}), b is {fb} ({b.mode.name})")
+            raise TypeError(
+                f"gemm: a and b must use the same block-scaled format (their scaling_mode); "
+                f"a is {fa} ({a.mode.name}), b is {fb} ({b.mode.name})"
+            )
         ra = a.qt.rht and a.layout == "colwise"
         rb = b.qt.rht and b.layout == "colwise"
         if ra != rb or (ra and a.qt.rht_sign_mask != b.qt.rht_sign_mask):
             raise ValueError(
                 "gemm: both NVFP4 operands must carry the same random Hadamard transform (or neither); "
-                f"a.rht={ra}, b.rht={rb} (on the copies used)")
+                f"a.rht={ra}, b.rht={rb} (on the copies used)"
+            )
 
 
 def _check_out_dtype(out_dtype):
@@ -162,15 +178,21 @@ def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum):
     """One FFI call: a2 (M, K), b2 (N, K) -> (M, N). bias is (N,) or None."""
     M, N = a2.shape[0], b2.shape[0]
     return _native.ffi_call(
-        "gemm", jax.ShapeDtypeStruct((M, N), out_dtype),
-        a2, b2, EMPTY_F32 if a_s is None else a_s, EMPTY_F32 if b_s is None else b_s,
+        "gemm",
+        jax.ShapeDtypeStruct((M, N), out_dtype),
+        a2,
+        b2,
+        EMPTY_F32 if a_s is None else a_s,
+        EMPTY_F32 if b_s is None else b_s,
         EMPTY_F32 if bias is None else bias,
-        workspace=(), flags=np.int32(FLAG_FAST_ACCUM if fast_accum else 0))
+        workspace=(),
+        flags=np.int32(FLAG_FAST_ACCUM if fast_accum else 0),
+    )
 
 
 def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8):
     """Pads FP8 operands to cuBLASLt's alignment (zeros add nothing) and routes the bias."""
-    M, N = a2.shape[0], b2.shape[0]
+    _M, N = a2.shape[0], b2.shape[0]
     if fp8:
         a2 = pad_to(a2, 1, _FP8_ALIGN)
         b2 = pad_to(pad_to(b2, 1, _FP8_ALIGN), 0, _FP8_ALIGN)
@@ -319,7 +341,10 @@ def gemm(
         if np.dtype(bias.dtype) not in (_BF16, _F32):
             raise TypeError(f"gemm: bias must be bfloat16 or float32, got {np.dtype(bias.dtype).name}")
         if bias.size != N:
-            raise ValueError(f"gemm: bias must have N={N} elements (b's non-contracted dims {pb.lead}), got shape {bias.shape}")
+            raise ValueError(
+                f"gemm: bias must have N={N} elements (b's non-contracted dims {pb.lead}), "
+                f"got shape {bias.shape}"
+            )
         bias = bias.reshape(N)
     shape = pa.lead + pb.lead
 
@@ -332,6 +357,5 @@ def gemm(
         out = _block_gemm(pa, pb, bias, out_dtype)
     else:
         fp8 = pa.kind == "fp8"
-        out = _gemm_2d(pa.data, pb.data, pa.scale_inv, pb.scale_inv, bias, out_dtype,
-                       fast_accum and fp8, fp8)
+        out = _gemm_2d(pa.data, pb.data, pa.scale_inv, pb.scale_inv, bias, out_dtype, fast_accum and fp8, fp8)
     return checkpoint_name(out.reshape(shape), GEMM_CHECKPOINT_NAME)

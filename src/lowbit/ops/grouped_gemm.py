@@ -47,37 +47,94 @@ _IN_DTYPES = (_BF16, _F32)
 # ---------------------------------------------------------------------------------------------
 # The FFI call: one grouped GEMM in one of the two shapes of csrc/include/lowbit/grouped_gemm.h
 # ---------------------------------------------------------------------------------------------
-def _call(mode, a, b, group_sizes, a_s, b_s, *, m, n, k, lda, ldb, bgs=0, a_kmajor, b_kmajor,
-          fast_accum=False):
+def _call(
+    mode, a, b, group_sizes, a_s, b_s, *, m, n, k, lda, ldb, bgs=0, a_kmajor, b_kmajor, fast_accum=False
+):
     G = group_sizes.shape[0]
-    flags = (_A_KMAJOR if a_kmajor else 0) | (_B_KMAJOR if b_kmajor else 0) | (_FAST_ACCUM if fast_accum else 0)
+    flags = (
+        (_A_KMAJOR if a_kmajor else 0) | (_B_KMAJOR if b_kmajor else 0) | (_FAST_ACCUM if fast_accum else 0)
+    )
     out_shape = (m, n) if mode == _RAGGED_M else (G, m, n)
     return _native.ffi_call(
-        "grouped_gemm", jax.ShapeDtypeStruct(out_shape, jnp.bfloat16), a, b, group_sizes, a_s, b_s,
+        "grouped_gemm",
+        jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
+        a,
+        b,
+        group_sizes,
+        a_s,
+        b_s,
         workspace=(mode, dtype_code(a.dtype), dtype_code(b.dtype), flags, m, n, k, G),
-        mode=np.int32(mode), m=np.int64(m), n=np.int64(n), k=np.int64(k),
-        lda=np.int64(lda), ldb=np.int64(ldb), b_group_stride=np.int64(bgs), flags=np.int32(flags))
+        mode=np.int32(mode),
+        m=np.int64(m),
+        n=np.int64(n),
+        k=np.int64(k),
+        lda=np.int64(lda),
+        ldb=np.int64(ldb),
+        b_group_stride=np.int64(bgs),
+        flags=np.int32(flags),
+    )
 
 
 # BF16: lhs (M, K), rhs (G, K, N), dout (M, N), all row-major.
 def _bf16_fwd(lhs, rhs, gs):
-    (M, K), (G, _, N) = lhs.shape, rhs.shape
-    return _call(_RAGGED_M, lhs, rhs, gs, EMPTY_F32, EMPTY_F32, m=M, n=N, k=K, lda=K, ldb=N,
-                 bgs=K * N, a_kmajor=True, b_kmajor=False)
+    (M, K), (_G, _, N) = lhs.shape, rhs.shape
+    return _call(
+        _RAGGED_M,
+        lhs,
+        rhs,
+        gs,
+        EMPTY_F32,
+        EMPTY_F32,
+        m=M,
+        n=N,
+        k=K,
+        lda=K,
+        ldb=N,
+        bgs=K * N,
+        a_kmajor=True,
+        b_kmajor=False,
+    )
 
 
 def _bf16_dlhs(dout, rhs, gs):
     # dout (M, N) . rhs[g]^T: B(c, j) = rhs[g, j, c], K-major with row stride N.
-    (M, N), (G, K, _) = dout.shape, rhs.shape
-    return _call(_RAGGED_M, dout, rhs, gs, EMPTY_F32, EMPTY_F32, m=M, n=K, k=N, lda=N, ldb=N,
-                 bgs=K * N, a_kmajor=True, b_kmajor=True)
+    (M, N), (_G, K, _) = dout.shape, rhs.shape
+    return _call(
+        _RAGGED_M,
+        dout,
+        rhs,
+        gs,
+        EMPTY_F32,
+        EMPTY_F32,
+        m=M,
+        n=K,
+        k=N,
+        lda=N,
+        ldb=N,
+        bgs=K * N,
+        a_kmajor=True,
+        b_kmajor=True,
+    )
 
 
 def _bf16_drhs(lhs, dout, gs):
     # lhs_g^T . dout_g, contraction over the group's rows: A(i, c) = lhs[c, i] (M-major).
     (M, K), (_, N) = lhs.shape, dout.shape
-    return _call(_RAGGED_K, lhs, dout, gs, EMPTY_F32, EMPTY_F32, m=K, n=N, k=M, lda=K, ldb=N,
-                 a_kmajor=False, b_kmajor=False)
+    return _call(
+        _RAGGED_K,
+        lhs,
+        dout,
+        gs,
+        EMPTY_F32,
+        EMPTY_F32,
+        m=K,
+        n=N,
+        k=M,
+        lda=K,
+        ldb=N,
+        a_kmajor=False,
+        b_kmajor=False,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -116,8 +173,16 @@ class _Fp8Config:
 
 def _quantize(cfg, role, x, gs, state, layout):
     # A group with a non-finite amax gets NaN decode scales: its output rows are NaN, not saturated.
-    return poison_nonfinite(grouped_quantize(x, gs, cfg.recipe.scaling_mode(role), cfg.recipe.q_dtype(role),
-                                             scale=ds.scale_of(state, role), layout=layout))
+    return poison_nonfinite(
+        grouped_quantize(
+            x,
+            gs,
+            cfg.recipe.scaling_mode(role),
+            cfg.recipe.q_dtype(role),
+            scale=ds.scale_of(state, role),
+            layout=layout,
+        )
+    )
 
 
 def _expert_sizes(rhs):
@@ -129,12 +194,27 @@ def _fp8_forward(cfg, lhs, rhs, gs, state, both):
     (M, K), (G, _, N) = lhs.shape, rhs.shape
     qx = _quantize(cfg, "x", lhs, gs, state, "both" if both else "rowwise")
     # Each expert's (K, N) matrix is one group of rows of the (G*K, N) view.
-    qw = _quantize(cfg, "kernel", rhs.reshape(G * K, N), _expert_sizes(rhs), state,
-                   "both" if both else "colwise")
+    qw = _quantize(
+        cfg, "kernel", rhs.reshape(G * K, N), _expert_sizes(rhs), state, "both" if both else "colwise"
+    )
     # B(c, j) = rhs[g, c, j] = colwise[j, g*K + c]: K-major, row stride G*K, group stride K.
-    y = _call(_RAGGED_M, qx.data, qw.colwise_data, gs, qx.scale_inv, qw.colwise_scale_inv,
-              m=M, n=N, k=K, lda=K, ldb=G * K, bgs=K, a_kmajor=True, b_kmajor=True,
-              fast_accum=cfg.fast_accum)
+    y = _call(
+        _RAGGED_M,
+        qx.data,
+        qw.colwise_data,
+        gs,
+        qx.scale_inv,
+        qw.colwise_scale_inv,
+        m=M,
+        n=N,
+        k=K,
+        lda=K,
+        ldb=G * K,
+        bgs=K,
+        a_kmajor=True,
+        b_kmajor=True,
+        fast_accum=cfg.fast_accum,
+    )
     return y.astype(cfg.out_dtype), qx, qw
 
 
@@ -156,11 +236,38 @@ def _grouped_fp8_bwd(cfg, res, dout):
     N = w_row.shape[1]
     qg = _quantize(cfg, "grad", dout, gs, state, "both")
     # dgrad: dout (M, N) . rhs[g]^T; B(c, j) = w_row[g*K + j, c]: K-major, row stride N.
-    dlhs = _call(_RAGGED_M, qg.data, w_row, gs, qg.scale_inv, w_row_s, m=M, n=K, k=N, lda=N, ldb=N,
-                 bgs=K * N, a_kmajor=True, b_kmajor=True)
+    dlhs = _call(
+        _RAGGED_M,
+        qg.data,
+        w_row,
+        gs,
+        qg.scale_inv,
+        w_row_s,
+        m=M,
+        n=K,
+        k=N,
+        lda=N,
+        ldb=N,
+        bgs=K * N,
+        a_kmajor=True,
+        b_kmajor=True,
+    )
     # wgrad: A(i, c) = x_col[i, c], B(c, j) = dout_col[j, c]; both K-major, row stride M.
-    drhs = _call(_RAGGED_K, x_col, qg.colwise_data, gs, x_col_s, qg.colwise_scale_inv, m=K, n=N, k=M,
-                 lda=M, ldb=M, a_kmajor=True, b_kmajor=True)
+    drhs = _call(
+        _RAGGED_K,
+        x_col,
+        qg.colwise_data,
+        gs,
+        x_col_s,
+        qg.colwise_scale_inv,
+        m=K,
+        n=N,
+        k=M,
+        lda=M,
+        ldb=M,
+        a_kmajor=True,
+        b_kmajor=True,
+    )
     state_ct = None
     if cfg.delayed:
         state_ct = ds.advance_step(cfg.recipe, state, {"x": ax, "kernel": aw, "grad": qg.amax}, grouped=True)
@@ -173,9 +280,16 @@ _grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
 # ---------------------------------------------------------------------------------------------
 # Public entry
 # ---------------------------------------------------------------------------------------------
-def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, recipe: Optional[Recipe] = None,
-                 preferred_element_type: Optional[DTypeLike] = None, state: Optional[dict] = None,
-                 fast_accum: bool = True) -> jax.Array:
+def grouped_gemm(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    group_sizes: ArrayLike,
+    *,
+    recipe: Optional[Recipe] = None,
+    preferred_element_type: Optional[DTypeLike] = None,
+    state: Optional[dict] = None,
+    fast_accum: bool = True,
+) -> jax.Array:
     """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` through lowbit's grouped GEMM.
 
     Args:
@@ -204,27 +318,41 @@ def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, reci
         raise ValueError(f"grouped_gemm: rhs must be 3-D (G, K, N), got shape {tuple(rhs.shape)}")
     (M, K), (G, K2, N) = lhs.shape, rhs.shape
     if K != K2:
-        raise ValueError(f"grouped_gemm: contraction sizes differ: lhs {tuple(lhs.shape)} has K={K}, "
-                         f"rhs {tuple(rhs.shape)} has K={K2}")
+        raise ValueError(
+            f"grouped_gemm: contraction sizes differ: lhs {tuple(lhs.shape)} has K={K}, "
+            f"rhs {tuple(rhs.shape)} has K={K2}"
+        )
     group_sizes = as_array(group_sizes, "grouped_gemm: group_sizes")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"grouped_gemm: group_sizes must be an integer array, got {np.dtype(group_sizes.dtype).name}")
+        raise TypeError(
+            f"grouped_gemm: group_sizes must be an integer array, got {np.dtype(group_sizes.dtype).name}"
+        )
     if group_sizes.shape != (G,):
-        raise ValueError(f"grouped_gemm: group_sizes must have shape (G,) = ({G},) to match rhs "
-                         f"{tuple(rhs.shape)}, got {tuple(group_sizes.shape)}")
+        raise ValueError(
+            f"grouped_gemm: group_sizes must have shape (G,) = ({G},) to match rhs "
+            f"{tuple(rhs.shape)}, got {tuple(group_sizes.shape)}"
+        )
     if G < 1:
-        raise ValueError(f"grouped_gemm: rhs and group_sizes must hold at least one group (G >= 1), "
-                         f"got rhs {tuple(rhs.shape)}")
+        raise ValueError(
+            f"grouped_gemm: rhs and group_sizes must hold at least one group (G >= 1), "
+            f"got rhs {tuple(rhs.shape)}"
+        )
     gs = group_sizes.astype(jnp.int32)
-    out_dtype = as_dtype(preferred_element_type if preferred_element_type is not None
-                         else jnp.result_type(lhs, rhs), "grouped_gemm: preferred_element_type")
+    out_dtype = as_dtype(
+        preferred_element_type if preferred_element_type is not None else jnp.result_type(lhs, rhs),
+        "grouped_gemm: preferred_element_type",
+    )
     if out_dtype not in _IN_DTYPES:
-        raise TypeError(f"grouped_gemm: preferred_element_type must be float32 or bfloat16, got {out_dtype.name}")
+        raise TypeError(
+            f"grouped_gemm: preferred_element_type must be float32 or bfloat16, got {out_dtype.name}"
+        )
 
     if recipe is None:
         if state is not None:
-            raise ValueError("grouped_gemm: state is only used with DelayedScaling; with recipe=None (BF16) "
-                             "pass state=None")
+            raise ValueError(
+                "grouped_gemm: state is only used with DelayedScaling; with recipe=None (BF16) "
+                "pass state=None"
+            )
         # 16-byte rows for the GPU's TMA: K and N in multiples of 8 (zero padding is exact).
         x, w = pad_to(lhs.astype(jnp.bfloat16), 1, 8), rhs.astype(jnp.bfloat16)
         w = pad_to(pad_to(w, 1, 8), 2, 8)
@@ -232,13 +360,21 @@ def grouped_gemm(lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, *, reci
         return y[:, :N] if y.shape[1] != N else y
 
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise ValueError(f"grouped_gemm: recipe must be None (BF16), Float8CurrentScaling or DelayedScaling "
-                         f"(per-group tensor scales); {type(recipe).__name__} is not supported by the grouped GEMM")
+        raise ValueError(
+            f"grouped_gemm: recipe must be None (BF16), Float8CurrentScaling or DelayedScaling "
+            f"(per-group tensor scales); {type(recipe).__name__} is not supported by the grouped GEMM"
+        )
     # All-E5M2 recipes cannot be built (lowbit.recipe refuses fp8_format=Format.E5M2).
-    state = ds.check_state_arg("grouped_gemm", recipe, state,
-                               "lowbit.init_grouped_delayed_state(recipe, G)", num_groups=G)
-    cfg = _Fp8Config(recipe=recipe, out_dtype=out_dtype, lhs_dtype=np.dtype(lhs.dtype),
-                     rhs_dtype=np.dtype(rhs.dtype), fast_accum=bool(fast_accum))
+    state = ds.check_state_arg(
+        "grouped_gemm", recipe, state, "lowbit.init_grouped_delayed_state(recipe, G)", num_groups=G
+    )
+    cfg = _Fp8Config(
+        recipe=recipe,
+        out_dtype=out_dtype,
+        lhs_dtype=np.dtype(lhs.dtype),
+        rhs_dtype=np.dtype(rhs.dtype),
+        fast_accum=bool(fast_accum),
+    )
     # 16-byte rows of FP8 (K, N) and of the colwise (K, M) copies (M): zero padding; padded
     # rows of lhs belong to no group, padded K/N columns are zero.
     x = pad_to(pad_to(lhs, 0, 16), 1, 16)

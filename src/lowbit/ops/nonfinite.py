@@ -32,5 +32,6 @@ def poison_nonfinite(qt: ScaledTensor) -> ScaledTensor:
         return dataclasses.replace(qt, global_scale_inv=_nan_where(bad.any().reshape(1), qt.global_scale_inv))
     if bad.shape != (1,) and not qt.scaling_mode.is_tensor_scaling:
         bad = bad.any().reshape(1)
-    return dataclasses.replace(qt, scale_inv=_nan_where(bad, qt.scale_inv),
-                               colwise_scale_inv=_nan_where(bad, qt.colwise_scale_inv))
+    return dataclasses.replace(
+        qt, scale_inv=_nan_where(bad, qt.scale_inv), colwise_scale_inv=_nan_where(bad, qt.colwise_scale_inv)
+    )

@@ -60,7 +60,11 @@ def _check_norm_args(x, gamma, beta, norm_type, zero_centered_gamma, epsilon):
             raise ValueError(f"beta must have shape ({C},) (x's last axis), got {tuple(beta.shape)}")
     if not isinstance(zero_centered_gamma, (bool, np.bool_)):
         raise TypeError(f"zero_centered_gamma must be a bool, got {zero_centered_gamma!r}")
-    if isinstance(epsilon, jax.Array) or not isinstance(epsilon, (int, float, np.floating)) or not epsilon >= 0:
+    if (
+        isinstance(epsilon, jax.Array)
+        or not isinstance(epsilon, (int, float, np.floating))
+        or not epsilon >= 0
+    ):
         raise ValueError(f"epsilon must be a non-negative Python float, got {epsilon!r}")
     return x, gamma, beta
 
@@ -79,10 +83,17 @@ def _fwd_call(x2, gamma, beta, spec, norm_type, zc, eps, want_y):
     )
     scale, q_attrs = fused_operands(spec)
     return _native.ffi_call(
-        "norm_fwd", out_types,
-        x2, gamma.astype(jnp.float32), EMPTY_F32 if beta is None else beta.astype(jnp.float32), scale,
-        norm_type=np.int32(NORM_TYPES[norm_type]), zero_centered_gamma=np.int32(bool(zc)),
-        epsilon=np.float32(eps), **q_attrs)
+        "norm_fwd",
+        out_types,
+        x2,
+        gamma.astype(jnp.float32),
+        EMPTY_F32 if beta is None else beta.astype(jnp.float32),
+        scale,
+        norm_type=np.int32(NORM_TYPES[norm_type]),
+        zero_centered_gamma=np.int32(bool(zc)),
+        epsilon=np.float32(eps),
+        **q_attrs,
+    )
 
 
 def _bwd_call(dy2, x2, mean, rsigma, gamma, norm_type, zc):
@@ -94,17 +105,34 @@ def _bwd_call(dy2, x2, mean, rsigma, gamma, norm_type, zc):
         jax.ShapeDtypeStruct((C,), jnp.float32) if ln else NO_RESULT_F32,
     )
     dx, dg, db = _native.ffi_call(
-        "norm_bwd", out_types,
-        dy2, x2, mean.reshape(R) if ln else EMPTY_F32, rsigma.reshape(R), gamma.astype(jnp.float32),
-        workspace=(R, C), norm_type=np.int32(NORM_TYPES[norm_type]), zero_centered_gamma=np.int32(bool(zc)))
+        "norm_bwd",
+        out_types,
+        dy2,
+        x2,
+        mean.reshape(R) if ln else EMPTY_F32,
+        rsigma.reshape(R),
+        gamma.astype(jnp.float32),
+        workspace=(R, C),
+        norm_type=np.int32(NORM_TYPES[norm_type]),
+        zero_centered_gamma=np.int32(bool(zc)),
+    )
     return dx, dg, (db if ln else None)
 
 
 # ------------------------------------------------------------------------------------------------
 # public API
 # ------------------------------------------------------------------------------------------------
-def layernorm_fwd(x, gamma, beta=None, *, norm_type: str = "layernorm", zero_centered_gamma: bool = False,
-                  epsilon: float = 1e-6, quantize=None, return_norm_output: bool = False):
+def layernorm_fwd(
+    x,
+    gamma,
+    beta=None,
+    *,
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    quantize=None,
+    return_norm_output: bool = False,
+):
     """Forward building block: returns ``(out, norm_output, mean, rsigma)``.
 
     ``out`` is the normalized ``x`` in its dtype, or a ScaledTensor when ``quantize`` is given;
@@ -128,7 +156,9 @@ def _fwd(x, gamma, beta, spec, norm_type, zc, eps, return_norm_output):
     return out, (y if return_norm_output else None), mean, rsigma
 
 
-def layernorm_bwd(dy, x, mean, rsigma, gamma, *, norm_type: str = "layernorm", zero_centered_gamma: bool = False):
+def layernorm_bwd(
+    dy, x, mean, rsigma, gamma, *, norm_type: str = "layernorm", zero_centered_gamma: bool = False
+):
     """Backward building block: returns ``(dx, dgamma, dbeta)`` (dbeta None for rmsnorm);
     ``dy`` and ``dx`` have ``x``'s dtype, dgamma/dbeta ``gamma``'s."""
     x = check_input(x, "x")
@@ -142,19 +172,32 @@ def layernorm_bwd(dy, x, mean, rsigma, gamma, *, norm_type: str = "layernorm", z
         raise ValueError(f"gamma must have shape ({x.shape[-1]},) (x's last axis), got {tuple(gamma.shape)}")
     R = prod(x.shape[:-1])
     if norm_type == "layernorm" and (mean is None or prod(jnp.shape(mean)) != R):
-        raise ValueError(f"mean must have {R} entries (x.shape[:-1]) for layernorm, got "
-                         f"{None if mean is None else tuple(jnp.shape(mean))}")
+        raise ValueError(
+            f"mean must have {R} entries (x.shape[:-1]) for layernorm, got "
+            f"{None if mean is None else tuple(jnp.shape(mean))}"
+        )
     if prod(jnp.shape(rsigma)) != R:
-        raise ValueError(f"rsigma must have {R} entries (x.shape[:-1]), got "
-                         f"{None if rsigma is None else tuple(jnp.shape(rsigma))}")
+        raise ValueError(
+            f"rsigma must have {R} entries (x.shape[:-1]), got "
+            f"{None if rsigma is None else tuple(jnp.shape(rsigma))}"
+        )
     C = x.shape[-1]
-    dx, dg, db = _bwd_call(dy.reshape(R, C), x.reshape(R, C), mean, rsigma, gamma, norm_type, zero_centered_gamma)
+    dx, dg, db = _bwd_call(
+        dy.reshape(R, C), x.reshape(R, C), mean, rsigma, gamma, norm_type, zero_centered_gamma
+    )
     return dx.reshape(x.shape), dg.astype(gamma.dtype), (None if db is None else db.astype(gamma.dtype))
 
 
-def layernorm(x: ArrayLike, gamma: ArrayLike, beta: Optional[ArrayLike] = None, *,
-              norm_type: str = "layernorm", zero_centered_gamma: bool = False, epsilon: float = 1e-6,
-              quantize: Optional[QuantizeArg] = None) -> Union[jax.Array, ScaledTensor]:
+def layernorm(
+    x: ArrayLike,
+    gamma: ArrayLike,
+    beta: Optional[ArrayLike] = None,
+    *,
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    quantize: Optional[QuantizeArg] = None,
+) -> Union[jax.Array, ScaledTensor]:
     """LayerNorm or RMSNorm of ``x`` over its last axis, differentiable (custom VJP).
 
     Args:
@@ -176,7 +219,9 @@ def layernorm(x: ArrayLike, gamma: ArrayLike, beta: Optional[ArrayLike] = None, 
 
     def run(x, gamma, beta_arg, scale):
         s = None if spec is None else spec._replace(scale=scale)
-        return _fwd(x, gamma, beta_arg if has_beta else None, s, norm_type, zero_centered_gamma, epsilon, False)
+        return _fwd(
+            x, gamma, beta_arg if has_beta else None, s, norm_type, zero_centered_gamma, epsilon, False
+        )
 
     @jax.custom_vjp
     def f(x, gamma, beta_arg, scale):
@@ -190,8 +235,15 @@ def layernorm(x: ArrayLike, gamma: ArrayLike, beta: Optional[ArrayLike] = None, 
     def f_bwd(res, ct):
         x, gamma, mean, rsigma, res_q, scale = res
         dy = ct if res_q is None else straight_through_grad(ct, res_q)
-        dx, dg, db = layernorm_bwd(dy.astype(x.dtype), x, mean, rsigma, gamma, norm_type=norm_type,
-                                   zero_centered_gamma=zero_centered_gamma)
+        dx, dg, db = layernorm_bwd(
+            dy.astype(x.dtype),
+            x,
+            mean,
+            rsigma,
+            gamma,
+            norm_type=norm_type,
+            zero_centered_gamma=zero_centered_gamma,
+        )
         db = db.astype(gamma.dtype) if has_beta else jnp.zeros((0,), gamma.dtype)
         return dx, dg, db, (None if scale is None else jnp.zeros_like(scale))
 

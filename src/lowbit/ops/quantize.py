@@ -74,8 +74,9 @@ def check_tensor_scale(mode: ScalingMode, scale, prefix: str = "") -> Optional[j
             raise ValueError(f"{prefix}scale is required for DELAYED_TENSOR_SCALING (a float32 scalar)")
         scale = as_array(scale, f"{prefix}scale")
         if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
-            raise TypeError(f"{prefix}scale must be a float32 scalar or shape (1,), "
-                            f"got {scale.dtype} {scale.shape}")
+            raise TypeError(
+                f"{prefix}scale must be a float32 scalar or shape (1,), got {scale.dtype} {scale.shape}"
+            )
         return check_scale_value(scale.reshape(1), f"{prefix}scale")
     if scale is not None:
         raise ValueError(f"{prefix}scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
@@ -106,7 +107,9 @@ def _check_block_multiple(mode: ScalingMode, shape, axis: int, rowwise: bool, co
             f"must be a multiple of {16 if mode.is_nvfp4 else b} for the colwise copy of {mode.name}"
         )
     if mode == ScalingMode.NVFP4_2D_SCALING and cols % 16:
-        raise ValueError(f"x: size {cols} of the contraction axis must be a multiple of 16 for NVFP4_2D_SCALING")
+        raise ValueError(
+            f"x: size {cols} of the contraction axis must be a multiple of 16 for NVFP4_2D_SCALING"
+        )
 
 
 def quantize(
@@ -133,8 +136,9 @@ def quantize(
       rng_key: NVFP4 only: enables stochastic rounding.
       rht: NVFP4 1-D only: random Hadamard transform of the colwise copy.
     """
-    qt, _ = _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht,
-                           rht_sign_mask, dbias=False)
+    qt, _ = _quantize_impl(
+        x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht, rht_sign_mask, dbias=False
+    )
     return qt
 
 
@@ -152,12 +156,12 @@ def quantize_dbias(
 ) -> tuple[ScaledTensor, jax.Array]:
     """Fused quantize + bias gradient: returns (ScaledTensor, column sums of the 2-D view).
     Arguments as :func:`quantize`."""
-    return _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht,
-                          rht_sign_mask, dbias=True)
+    return _quantize_impl(
+        x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht, rht_sign_mask, dbias=True
+    )
 
 
-def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht,
-                   rht_sign_mask, dbias):
+def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht, rht_sign_mask, dbias):
     x = check_input(x)
     mode = check_scaling_mode(scaling_mode)
     q = check_q_dtype(mode, q_dtype, x.dtype)
@@ -208,16 +212,26 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
     row_d, row_s = copy_shapes(rows, cols, rowwise)
     col_d, col_s = copy_shapes(cols, rows, colwise)
     out_types = (
-        row_d, row_s, col_d, col_s,
+        row_d,
+        row_s,
+        col_d,
+        col_s,
         jax.ShapeDtypeStruct((1,), f32),
         jax.ShapeDtypeStruct((2,) if mode.is_nvfp4 else (0,), f32),
         jax.ShapeDtypeStruct((cols,) if dbias else (0,), x.dtype),
     )
     data, s_inv, cw_data, cw_s_inv, amax, gsi, db = _native.ffi_call(
-        "quantize", out_types, x.reshape(rows, cols), scale, seed,
+        "quantize",
+        out_types,
+        x.reshape(rows, cols),
+        scale,
+        seed,
         workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), rows, cols),
-        mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)), flags=np.int32(flags),
-        rht_sign_mask=np.int32(rht_sign_mask & 0xFFFF))
+        mode=np.int32(int(mode)),
+        q_dtype=np.int32(dtype_code(q)),
+        flags=np.int32(flags),
+        rht_sign_mask=np.int32(rht_sign_mask & 0xFFFF),
+    )
 
     cw_shape = shape[axis:] + shape[:axis]
     if rowwise:
@@ -261,8 +275,21 @@ def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype: Optional[DTypeL
         out = data.astype(out_dtype)
         return _from_colwise(out, qt.rows, qt.cols, qt.shape) if colwise else out
     r, c = (qt.cols, qt.rows) if colwise else (qt.rows, qt.cols)
-    return _dequantize_vjp(data, s_inv, qt.global_scale_inv, mode, np.dtype(qt.q_dtype), out_dtype,
-                           r, c, colwise, qt.rht and colwise, qt.rht_sign_mask, qt.shape, qt.flatten_axis)
+    return _dequantize_vjp(
+        data,
+        s_inv,
+        qt.global_scale_inv,
+        mode,
+        np.dtype(qt.q_dtype),
+        out_dtype,
+        r,
+        c,
+        colwise,
+        qt.rht and colwise,
+        qt.rht_sign_mask,
+        qt.shape,
+        qt.flatten_axis,
+    )
 
 
 def _from_colwise(colwise, rows: int, cols: int, shape):
@@ -273,9 +300,17 @@ def _from_colwise(colwise, rows: int, cols: int, shape):
 def _dequantize_ffi(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask):
     d = fp4_pack(data, r, c) if mode.is_nvfp4 else data.reshape(r, c)
     g = gsi[1:2] if (mode.is_nvfp4 and colwise) else (gsi[0:1] if mode.is_nvfp4 else _native.EMPTY_F32)
-    return _native.ffi_call("dequantize", jax.ShapeDtypeStruct((r, c), out_dtype), d, s_inv, g,
-                            mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)),
-                            flags=np.int32(FLAG_RHT if rht else 0), rht_sign_mask=np.int32(mask))
+    return _native.ffi_call(
+        "dequantize",
+        jax.ShapeDtypeStruct((r, c), out_dtype),
+        d,
+        s_inv,
+        g,
+        mode=np.int32(int(mode)),
+        q_dtype=np.int32(dtype_code(q)),
+        flags=np.int32(FLAG_RHT if rht else 0),
+        rht_sign_mask=np.int32(mask),
+    )
 
 
 def _dequantize_vjp(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask, shape, axis):
@@ -312,8 +347,9 @@ def _zeros_or_none(a):
     return None if a is None else jnp.zeros_like(a)
 
 
-def grouped_dequantize(qt: ScaledTensor, group_sizes: ArrayLike, layout: str = "rowwise",
-                       dtype: Optional[DTypeLike] = None) -> jax.Array:
+def grouped_dequantize(
+    qt: ScaledTensor, group_sizes: ArrayLike, layout: str = "rowwise", dtype: Optional[DTypeLike] = None
+) -> jax.Array:
     """Decodes a grouped_quantize result to (M, K); rows in no group decode to zero.
 
     Groups are laid out as grouped_quantize lays them: negative sizes count as 0 and the group
@@ -337,13 +373,17 @@ def grouped_dequantize(qt: ScaledTensor, group_sizes: ArrayLike, layout: str = "
         validate(qt, layout, op)
         return dequantize(qt, layout, dtype=out_dtype)
     if not ScalingMode(qt.scaling_mode).is_tensor_scaling:
-        raise ValueError(f"{op}: qt.scaling_mode must be one grouped_quantize makes (DELAYED/CURRENT_TENSOR_"
-                         f"SCALING or MXFP8_1D_SCALING), got {ScalingMode(qt.scaling_mode).name}")
+        raise ValueError(
+            f"{op}: qt.scaling_mode must be one grouped_quantize makes (DELAYED/CURRENT_TENSOR_"
+            f"SCALING or MXFP8_1D_SCALING), got {ScalingMode(qt.scaling_mode).name}"
+        )
     s_field = "colwise_scale_inv" if layout == "colwise" else "scale_inv"
     s_inv = getattr(qt, s_field)
     if s_inv is not None and getattr(s_inv, "ndim", None) == 1 and s_inv.shape[0] != G:
-        raise ValueError(f"{op}: group_sizes has {G} groups but qt.{s_field} has {s_inv.shape[0]} "
-                         f"(one decode scale per group); pass the group_sizes given to grouped_quantize")
+        raise ValueError(
+            f"{op}: group_sizes has {G} groups but qt.{s_field} has {s_inv.shape[0]} "
+            f"(one decode scale per group); pass the group_sizes given to grouped_quantize"
+        )
     validate(qt, layout, op, num_groups=G)
     gid = group_ids(group_sizes, M)
     data = qt.data if layout == "rowwise" else qt.colwise_data.T
@@ -356,8 +396,19 @@ def grouped_dequantize(qt: ScaledTensor, group_sizes: ArrayLike, layout: str = "
         # One dequantize kernel call per group (G passes over the data): the kernels keep float32
         # subnormals (docs/numerics.md), while XLA's CPU threads flush them to zero.
         def body(g, acc):
-            dq = _dequantize_ffi(data, jax.lax.dynamic_slice(s_inv, (g,), (1,)), None, qt.scaling_mode,
-                                 np.dtype(qt.q_dtype), out_dtype, M, K, False, False, 0)
+            dq = _dequantize_ffi(
+                data,
+                jax.lax.dynamic_slice(s_inv, (g,), (1,)),
+                None,
+                qt.scaling_mode,
+                np.dtype(qt.q_dtype),
+                out_dtype,
+                M,
+                K,
+                False,
+                False,
+                0,
+            )
             return jnp.where((gid == g)[:, None], dq, acc)
 
         return jax.lax.fori_loop(0, G, body, jnp.zeros((M, K), out_dtype))
@@ -388,9 +439,15 @@ def _desc(a) -> str:
     return f"{np.dtype(a.dtype).name} {tuple(a.shape)}"
 
 
-def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: ScalingMode,
-                     q_dtype: Optional[DTypeLike] = None, *, scale: Optional[ArrayLike] = None,
-                     layout: str = "rowwise") -> ScaledTensor:
+def grouped_quantize(
+    x: ArrayLike,
+    group_sizes: ArrayLike,
+    scaling_mode: ScalingMode,
+    q_dtype: Optional[DTypeLike] = None,
+    *,
+    scale: Optional[ArrayLike] = None,
+    layout: str = "rowwise",
+) -> ScaledTensor:
     """Quantizes the row groups of ``x`` (M, K) as separate tensors; ``group_sizes`` int32 (G,)
     stays on the device. Returns a ScaledTensor whose scales and amax have one entry per group
     (tensor modes) and whose colwise copy is the (K, M) transpose."""
@@ -399,13 +456,17 @@ def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: Scaling
         raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
     group_sizes = as_array(group_sizes, "group_sizes")
     if group_sizes.ndim != 1 or np.dtype(group_sizes.dtype) != np.int32:
-        raise TypeError(f"group_sizes must be int32 of shape (G,), got {group_sizes.dtype} {group_sizes.shape}")
+        raise TypeError(
+            f"group_sizes must be int32 of shape (G,), got {group_sizes.dtype} {group_sizes.shape}"
+        )
     if group_sizes.shape[0] < 1:
         raise ValueError("group_sizes must have shape (G,) with at least one group, got shape (0,)")
     mode = check_scaling_mode(scaling_mode)
     if not (mode.is_tensor_scaling or mode == ScalingMode.MXFP8_1D_SCALING):
-        raise ValueError(f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING or MXFP8_1D_SCALING for "
-                         f"grouped_quantize, got {mode.name}")
+        raise ValueError(
+            f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING or MXFP8_1D_SCALING for "
+            f"grouped_quantize, got {mode.name}"
+        )
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
@@ -413,10 +474,14 @@ def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: Scaling
     G = group_sizes.shape[0]
     if mode == ScalingMode.MXFP8_1D_SCALING:
         if colwise:
-            raise ValueError(f"layout must be 'rowwise' for grouped MXFP8_1D_SCALING, got {layout!r} "
-                             "(colwise blocks would straddle groups)")
+            raise ValueError(
+                f"layout must be 'rowwise' for grouped MXFP8_1D_SCALING, got {layout!r} "
+                "(colwise blocks would straddle groups)"
+            )
         if K % 32:
-            raise ValueError(f"x: size {K} of the contraction axis (1) must be a multiple of 32 for MXFP8_1D_SCALING")
+            raise ValueError(
+                f"x: size {K} of the contraction axis (1) must be a multiple of 32 for MXFP8_1D_SCALING"
+            )
     if mode == ScalingMode.DELAYED_TENSOR_SCALING:
         if scale is None:
             raise ValueError("scale (float32, shape (G,)) is required for DELAYED_TENSOR_SCALING")
@@ -443,9 +508,16 @@ def grouped_quantize(x: ArrayLike, group_sizes: ArrayLike, scaling_mode: Scaling
         jax.ShapeDtypeStruct((G,), f32),
     )
     data, s_inv, cw, cw_s, amax = _native.ffi_call(
-        "grouped_quantize", out_types, x, group_sizes, scale,
+        "grouped_quantize",
+        out_types,
+        x,
+        group_sizes,
+        scale,
         workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), M, K, G),
-        mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)), flags=np.int32(flags))
+        mode=np.int32(int(mode)),
+        q_dtype=np.int32(dtype_code(q)),
+        flags=np.int32(flags),
+    )
     return ScaledTensor(
         data=data if rowwise else None,
         scale_inv=s_inv if rowwise else None,

@@ -29,8 +29,12 @@ _TYPES = {"scaled": 0, "scaled_masked": 1, "scaled_upper_triang_masked": 2}
 
 
 def _check_scale(scale_factor):
-    if isinstance(scale_factor, (bool, np.bool_)) or not isinstance(scale_factor, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale_factor must be a Python float (a static value), got {type(scale_factor).__name__}")
+    if isinstance(scale_factor, (bool, np.bool_)) or not isinstance(
+        scale_factor, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(
+            f"scale_factor must be a Python float (a static value), got {type(scale_factor).__name__}"
+        )
     scale = float(scale_factor)
     if not np.isfinite(scale):
         raise ValueError(f"scale_factor must be finite, got {scale}")
@@ -41,28 +45,40 @@ def _check_mask(mask, shape4):
     mask = as_array(mask, "mask")
     dt = np.dtype(mask.dtype)
     if not (dt == np.bool_ or np.issubdtype(dt, np.integer)):
-        raise TypeError(f"mask must be boolean (True = masked out) or integer (nonzero = masked out), got {dt.name}")
+        raise TypeError(
+            f"mask must be boolean (True = masked out) or integer (nonzero = masked out), got {dt.name}"
+        )
     if mask.ndim > 4:
         raise ValueError(f"mask must broadcast to x's shape, got a mask of rank {mask.ndim}")
     m4 = (1,) * (4 - mask.ndim) + tuple(mask.shape)
     if any(m not in (1, d) for m, d in zip(m4, shape4)):
-        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to x's shape {shape4} "
-                         f"(each axis must be 1 or equal to x's)")
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to x's shape {shape4} "
+            f"(each axis must be 1 or equal to x's)"
+        )
     return (mask != 0).astype(jnp.uint8).reshape(m4)
 
 
 def _fwd_call(x4, mask4, type_code, scale):
-    return _native.ffi_call("softmax_fwd", jax.ShapeDtypeStruct(x4.shape, x4.dtype), x4, mask4,
-                            softmax_type=np.int32(type_code), scale_factor=np.float32(scale))
+    return _native.ffi_call(
+        "softmax_fwd",
+        jax.ShapeDtypeStruct(x4.shape, x4.dtype),
+        x4,
+        mask4,
+        softmax_type=np.int32(type_code),
+        scale_factor=np.float32(scale),
+    )
 
 
 def _bwd_call(dy2, y2, scale):
-    return _native.ffi_call("softmax_bwd", jax.ShapeDtypeStruct(y2.shape, y2.dtype), dy2, y2,
-                            scale_factor=np.float32(scale))
+    return _native.ffi_call(
+        "softmax_bwd", jax.ShapeDtypeStruct(y2.shape, y2.dtype), dy2, y2, scale_factor=np.float32(scale)
+    )
 
 
-def softmax(x: ArrayLike, scale_factor: float = 1.0, mask: Optional[ArrayLike] = None,
-            softmax_type: str = "scaled") -> jax.Array:
+def softmax(
+    x: ArrayLike, scale_factor: float = 1.0, mask: Optional[ArrayLike] = None, softmax_type: str = "scaled"
+) -> jax.Array:
     """``softmax(scale_factor * x)`` over the last axis, differentiable (custom VJP).
 
     Args:
@@ -93,7 +109,9 @@ def softmax(x: ArrayLike, scale_factor: float = 1.0, mask: Optional[ArrayLike] =
         mask4 = _native.EMPTY_U8
         if softmax_type == "scaled_upper_triang_masked":
             if x.ndim < 2 or shape[-2] != Sk:
-                raise ValueError(f"x must end in square (Sq, Sk) axes for the causal softmax, got shape {shape}")
+                raise ValueError(
+                    f"x must end in square (Sq, Sk) axes for the causal softmax, got shape {shape}"
+                )
             shape4 = (prod(shape[:-2]), 1, shape[-2], Sk)
         else:
             shape4 = (1, 1, prod(shape[:-1]), Sk)

@@ -7,7 +7,6 @@ so this costs nothing under jit) and gets an error naming the field and what it 
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 import numpy as np
 
@@ -16,9 +15,11 @@ from lowbit.quantization.tensor import ScaledTensor, prod
 
 _F32 = np.dtype(jnp.float32)
 _E2M1 = np.dtype(jnp.float4_e2m1fn)
-_SCALE_DTYPES = {ScalingMode.MXFP8_1D_SCALING: np.dtype(jnp.float8_e8m0fnu),
-                 ScalingMode.NVFP4_1D_SCALING: np.dtype(jnp.float8_e4m3fn),
-                 ScalingMode.NVFP4_2D_SCALING: np.dtype(jnp.float8_e4m3fn)}
+_SCALE_DTYPES = {
+    ScalingMode.MXFP8_1D_SCALING: np.dtype(jnp.float8_e8m0fnu),
+    ScalingMode.NVFP4_1D_SCALING: np.dtype(jnp.float8_e4m3fn),
+    ScalingMode.NVFP4_2D_SCALING: np.dtype(jnp.float8_e4m3fn),
+}
 
 
 def _desc(a) -> str:
@@ -42,15 +43,17 @@ def _check_static(op: str, name: str, qt: ScaledTensor) -> ScalingMode:
     try:
         mode = ScalingMode(qt.scaling_mode)
     except ValueError:
-        raise ValueError(f"{op}: {name}.scaling_mode must be a lowbit.ScalingMode, "
-                         f"got {qt.scaling_mode!r}") from None
+        raise ValueError(
+            f"{op}: {name}.scaling_mode must be a lowbit.ScalingMode, got {qt.scaling_mode!r}"
+        ) from None
     shape = qt.shape
     if not isinstance(shape, tuple) or not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
         raise ValueError(f"{op}: {name}.shape must be a tuple of non-negative ints, got {shape!r}")
     ax = qt.flatten_axis
     if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)) or not 0 <= ax < len(shape):
-        raise ValueError(f"{op}: {name}.flatten_axis must be an int in [0, {len(shape)}) for shape {shape}, "
-                         f"got {ax!r}")
+        raise ValueError(
+            f"{op}: {name}.flatten_axis must be an int in [0, {len(shape)}) for shape {shape}, got {ax!r}"
+        )
     return mode
 
 
@@ -59,15 +62,19 @@ def _q_dtype(op: str, name: str, qt: ScaledTensor, mode: ScalingMode) -> np.dtyp
         q = np.dtype(qt.q_dtype)
     except TypeError:
         raise TypeError(f"{op}: {name}.q_dtype must be a dtype, got {qt.q_dtype!r}") from None
-    ok = (q in INPUT_DTYPES if mode == ScalingMode.NO_SCALING
-          else q == _E2M1 if mode.is_nvfp4 else q in FP8_DTYPES)
+    ok = (
+        q in INPUT_DTYPES
+        if mode == ScalingMode.NO_SCALING
+        else q == _E2M1
+        if mode.is_nvfp4
+        else q in FP8_DTYPES
+    )
     if not ok:
         raise TypeError(f"{op}: {name}.q_dtype {q.name} does not fit {mode.name}")
     return q
 
 
-def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt",
-             num_groups: int | None = None) -> None:
+def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt", num_groups: int | None = None) -> None:
     """Checks the ``layout`` copy of ``qt`` (data, scale_inv, global_scale_inv) against its mode.
 
     ``num_groups``: a grouped_quantize result, whose tensor-scaling scales are ``(G,)``.
@@ -84,11 +91,14 @@ def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt",
     data = qt.colwise_data if colwise else qt.data
     s_inv = qt.colwise_scale_inv if colwise else qt.scale_inv
     if data is None:
-        raise ValueError(f"{op}: {data_field} is None: {name} has no {layout} copy; "
-                         f"quantize with layout='{layout}' or 'both'")
+        raise ValueError(
+            f"{op}: {data_field} is None: {name} has no {layout} copy; "
+            f"quantize with layout='{layout}' or 'both'"
+        )
     data_shape = shape[ax:] + shape[:ax] if colwise else shape
-    _expect(op, data_field, data, data_shape, q,
-            f"the {layout} copy of a {mode.name} tensor of shape {shape}")
+    _expect(
+        op, data_field, data, data_shape, q, f"the {layout} copy of a {mode.name} tensor of shape {shape}"
+    )
     if mode == ScalingMode.NO_SCALING:
         return
     b = mode.block_size
@@ -98,13 +108,26 @@ def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt",
         _expect(op, scale_field, s_inv, s_shape, _F32, why)
         return
     if c % b:
-        raise ValueError(f"{op}: {name}'s {layout} copy has {c} columns, not a multiple of {mode.name}'s "
-                         f"block of {b}")
-    _expect(op, scale_field, s_inv, (r, c // b), _SCALE_DTYPES[mode],
-            f"one scale per {b} elements of the ({r}, {c}) {layout} copy")
+        raise ValueError(
+            f"{op}: {name}'s {layout} copy has {c} columns, not a multiple of {mode.name}'s block of {b}"
+        )
+    _expect(
+        op,
+        scale_field,
+        s_inv,
+        (r, c // b),
+        _SCALE_DTYPES[mode],
+        f"one scale per {b} elements of the ({r}, {c}) {layout} copy",
+    )
     if mode.is_nvfp4:
-        _expect(op, f"{name}.global_scale_inv", qt.global_scale_inv, (2,), _F32,
-                "NVFP4's rowwise and colwise tensor decode scales")
+        _expect(
+            op,
+            f"{name}.global_scale_inv",
+            qt.global_scale_inv,
+            (2,),
+            _F32,
+            "NVFP4's rowwise and colwise tensor decode scales",
+        )
 
 
 def check_scale_value(scale, name: str):
@@ -118,8 +141,10 @@ def check_scale_value(scale, name: str):
         v = np.asarray(scale, np.float64)
         bad = ~np.isfinite(v) | (v <= 0)
         if bad.any():
-            raise ValueError(f"{name} must be positive and finite (an encode scale), got "
-                             f"{v.reshape(-1)[bad.reshape(-1)][:4].tolist()}")
+            raise ValueError(
+                f"{name} must be positive and finite (an encode scale), got "
+                f"{v.reshape(-1)[bad.reshape(-1)][:4].tolist()}"
+            )
         return scale
     return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, jnp.ones_like(scale))
 

@@ -8,16 +8,48 @@ The module tree mirrors ``transformer_engine.jax``: ``lowbit.te.flax``, ``.quant
 that says so; docs/te_compat.md lists every name with its status.
 """
 
-from lowbit.te import (activation, checkpoint_policies, dense, flax, layernorm, layernorm_dense,
-                       layernorm_mlp, quantize, sharding, softmax)
-from lowbit.te.quantize import (NVTE_FP8_COLLECTION_NAME, autocast, fp8_autocast, get_delayed_scaling,
-                                get_supported_quantization_recipes, is_fp8_available,
-                                is_scaling_mode_supported, update_collections)
+from lowbit.te import (
+    activation,
+    checkpoint_policies,
+    dense,
+    flax,
+    layernorm,
+    layernorm_dense,
+    layernorm_mlp,
+    quantize,
+    sharding,
+    softmax,
+)
+from lowbit.te.quantize import (
+    NVTE_FP8_COLLECTION_NAME,
+    autocast,
+    fp8_autocast,
+    get_delayed_scaling,
+    get_supported_quantization_recipes,
+    is_fp8_available,
+    is_scaling_mode_supported,
+    update_collections,
+)
 from lowbit.te.sharding import MeshResource
 
 __all__ = [
-    "activation", "checkpoint_policies", "dense", "flax", "layernorm", "layernorm_dense", "layernorm_mlp",
-    "quantize", "sharding", "softmax", "NVTE_FP8_COLLECTION_NAME", "autocast", "fp8_autocast",
-    "get_delayed_scaling", "get_supported_quantization_recipes", "is_fp8_available",
-    "is_scaling_mode_supported", "update_collections", "MeshResource",
+    "activation",
+    "checkpoint_policies",
+    "dense",
+    "flax",
+    "layernorm",
+    "layernorm_dense",
+    "layernorm_mlp",
+    "quantize",
+    "sharding",
+    "softmax",
+    "NVTE_FP8_COLLECTION_NAME",
+    "autocast",
+    "fp8_autocast",
+    "get_delayed_scaling",
+    "get_supported_quantization_recipes",
+    "is_fp8_available",
+    "is_scaling_mode_supported",
+    "update_collections",
+    "MeshResource",
 ]

@@ -19,11 +19,18 @@ def _dims(contracting_dims, x_ndim: int, k_ndim: int):
     return lhs, rhs
 
 
-def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
-          contracting_dims: Tuple[Sequence[int], Sequence[int]] = ((1,), (0,)),
-          transpose_batch_sequence: bool = False, input_axes: Optional[Tuple[str, ...]] = None,
-          kernel_axes: Optional[Tuple[str, ...]] = None, output_axes: Optional[Tuple[str, ...]] = None,
-          collective_op_set=None, quantizer_set: QuantizerSet = noop_quantizer_set) -> jax.Array:
+def dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: Optional[jax.Array] = None,
+    contracting_dims: Tuple[Sequence[int], Sequence[int]] = ((1,), (0,)),
+    transpose_batch_sequence: bool = False,
+    input_axes: Optional[Tuple[str, ...]] = None,
+    kernel_axes: Optional[Tuple[str, ...]] = None,
+    output_axes: Optional[Tuple[str, ...]] = None,
+    collective_op_set=None,
+    quantizer_set: QuantizerSet = noop_quantizer_set,
+) -> jax.Array:
     """``x . kernel (+ bias)`` contracting ``contracting_dims``, quantized as ``quantizer_set`` says.
 
     The output has x's free axes, then the kernel's (``lax.dot_general`` order). A noop set

@@ -12,16 +12,31 @@ from lowbit.te.layernorm import layernorm
 from lowbit.te.quantize import QuantizerSet, noop_quantizer_set
 
 
-def layernorm_dense(x: jax.Array, kernel: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
-                    bias: Optional[jax.Array] = None, norm_type: str = "layernorm",
-                    zero_centered_gamma: bool = False, epsilon: float = 1e-6,
-                    layernorm_input_axes: Optional[Tuple[str, ...]] = None,
-                    dot_input_axes: Optional[Tuple[str, ...]] = None,
-                    kernel_axes: Optional[Tuple[str, ...]] = None, batch_first: bool = True,
-                    quantizer_set: QuantizerSet = noop_quantizer_set) -> jax.Array:
+def layernorm_dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    gamma: jax.Array,
+    beta: Optional[jax.Array],
+    bias: Optional[jax.Array] = None,
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    layernorm_input_axes: Optional[Tuple[str, ...]] = None,
+    dot_input_axes: Optional[Tuple[str, ...]] = None,
+    kernel_axes: Optional[Tuple[str, ...]] = None,
+    batch_first: bool = True,
+    quantizer_set: QuantizerSet = noop_quantizer_set,
+) -> jax.Array:
     """``dense(norm(x), kernel) + bias``; x (..., H), kernel (H, N...)."""
     del batch_first  # the math does not depend on where the batch axis is
     x = constrain(x, layernorm_input_axes)
     y = layernorm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
-    return dense(y, kernel, bias, contracting_dims=((x.ndim - 1,), (0,)), input_axes=dot_input_axes,
-                 kernel_axes=kernel_axes, quantizer_set=quantizer_set)
+    return dense(
+        y,
+        kernel,
+        bias,
+        contracting_dims=((x.ndim - 1,), (0,)),
+        input_axes=dot_input_axes,
+        kernel_axes=kernel_axes,
+        quantizer_set=quantizer_set,
+    )

@@ -16,15 +16,26 @@ from lowbit.te.quantize import QuantizerSet, noop_quantizer_set
 Axes = Optional[Tuple[str, ...]]
 
 
-def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], kernels: List[jax.Array],
-                  biases: List[Optional[jax.Array]], norm_type: str, zero_centered_gamma: bool = False,
-                  epsilon: float = 1e-6, norm_input_axes: Axes = None, dot_1_input_axes: Axes = None,
-                  dot_2_input_axes: Axes = None, kernel_1_axes: Axes = None, kernel_2_axes: Axes = None,
-                  ffn1_ckpt_name: str = "ffn1", ffn2_ckpt_name: str = "ffn2",
-                  activation_type: Sequence[Union[str, Callable]] = ("gelu",), batch_first: bool = True,
-                  quantizer_sets: Tuple[QuantizerSet, QuantizerSet] = (noop_quantizer_set,
-                                                                        noop_quantizer_set),
-                  ) -> jax.Array:
+def layernorm_mlp(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: Optional[jax.Array],
+    kernels: List[jax.Array],
+    biases: List[Optional[jax.Array]],
+    norm_type: str,
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    norm_input_axes: Axes = None,
+    dot_1_input_axes: Axes = None,
+    dot_2_input_axes: Axes = None,
+    kernel_1_axes: Axes = None,
+    kernel_2_axes: Axes = None,
+    ffn1_ckpt_name: str = "ffn1",
+    ffn2_ckpt_name: str = "ffn2",
+    activation_type: Sequence[Union[str, Callable]] = ("gelu",),
+    batch_first: bool = True,
+    quantizer_sets: Tuple[QuantizerSet, QuantizerSet] = (noop_quantizer_set, noop_quantizer_set),
+) -> jax.Array:
     """x (..., H); kernels (H, len(activation_type), I) and (I, H); biases (len(act), I) and (H,)
     or None. Each GEMM quantized by its own set of ``quantizer_sets``."""
     del batch_first
@@ -32,16 +43,32 @@ def layernorm_mlp(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], ker
         raise ValueError("layernorm_mlp takes two kernels, two biases (or None) and two quantizer sets")
     k1, k2 = kernels
     if k1.ndim != 3 or k1.shape[1] != len(activation_type) or k2.ndim != 2:
-        raise ValueError(f"layernorm_mlp: kernels must be (H, {len(activation_type)}, I) and (I, H), "
-                         f"got {tuple(k1.shape)} and {tuple(k2.shape)}")
+        raise ValueError(
+            f"layernorm_mlp: kernels must be (H, {len(activation_type)}, I) and (I, H), "
+            f"got {tuple(k1.shape)} and {tuple(k2.shape)}"
+        )
     if canonical_norm_type(norm_type) == "rmsnorm" and beta is not None:
         raise ValueError("layernorm_mlp: beta must be None for rmsnorm")
     x = constrain(x, norm_input_axes)
     y = layernorm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
-    h = dense(y, k1, biases[0], contracting_dims=((y.ndim - 1,), (0,)), input_axes=dot_1_input_axes,
-              kernel_axes=kernel_1_axes, quantizer_set=quantizer_sets[0])
+    h = dense(
+        y,
+        k1,
+        biases[0],
+        contracting_dims=((y.ndim - 1,), (0,)),
+        input_axes=dot_1_input_axes,
+        kernel_axes=kernel_1_axes,
+        quantizer_set=quantizer_sets[0],
+    )
     h = checkpoint_name(h, ffn1_ckpt_name)
     a = activation(h, activation_type)
-    out = dense(a, k2, biases[1], contracting_dims=((a.ndim - 1,), (0,)), input_axes=dot_2_input_axes,
-                kernel_axes=kernel_2_axes, quantizer_set=quantizer_sets[1])
+    out = dense(
+        a,
+        k2,
+        biases[1],
+        contracting_dims=((a.ndim - 1,), (0,)),
+        input_axes=dot_2_input_axes,
+        kernel_axes=kernel_2_axes,
+        quantizer_set=quantizer_sets[1],
+    )
     return checkpoint_name(out, ffn2_ckpt_name)

@@ -19,12 +19,22 @@ import numpy as np
 from flax.core.frozen_dict import FrozenDict
 
 from lowbit.autocast import autocast, get_recipe
-from lowbit.capabilities import (get_supported_quantization_recipes, get_supported_scaling_modes,
-                                 is_fp8_available, is_scaling_mode_supported)
+from lowbit.capabilities import (
+    get_supported_quantization_recipes,
+    get_supported_scaling_modes,
+    is_fp8_available,
+    is_scaling_mode_supported,
+)
 from lowbit.flax import OVERWRITE_WITH_GRADIENT
 from lowbit.quantization.scaling_modes import ScalingMode
-from lowbit.recipe import (DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
-                           NVFP4BlockScaling, Recipe)
+from lowbit.recipe import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
 from lowbit.sharding import MeshResource
 
 #: The collection holding DelayedScaling state (TE's NVTE_FP8_COLLECTION_NAME).
@@ -53,11 +63,11 @@ class Quantizer:
     """One tensor role's quantization: scaling mode and dtype (static), and for delayed scaling
     the encode scale (1,) and amax history (L,) (pytree leaves)."""
 
-
     scaling_mode: ScalingMode = dataclasses.field(metadata=dict(static=True))
     q_dtype: Any = dataclasses.field(metadata=dict(static=True))
-    q_layout: QuantizeLayout = dataclasses.field(default=QuantizeLayout.ROWWISE_COLWISE,
-                                                 metadata=dict(static=True))
+    q_layout: QuantizeLayout = dataclasses.field(
+        default=QuantizeLayout.ROWWISE_COLWISE, metadata=dict(static=True)
+    )
     scale: Optional[jax.Array] = None
     amax_history: Optional[jax.Array] = None
     rng: Optional[jax.Array] = None  # NVFP4 stochastic rounding (dgrad)
@@ -121,8 +131,9 @@ def quantizer_set_for_recipe(recipe: Optional[Recipe], state: Optional[Mapping] 
             else:
                 scale = jnp.ones((1,), jnp.float32)
                 hist = jnp.zeros((recipe.amax_history_len,), jnp.float32)
-        parts[field] = Quantizer(recipe.scaling_mode(role), recipe.q_dtype(role), scale=scale,
-                                 amax_history=hist)
+        parts[field] = Quantizer(
+            recipe.scaling_mode(role), recipe.q_dtype(role), scale=scale, amax_history=hist
+        )
     return QuantizerSet(**parts, recipe=recipe)
 
 
@@ -131,12 +142,15 @@ def recipe_of(quantizer_set: Optional[QuantizerSet]) -> Tuple[Optional[Recipe], 
     if quantizer_set is None or quantizer_set.is_noop():
         return None, None
     if not isinstance(quantizer_set, QuantizerSet):
-        raise TypeError(f"quantizer_set must be a lowbit.te.quantize.QuantizerSet, "
-                        f"got {type(quantizer_set).__name__}")
+        raise TypeError(
+            f"quantizer_set must be a lowbit.te.quantize.QuantizerSet, got {type(quantizer_set).__name__}"
+        )
     qs = {"x": quantizer_set.x, "kernel": quantizer_set.kernel, "grad": quantizer_set.dgrad}
     if any(q is None for q in qs.values()):
-        raise NotImplementedError("lowbit quantizes all three GEMM operands or none; "
-                                  "a QuantizerSet with some quantizers None is not supported")
+        raise NotImplementedError(
+            "lowbit quantizes all three GEMM operands or none; "
+            "a QuantizerSet with some quantizers None is not supported"
+        )
     mode = qs["x"].scaling_mode
     if quantizer_set.recipe is not None and not isinstance(quantizer_set.recipe, DelayedScaling):
         return quantizer_set.recipe, None
@@ -144,11 +158,14 @@ def recipe_of(quantizer_set: Optional[QuantizerSet]) -> Tuple[Optional[Recipe], 
         two_d = qs["kernel"].scaling_mode == ScalingMode.NVFP4_2D_SCALING
         return NVFP4BlockScaling(disable_2d_quantization=not two_d), None
     if any(q.scaling_mode != mode for q in qs.values()):
-        raise NotImplementedError("lowbit needs one scaling mode for x, kernel and dgrad, got "
-                                  f"{[q.scaling_mode.name for q in qs.values()]}")
+        raise NotImplementedError(
+            "lowbit needs one scaling mode for x, kernel and dgrad, got "
+            f"{[q.scaling_mode.name for q in qs.values()]}"
+        )
     hist = qs["x"].amax_history
-    recipe = _recipe_for_mode(mode, qs["x"].q_dtype, qs["grad"].q_dtype,
-                              1024 if hist is None else int(hist.shape[0]))
+    recipe = _recipe_for_mode(
+        mode, qs["x"].q_dtype, qs["grad"].q_dtype, 1024 if hist is None else int(hist.shape[0])
+    )
     if not isinstance(recipe, DelayedScaling):
         return recipe, None
     state = {}
@@ -162,14 +179,22 @@ class QuantizerFactory:
     (with neither) the recipe of the enclosing :func:`autocast`."""
 
     @staticmethod
-    def create_set(n_quantizer_sets: int = 1, scaling_mode: Optional[ScalingMode] = None,
-                   fwd_dtype=None, bwd_dtype=None, is_2x2x: Optional[bool] = None,
-                   n_groups: Optional[int] = None, fp8_recipe: Optional[Recipe] = None,
-                   **kwargs: Any) -> Union[QuantizerSet, Tuple[QuantizerSet, ...]]:
+    def create_set(
+        n_quantizer_sets: int = 1,
+        scaling_mode: Optional[ScalingMode] = None,
+        fwd_dtype=None,
+        bwd_dtype=None,
+        is_2x2x: Optional[bool] = None,
+        n_groups: Optional[int] = None,
+        fp8_recipe: Optional[Recipe] = None,
+        **kwargs: Any,
+    ) -> Union[QuantizerSet, Tuple[QuantizerSet, ...]]:
         if n_groups is not None:
-            raise NotImplementedError("QuantizerFactory.create_set(n_groups=...): grouped quantizer sets "
-                                      "are not "
-                                      "supported by lowbit.te; use lowbit.grouped_gemm with a recipe")
+            raise NotImplementedError(
+                "QuantizerFactory.create_set(n_groups=...): grouped quantizer sets "
+                "are not "
+                "supported by lowbit.te; use lowbit.grouped_gemm with a recipe"
+            )
         if kwargs:
             raise NotImplementedError(f"QuantizerFactory.create_set: unsupported arguments {sorted(kwargs)}")
         del is_2x2x  # lowbit always writes the copies each GEMM needs
@@ -211,10 +236,14 @@ def get_quantize_config_with_recipe(recipe: Optional[Recipe]) -> QuantizeConfig:
         return QuantizeConfig(False, ScalingMode.NO_SCALING, jnp.bfloat16, jnp.bfloat16)
     delayed = isinstance(recipe, DelayedScaling)
     return QuantizeConfig(
-        True, recipe.scaling_mode("x"), recipe.q_dtype("x"), recipe.q_dtype("grad"),
+        True,
+        recipe.scaling_mode("x"),
+        recipe.q_dtype("x"),
+        recipe.q_dtype("grad"),
         MARGIN=float(getattr(recipe, "margin", 0)),
         AMAX_HISTORY_LEN=recipe.amax_history_len if delayed else 0,
-        AMAX_COMPUTE_ALGO=recipe.amax_compute_algo if delayed else "max")
+        AMAX_COMPUTE_ALGO=recipe.amax_compute_algo if delayed else "max",
+    )
 
 
 def get_global_quantize_recipe() -> Optional[Recipe]:
@@ -233,8 +262,9 @@ def get_delayed_scaling() -> DelayedScaling:
     return r if isinstance(r, DelayedScaling) else DelayedScaling()
 
 
-def fp8_autocast(enabled: bool = False, fp8_recipe: Optional[Recipe] = None,
-                 mesh_resource: Optional[MeshResource] = None):
+def fp8_autocast(
+    enabled: bool = False, fp8_recipe: Optional[Recipe] = None, mesh_resource: Optional[MeshResource] = None
+):
     """TransformerEngine's older name of :func:`lowbit.autocast`."""
     return autocast(enabled, fp8_recipe, mesh_resource)
 
@@ -247,17 +277,32 @@ def update_collections(new: Collection, original: Collection) -> Collection:
     ``original``): how a training step writes back the updated ``_overwrite_with_gradient``."""
     for name, c in (("new", new), ("original", original)):
         if not isinstance(c, (dict, FrozenDict)):
-            raise TypeError(f"update_collections: {name} must be a dict or FrozenDict, "
-                            f"got {type(c).__name__}")
+            raise TypeError(
+                f"update_collections: {name} must be a dict or FrozenDict, got {type(c).__name__}"
+            )
     merged = {**dict(original), **dict(new)}
     return FrozenDict(merged) if isinstance(original, FrozenDict) else merged
 
 
 __all__ = [
-    "NVTE_FP8_COLLECTION_NAME", "QuantizeLayout", "TensorSource", "Quantizer", "QuantizerSet",
-    "noop_quantizer_set", "QuantizerFactory", "QuantizeConfig", "ScalingMode", "autocast",
+    "NVTE_FP8_COLLECTION_NAME",
+    "QuantizeLayout",
+    "TensorSource",
+    "Quantizer",
+    "QuantizerSet",
+    "noop_quantizer_set",
+    "QuantizerFactory",
+    "QuantizeConfig",
+    "ScalingMode",
+    "autocast",
     "fp8_autocast",
-    "get_quantize_config", "get_quantize_config_with_recipe", "get_global_quantize_recipe",
-    "get_delayed_scaling", "update_collections", "is_fp8_available", "is_scaling_mode_supported",
-    "get_supported_scaling_modes", "get_supported_quantization_recipes",
+    "get_quantize_config",
+    "get_quantize_config_with_recipe",
+    "get_global_quantize_recipe",
+    "get_delayed_scaling",
+    "update_collections",
+    "is_fp8_available",
+    "is_scaling_mode_supported",
+    "get_supported_scaling_modes",
+    "get_supported_quantization_recipes",
 ]

@@ -27,10 +27,20 @@ def te_logical_axis_rules(resource: Optional[MeshResource] = None) -> Rules:
     """TE's logical axes -> mesh axes for ``resource`` (default: the global MeshResource)."""
     r = resource or global_mesh_resource()
     tp = r.tpsp_resource or r.tp_resource
-    return ((BATCH_AXES, r.fsdp_resource or r.dp_resource), (SEQLEN_AXES, None),
-            (SEQLEN_TP_AXES, r.tpsp_resource), (SEQLEN_CP_AXES, r.cp_resource), (HEAD_AXES, tp),
-            (HIDDEN_AXES, None), (HIDDEN_TP_AXES, tp), (JOINED_AXES, None), (W_NO_SHARD_AXES, None),
-            (W_FSDP_AXES, r.fsdp_resource), (W_TP_AXES, tp), (W_JOINED_AXES, None))
+    return (
+        (BATCH_AXES, r.fsdp_resource or r.dp_resource),
+        (SEQLEN_AXES, None),
+        (SEQLEN_TP_AXES, r.tpsp_resource),
+        (SEQLEN_CP_AXES, r.cp_resource),
+        (HEAD_AXES, tp),
+        (HIDDEN_AXES, None),
+        (HIDDEN_TP_AXES, tp),
+        (JOINED_AXES, None),
+        (W_NO_SHARD_AXES, None),
+        (W_FSDP_AXES, r.fsdp_resource),
+        (W_TP_AXES, tp),
+        (W_JOINED_AXES, None),
+    )
 
 
 def extend_logical_axis_rules(rules: Sequence[Tuple[str, Optional[str]]]) -> Rules:
@@ -43,13 +53,30 @@ def extend_logical_axis_rules(rules: Sequence[Tuple[str, Optional[str]]]) -> Rul
     te_map = dict(te_rules)
     for k, v in rules:
         if k in te_map and v != te_map[k]:
-            raise ValueError(f"extend_logical_axis_rules: rule ({k!r}, {v!r}) conflicts with TE's "
-                             f"({k!r}, {te_map[k]!r}) under the active MeshResource")
+            raise ValueError(
+                f"extend_logical_axis_rules: rule ({k!r}, {v!r}) conflicts with TE's "
+                f"({k!r}, {te_map[k]!r}) under the active MeshResource"
+            )
     given = {k for k, _ in rules}
     return rules + tuple((k, v) for k, v in te_rules if k not in given)
 
 
-__all__ = ["MeshResource", "global_mesh_resource", "global_shard_guard", "extend_logical_axis_rules",
-           "te_logical_axis_rules", "BATCH_AXES", "SEQLEN_AXES", "SEQLEN_TP_AXES", "SEQLEN_CP_AXES",
-           "HEAD_AXES", "HIDDEN_AXES", "HIDDEN_TP_AXES", "JOINED_AXES", "W_NO_SHARD_AXES", "W_FSDP_AXES",
-           "W_TP_AXES", "W_JOINED_AXES"]
+__all__ = [
+    "MeshResource",
+    "global_mesh_resource",
+    "global_shard_guard",
+    "extend_logical_axis_rules",
+    "te_logical_axis_rules",
+    "BATCH_AXES",
+    "SEQLEN_AXES",
+    "SEQLEN_TP_AXES",
+    "SEQLEN_CP_AXES",
+    "HEAD_AXES",
+    "HIDDEN_AXES",
+    "HIDDEN_TP_AXES",
+    "JOINED_AXES",
+    "W_NO_SHARD_AXES",
+    "W_FSDP_AXES",
+    "W_TP_AXES",
+    "W_JOINED_AXES",
+]

@@ -19,8 +19,12 @@ class SoftmaxType(enum.Enum):
     SCALED_UPPER_TRIANG_MASKED = "scaled_upper_triang_masked"
 
 
-def softmax(logits: jax.Array, mask: Optional[jax.Array] = None, scale_factor: Optional[float] = 1.0,
-            softmax_type: Optional[SoftmaxType] = SoftmaxType.SCALED) -> jax.Array:
+def softmax(
+    logits: jax.Array,
+    mask: Optional[jax.Array] = None,
+    scale_factor: Optional[float] = 1.0,
+    softmax_type: Optional[SoftmaxType] = SoftmaxType.SCALED,
+) -> jax.Array:
     """``softmax(scale_factor * logits)`` over the last axis; mask: nonzero/True = masked out."""
     kind = SoftmaxType(softmax_type).value
     if mask is not None:
