@@ -73,59 +73,15 @@ def _fp8_gemm_only(lhs, rhs, gs, bwd: bool):
     qx = gg_mod._quantize(cfg, "x", lhs, gs, None, "both")
     qw = gg_mod._quantize(cfg, "kernel", rhs.reshape(G * K, N), gg_mod._expert_sizes(rhs), None, "both")
     qg = gg_mod._quantize(cfg, "grad", jnp.ones((M, N), jnp.bfloat16), gs, None, "both")
-    R = gg_mod._RAGGED_M
 
     def fwd(qx, qw, gs):
-        return gg_mod._call(
-            R,
-            qx.data,
-            qw.colwise_data,
-            gs,
-            qx.scale_inv,
-            qw.colwise_scale_inv,
-            m=M,
-            n=N,
-            k=K,
-            lda=K,
-            ldb=G * K,
-            bgs=K,
-            a_kmajor=True,
-            b_kmajor=True,
-            fast_accum=True,
-        )
+        return gg_mod.fp8_fprop(qx.data, qx.scale_inv, qw.colwise_data, qw.colwise_scale_inv, gs)
 
     def all3(qx, qw, qg, gs):
         y = fwd(qx, qw, gs)
-        dl = gg_mod._call(
-            R,
-            qg.data,
-            qw.data,
-            gs,
-            qg.scale_inv,
-            qw.scale_inv,
-            m=M,
-            n=K,
-            k=N,
-            lda=N,
-            ldb=N,
-            bgs=K * N,
-            a_kmajor=True,
-            b_kmajor=True,
-        )
-        dr = gg_mod._call(
-            gg_mod._RAGGED_K,
-            qx.colwise_data,
-            qg.colwise_data,
-            gs,
-            qx.colwise_scale_inv,
-            qg.colwise_scale_inv,
-            m=K,
-            n=N,
-            k=M,
-            lda=M,
-            ldb=M,
-            a_kmajor=True,
-            b_kmajor=True,
+        dl = gg_mod.fp8_dgrad(qg.data, qg.scale_inv, qw.data, qw.scale_inv, gs)
+        dr = gg_mod.fp8_wgrad(
+            qx.colwise_data, qx.colwise_scale_inv, qg.colwise_data, qg.colwise_scale_inv, gs
         )
         return y, dl, dr
 
