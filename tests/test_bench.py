@@ -13,3 +13,22 @@ def test_case_named_finds_the_row():
 def test_case_named_unknown_name_lists_the_cases():
     with pytest.raises(ValueError, match=r"layer: no case named 'c'; cases are \['a', 'b'\]"):
         case_named([("a", 1), ("b", 2)], "c", "layer")
+
+
+def test_layer_cases_time_the_recipe_they_name():
+    """Each fused-layer case runs under its recipe when timed, not only when first traced: the
+    recipe is part of jit's cache key, so a call outside autocast would silently time BF16."""
+    import jax
+    import numpy as np
+
+    from lowbit.bench import layer
+
+    cfg = dict(layer.SMALL, batch=1, seq=32, hidden=64, ffn=128, heads=2)
+    key, drop = jax.random.split(jax.random.PRNGKey(0))
+    loss = {}
+    for name in ("lowbit bf16 (no recipe)", "lowbit delayed"):
+        fn, args = layer.build_case(name, cfg, key, drop)
+        fn(*args)  # the first call after the trace: the one a timing loop repeats
+        loss[name] = float(np.asarray(fn(*args)[0]))
+    a, b = loss.values()
+    assert abs(a - b) > 1e-4 * abs(a), loss  # FP8 rounding moves the loss; the same BF16 step would not
