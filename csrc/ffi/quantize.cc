@@ -62,6 +62,9 @@ ffi::Error Dequantize(LOWBIT_PLATFORM_CTX Buf data, Buf scale_inv, Buf global_sc
   p.rht = flags & kRht;
   p.rht_sign_mask = static_cast<uint32_t>(rht_sign_mask) & 0xFFFFu;
   p.out = out->untyped_data();
+  p.data_elems = static_cast<int64_t>(data.element_count());
+  p.scale_inv_elems = static_cast<int64_t>(scale_inv.element_count());
+  p.global_scale_inv_elems = static_cast<int64_t>(global_scale_inv.element_count());
   if (auto err = to_error(validate(p)); err.failure()) return err;
   return to_error(LOWBIT_RUN(dequantize, p));
 }

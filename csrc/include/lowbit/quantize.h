@@ -56,6 +56,9 @@ struct DequantizeParams {
   uint32_t rht_sign_mask = kDefaultRhtSignMask;
   void* out = nullptr;  // (rows, cols) in out_dtype
   DType out_dtype = DType::kBF16;
+  // Element counts of the operand buffers, from the FFI handler (-1: not known, e.g. a direct
+  // kernel call): validate() refuses buffers smaller than (rows, cols) and the mode need.
+  int64_t data_elems = -1, scale_inv_elems = -1, global_scale_inv_elems = -1;
 };
 
 struct GroupedQuantizeParams {

@@ -1,5 +1,6 @@
 // Checks shared by the CPU and CUDA quantization kernels. Python validates first with messages
 // that name the argument; these re-checks keep a bad call from reaching a kernel.
+#include <algorithm>
 #include <string>
 
 #include "lowbit/quantize.h"
@@ -27,6 +28,24 @@ Status check_multiple(int64_t n, int64_t m, const char* what) {
   if (n % m != 0)
     return Status::Invalid(std::string(what) + " (" + std::to_string(n) +
                            ") must be a multiple of " + std::to_string(m));
+  return Status::Ok();
+}
+
+// The kernels read rows*cols codes and one scale per block (per tensor: one); a smaller buffer
+// would be read past its end.
+Status check_buffer_sizes(const DequantizeParams& p) {
+  const int64_t codes = p.q_dtype == DType::kE2M1 ? p.rows * p.cols / 2 : p.rows * p.cols;
+  if (p.data_elems >= 0 && p.data_elems != codes)
+    return Status::Invalid("dequantize: data has " + std::to_string(p.data_elems) +
+                           " elements, the (" + std::to_string(p.rows) + ", " +
+                           std::to_string(p.cols) + ") output needs " + std::to_string(codes));
+  const int64_t scales =
+      is_tensor_scaling(p.mode) ? 1 : p.rows * (p.cols / std::max(1, block_size(p.mode)));
+  if (p.scale_inv_elems >= 0 && p.scale_inv_elems < scales)
+    return Status::Invalid("dequantize: scale_inv has " + std::to_string(p.scale_inv_elems) +
+                           " elements, the mode needs " + std::to_string(scales));
+  if (is_nvfp4(p.mode) && p.global_scale_inv_elems >= 0 && p.global_scale_inv_elems < 1)
+    return Status::Invalid("dequantize: global_scale_inv is empty");
   return Status::Ok();
 }
 
@@ -73,7 +92,7 @@ Status validate(const DequantizeParams& p) {
   if (auto s = check_q_dtype(p.mode, p.q_dtype, p.out_dtype); !s.ok()) return s;
   if (auto s = check_multiple(p.cols, block_size(p.mode), "columns"); !s.ok()) return s;
   if (is_nvfp4(p.mode) && !p.global_scale_inv) return Status::Invalid("global_scale_inv missing");
-  return Status::Ok();
+  return check_buffer_sizes(p);
 }
 
 Status validate(const GroupedQuantizeParams& p) {
