@@ -313,7 +313,10 @@ def quantize_copy_nvfp4(v: np.ndarray, *, tiles_2d: bool = False, seed=None):
     sb = encode(mul32(div32(a, np.float32(6)), S), E4M3)
     dsb = decode(sb, E4M3).astype(np.float32)
     f = np.where(dsb != 0, div32(S, np.where(dsb != 0, dsb, np.float32(1))), np.float32(0)).astype(np.float32)
-    w = mul32(v, np.repeat(f, 16, axis=1))
+    f16, d16 = np.repeat(f, 16, axis=1), np.repeat(dsb, 16, axis=1)
+    # Where f overflowed (a block amax below ~1.8e-38), w = (v * S) / decode(sb) instead.
+    w_big = div32(mul32(v, S), np.where(d16 != 0, d16, np.float32(1)))
+    w = np.where(np.isinf(f16), w_big, mul32(v, f16)).astype(np.float32)
     if seed is None:
         q = encode(w, E2M1)
     else:

@@ -24,6 +24,18 @@ LOWBIT_HD float nvfp4_encode_factor(uint32_t sb_code, float S) {
   return d != 0.0f ? S / d : 0.0f;
 }
 
+// The value E2M1 encodes: w = v * f, or (v * S) / decode(sb) when f = S / decode(sb) overflowed
+// (a block whose amax is below ~1.8e-38: f ~ 6 / amax). |v * S| <= 448 * 6 never overflows.
+LOWBIT_HD float nvfp4_scaled_value(float v, float f, uint32_t sb_code, float S) {
+#ifdef __CUDA_ARCH__
+  if (f <= 3.40282347e38f) return __fmul_rn(v, f);
+  return __fdiv_rn(__fmul_rn(v, S), decode(sb_code, kE4M3));
+#else
+  if (f <= 3.40282347e38f) return v * f;
+  return (v * S) / decode(sb_code, kE4M3);
+#endif
+}
+
 LOWBIT_HD uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;

@@ -82,8 +82,8 @@ void encode_copy(const std::vector<float>& v, int64_t rows, int64_t cols, const 
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; ++c) {
           const int64_t i = r * cols + c;
-          const float f = nvfp4_encode_factor(s[r * nb + c / 16], S);
-          const float w = v[i] * f;
+          const uint32_t sb = s[r * nb + c / 16];
+          const float w = nvfp4_scaled_value(v[i], nvfp4_encode_factor(sb, S), sb, S);
           const uint32_t code =
               seed ? encode_e2m1_stochastic(w, sr_bits(uint64_t(i), seed[0] ^ seed_xor, seed[1]))
                    : encode_rne(w, kE2M1);

@@ -259,7 +259,8 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
         uint32_t w[2] = {0u, 0u};
 #pragma unroll
         for (int k = 0; k < 16; ++k)
-          w[k >> 3] |= enc_e2m1(__fmul_rn(v[k], f), sr, base + k, cs0, s1) << ((k & 7) * 4);
+          w[k >> 3] |= enc_e2m1(nvfp4_scaled_value(v[k], f, sb, S_col), sr, base + k, cs0, s1)
+                       << ((k & 7) * 4);
         if (active) {
           *reinterpret_cast<uint2*>(a.q_col + base / 2) = make_uint2(w[0], w[1]);
           a.s_col[gc * (R / 16) + gr / 16] = uint8_t(sb);
@@ -337,7 +338,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
         uint32_t w = 0u;
 #pragma unroll
         for (int k = 0; k < CH; ++k)
-          w |= enc_e2m1(__fmul_rn(v[k], f), sr, base + k, s0, s1) << (k * 4);
+          w |= enc_e2m1(nvfp4_scaled_value(v[k], f, sb, S_row), sr, base + k, s0, s1) << (k * 4);
         if (valid) {
           if constexpr (CH == 8)
             *reinterpret_cast<uint32_t*>(a.q_row + base / 2) = w;
@@ -402,8 +403,9 @@ __global__ void rowwise_generic_kernel(const CastArgs a) {
       const uint64_t base = uint64_t(r) * uint64_t(C) + uint64_t(c);
 #pragma unroll
       for (int j = 0; j < B; j += 2) {
-        const uint32_t lo = enc_e2m1(__fmul_rn(v[j], f), sr, base + j, s0, s1);
-        const uint32_t hi = enc_e2m1(__fmul_rn(v[j + 1], f), sr, base + j + 1, s0, s1);
+        const uint32_t lo = enc_e2m1(nvfp4_scaled_value(v[j], f, sb, S), sr, base + j, s0, s1);
+        const uint32_t hi =
+            enc_e2m1(nvfp4_scaled_value(v[j + 1], f, sb, S), sr, base + j + 1, s0, s1);
         a.q_row[(base + j) / 2] = uint8_t(lo | (hi << 4));
       }
       a.s_row[r * nb + c / B] = uint8_t(sb);
@@ -456,8 +458,9 @@ __global__ void colwise_generic_kernel(const CastArgs a) {
       const uint64_t base = uint64_t(c) * uint64_t(R) + uint64_t(r);
 #pragma unroll
       for (int j = 0; j < B; j += 2) {
-        const uint32_t lo = enc_e2m1(__fmul_rn(v[j], f), sr, base + j, s0, s1);
-        const uint32_t hi = enc_e2m1(__fmul_rn(v[j + 1], f), sr, base + j + 1, s0, s1);
+        const uint32_t lo = enc_e2m1(nvfp4_scaled_value(v[j], f, sb, S), sr, base + j, s0, s1);
+        const uint32_t hi =
+            enc_e2m1(nvfp4_scaled_value(v[j + 1], f, sb, S), sr, base + j + 1, s0, s1);
         a.q_col[(base + j) / 2] = uint8_t(lo | (hi << 4));
       }
       a.s_col[c * nb + r / B] = uint8_t(sb);
