@@ -79,7 +79,7 @@ def _fp8_gemm_only(lhs, rhs, gs, bwd: bool):
 
     def all3(qx, qw, qg, gs):
         y = fwd(qx, qw, gs)
-        dl = gg_mod.fp8_dgrad(qg.data, qg.scale_inv, qw.data, qw.scale_inv, gs)
+        dl = gg_mod.ragged_dgrad(qg.data, qg.scale_inv, qw.data, qw.scale_inv, gs)
         dr = gg_mod.fp8_wgrad(
             qx.colwise_data, qx.colwise_scale_inv, qg.colwise_data, qg.colwise_scale_inv, gs
         )

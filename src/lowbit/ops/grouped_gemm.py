@@ -97,24 +97,8 @@ def _bf16_fwd(lhs, rhs, gs):
 
 
 def _bf16_dlhs(dout, rhs, gs):
-    # dout (M, N) . rhs[g]^T: B(c, j) = rhs[g, j, c], K-major with row stride N.
-    (M, N), (_G, K, _) = dout.shape, rhs.shape
-    return _call(
-        _RAGGED_M,
-        dout,
-        rhs,
-        gs,
-        EMPTY_F32,
-        EMPTY_F32,
-        m=M,
-        n=K,
-        k=N,
-        lda=N,
-        ldb=N,
-        bgs=K * N,
-        a_kmajor=True,
-        b_kmajor=True,
-    )
+    # The same K-major layout as the FP8 dgrad, rhs viewed as (G*K, N), no scales.
+    return ragged_dgrad(dout, EMPTY_F32, rhs.reshape(-1, rhs.shape[-1]), EMPTY_F32, gs)
 
 
 def _bf16_drhs(lhs, dout, gs):
@@ -190,8 +174,8 @@ def _expert_sizes(rhs):
     return jnp.full((G,), K, jnp.int32)
 
 
-# FP8 GEMMs over quantized operands (both K-major, as Hopper's FP8 tensor cores need); the op
-# and the benchmark's "gemm only" rows share them.
+# GEMMs over quantized operands (both K-major, as Hopper's FP8 tensor cores need); the op and
+# the benchmark's "gemm only" rows share them, and the BF16 dgrad has the same layout.
 def fp8_fprop(x, x_s, w_col, w_col_s, gs, fast_accum: bool = True):
     """y (M, N) = x (M, K) . rhs[g]; w_col is the (N, G*K) colwise copy of rhs viewed as (G*K, N):
     B(c, j) = w_col[j, g*K + c], row stride G*K, group stride K."""
@@ -215,9 +199,9 @@ def fp8_fprop(x, x_s, w_col, w_col_s, gs, fast_accum: bool = True):
     )
 
 
-def fp8_dgrad(g, g_s, w_row, w_row_s, gs):
-    """dlhs (M, K) = g (M, N) . rhs[g]^T; w_row is the (G*K, N) rowwise copy: B(c, j) =
-    w_row[g*K + j, c], K-major with row stride N."""
+def ragged_dgrad(g, g_s, w_row, w_row_s, gs):
+    """dlhs (M, K) = g (M, N) . rhs[g]^T, FP8 or BF16 (empty scales); w_row is rhs viewed as
+    (G*K, N) (FP8: its rowwise copy): B(c, j) = w_row[g*K + j, c], K-major with row stride N."""
     (M, N), K = g.shape, w_row.shape[0] // gs.shape[0]
     return _call(
         _RAGGED_M,
@@ -284,7 +268,7 @@ def _grouped_fp8_fwd(cfg, lhs, rhs, gs, state):
 def _grouped_fp8_bwd(cfg, res, dout):
     x_col, x_col_s, w_row, w_row_s, gs, state, (ax, aw) = res
     qg = _quantize(cfg, "grad", dout, gs, state, "both")
-    dlhs = fp8_dgrad(qg.data, qg.scale_inv, w_row, w_row_s, gs)
+    dlhs = ragged_dgrad(qg.data, qg.scale_inv, w_row, w_row_s, gs)
     drhs = fp8_wgrad(x_col, x_col_s, qg.colwise_data, qg.colwise_scale_inv, gs)
     state_ct = None
     if cfg.delayed:
