@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
 if [ -n "${LOWBIT_WHEEL:-}" ]; then
   # The fleet install: the wheel built elsewhere, installed without a compiler or dependencies;
   # Python imports lowbit from there (not from src/), with the libraries the wheel carries.
-  "$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/lowbit-site "$LOWBIT_WHEEL" || exit 1
+  "$PY" -m pip install -q --upgrade --no-deps --no-index --no-compile --target /tmp/lowbit-site "$LOWBIT_WHEEL" || exit 1
   export PYTHONPATH=/tmp/lowbit-site${PYTHONPATH:+:$PYTHONPATH}
 else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$(realpath -m "$BUILD")
