@@ -57,10 +57,9 @@ setup() {
   log=$(mktemp)
   # pip shows a build's output only with -v: keep CMake's and ninja's progress lines, the rest
   # goes to the log (printed whole if the install fails).
-  if ! "${pip[@]}" install -v --progress-bar off --no-build-isolation -e ".[test,bench]" 2>&1 |
-    tee "$log" | grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] |^ *-- lowbit|^Successfully installed' >&2; then
-    :
-  fi
+  # Whether it worked is decided by `installed` below, not by the pipeline's status.
+  "${pip[@]}" install -v --progress-bar off --no-build-isolation -e ".[test,bench]" 2>&1 |
+    tee "$log" | grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] |^ *-- lowbit|^Successfully installed' >&2 || true
   if ! installed; then
     tail -60 "$log" >&2
     say "set-up FAILED (full log: $log)"
