@@ -1,6 +1,6 @@
 """Flax (linen) integration: a drop-in quantized ``dot_general`` and state-owning wrappers."""
 
-from lowbit.flax.attention import DotProductAttention, MultiHeadAttention, TransformerLayer
+from lowbit.flax.attention import DotProductAttention, MultiHeadAttention
 from lowbit.flax.dot_general import layer_dot_general_cls, make_dot_general_cls
 from lowbit.flax.modules import DenseGeneral, DenseOp, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
 from lowbit.flax.ragged_dot import make_ragged_dot_cls
@@ -11,6 +11,7 @@ from lowbit.flax.state_module import (
     wrap_function_in_state_module,
     wrap_function_in_te_state_module,
 )
+from lowbit.flax.transformer import TransformerLayer
 
 __all__ = [
     "make_ragged_dot_cls",
