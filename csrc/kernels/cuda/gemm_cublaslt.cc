@@ -96,6 +96,18 @@ struct Descs {
   }
 };
 
+// cuBLASLt's handle creation and heuristic query may make calls that are illegal while a stream
+// is being captured into a CUDA graph (XLA records command buffers by capture). They only touch
+// host state and run once per shape, so this thread relaxes the capture rules around them.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 int current_device(cudaStream_t stream) {
   int device = 0;
 #if CUDART_VERSION >= 12080
@@ -125,7 +137,10 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const int device = current_device(stream);
   cublasLtHandle_t handle;
-  s = handle_for(device, &handle);
+  {
+    RelaxedCapture relaxed;
+    s = handle_for(device, &handle);
+  }
   if (!s.ok()) return s;
 
   const bool fp8 = is_fp8(p.a_dtype);
@@ -210,6 +225,7 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
     }
   }
   if (!cached) {
+    RelaxedCapture relaxed;
     LOWBIT_LT_CHECK(cublasLtMatmulPreferenceCreate(&d.pref), "cublasLtMatmulPreferenceCreate");
     const uint64_t ws = p.workspace_bytes;
     LOWBIT_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
