@@ -32,3 +32,18 @@ def test_layer_cases_time_the_recipe_they_name():
         loss[name] = float(np.asarray(fn(*args)[0]))
     a, b = loss.values()
     assert abs(a - b) > 1e-4 * abs(a), loss  # FP8 rounding moves the loss; the same BF16 step would not
+
+
+def test_gemm_suite_times_each_format_against_bf16():
+    """The GEMM table times every format on each shape and its ratios are relative to that
+    shape's BF16 and per-tensor FP8 rows (not to another shape's)."""
+    from lowbit.bench import gemm
+
+    rows = gemm.run(small=True)
+    assert len(rows) == gemm.count(small=True)
+    for shape in {r["shape"] for r in rows}:
+        part = {r["format"]: r for r in rows if r["shape"] == shape}
+        assert set(part) == {f[0] for f in gemm._formats()}
+        assert part["bf16"]["vs_bf16"] == 1.0 and part["fp8 per-tensor"]["vs_fp8"] == 1.0
+        for r in part.values():
+            assert r["ms"] > 0 and abs(r["vs_bf16"] - part["bf16"]["ms"] / r["ms"]) < 1e-12

@@ -18,13 +18,13 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                \
-  do {                                                                       \
-    cudaError_t e = (x);                                                     \
-    if (e != cudaSuccess) {                                                  \
+#define CK(x)                                                                        \
+  do {                                                                               \
+    cudaError_t e = (x);                                                             \
+    if (e != cudaSuccess) {                                                          \
       printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      exit(1);                                                               \
-    }                                                                        \
+      exit(1);                                                                       \
+    }                                                                                \
   } while (0)
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -37,7 +37,8 @@ static const char* mode_name(int m) {
 
 // Candidate scale layouts of a (rows, K) operand.
 // 1D: 0 = row-major (rows, kb); 1 = kb-major (kb, rows); 2 = kb-major with rows padded to 4.
-// 2D: 0 = (rb, kb) row-major; 1 = (kb, rb); 2 = (rb, kb) with kb padded to 4; 3 = (kb, rb) with rb padded to 4.
+// 2D: 0 = (rb, kb) row-major; 1 = (kb, rb); 2 = (rb, kb) with kb padded to 4; 3 = (kb, rb) with rb
+// padded to 4.
 static int64_t scale_index(int mode, int layout, int64_t rows, int64_t K, int64_t r, int64_t k) {
   const int64_t kb = cdiv(K, 128), rb = cdiv(rows, 128), b = k / 128, rr = r / 128;
   if (mode == k1D) {
@@ -109,7 +110,8 @@ static double value(const Operand& o, int layout, int64_t r, int64_t k) {
 }
 
 // Timing operands are filled on the device (host RNG over 64M elements is far too slow).
-__global__ void fill_kernel(uint8_t* q, int64_t nbytes, bool bf16, float* sc, int64_t ns, uint32_t seed) {
+__global__ void fill_kernel(uint8_t* q, int64_t nbytes, bool bf16, float* sc, int64_t ns,
+                            uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nbytes;
        i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2654435761u ^ seed;
@@ -117,7 +119,9 @@ __global__ void fill_kernel(uint8_t* q, int64_t nbytes, bool bf16, float* sc, in
     h *= 2246822519u;
     h ^= h >> 13;
     uint8_t b = uint8_t(h) & 0xBF;
-    if (bf16 && (i & 1)) b = uint8_t(0x3C | (h >> 8 & 0x80)) | (uint8_t(h >> 16) & 0x01);  // bf16 high byte: sign, exp ~ 1
+    if (bf16 && (i & 1))
+      b = uint8_t(0x3C | (h >> 8 & 0x80)) |
+          (uint8_t(h >> 16) & 0x01);  // bf16 high byte: sign, exp ~ 1
     q[i] = (b & 0x7F) == 0x7F ? 0x38 : b;
     if (i < ns) sc[i] = 0.5f + float((h >> 20) & 0xFF) / 256.0f;
   }
@@ -166,15 +170,16 @@ static cublasStatus_t run_gemm(const Operand& A, const Operand& B, __nv_bfloat16
   cublasLtMatmulPreference_t pref;
   cublasLtMatmulPreferenceCreate(&pref);
   uint64_t w = wsb;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof(w));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w,
+                                       sizeof(w));
   cublasLtMatmulHeuristicResult_t res[8];
   int found = 0;
   cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 8, res, &found);
   if (st == CUBLAS_STATUS_SUCCESS && found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
   if (st == CUBLAS_STATUS_SUCCESS) {
     const float alpha = 1.f, beta = 0.f;
-    st = cublasLtMatmul(lt, op, &alpha, B.dq, la, A.dq, lb, &beta, out, ld, out, ld, &res[0].algo, ws,
-                        wsb, 0);
+    st = cublasLtMatmul(lt, op, &alpha, B.dq, la, A.dq, lb, &beta, out, ld, out, ld, &res[0].algo,
+                        ws, wsb, 0);
     if (st == CUBLAS_STATUS_SUCCESS && iters > 0) {
       cudaEvent_t e0, e1;
       cudaEventCreate(&e0);
@@ -197,7 +202,8 @@ static cublasStatus_t run_gemm(const Operand& A, const Operand& B, __nv_bfloat16
     if (algo_note) {
       int id = 0;
       size_t sz;
-      cublasLtMatmulAlgoConfigGetAttribute(&res[0].algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &sz);
+      cublasLtMatmulAlgoConfigGetAttribute(&res[0].algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id),
+                                           &sz);
       *algo_note = "algo " + std::to_string(id) + ", " + std::to_string(found) + " found";
     }
   }
@@ -233,8 +239,8 @@ int main(int argc, char** argv) {
       CK(cudaMemset(out, 0xFF, M * N * 2));
       std::string note;
       cublasStatus_t st = run_gemm(A, B, out, ws, wsb, 0, nullptr, &note);
-      printf("layout check A %s x B %s (M %ld N %ld K %ld): %s %s\n", mode_name(c[0]), mode_name(c[1]),
-             M, N, K, cublasLtGetStatusString(st), note.c_str());
+      printf("layout check A %s x B %s (M %ld N %ld K %ld): %s %s\n", mode_name(c[0]),
+             mode_name(c[1]), M, N, K, cublasLtGetStatusString(st), note.c_str());
       if (st != CUBLAS_STATUS_SUCCESS) continue;
       std::vector<__nv_bfloat16> h(M * N);
       CK(cudaMemcpy(h.data(), out, M * N * 2, cudaMemcpyDeviceToHost));
@@ -252,17 +258,16 @@ int main(int argc, char** argv) {
             ref2 += ref * ref;
           }
           const double rel = std::sqrt(err / ref2);
-          if (rel < 0.02)
-            printf("   MATCH A layout %d, B layout %d: rel err %.3e\n", la, lb, rel);
+          if (rel < 0.02) printf("   MATCH A layout %d, B layout %d: rel err %.3e\n", la, lb, rel);
         }
       cudaFree(out);
     }
   }
   if (argc > 1 && std::string(argv[1]) == "--layouts") return 0;
   // 3: speed. Shapes: 8192^3 and the layer's GEMMs (tokens 8192, hidden 4096, ffn 16384).
-  const int64_t shapes[][3] = {{8192, 8192, 8192}, {8192, 12288, 4096}, {8192, 4096, 4096},
+  const int64_t shapes[][3] = {{8192, 8192, 8192},  {8192, 12288, 4096}, {8192, 4096, 4096},
                                {8192, 16384, 4096}, {8192, 4096, 16384}, {4096, 16384, 8192},
-                               {16384, 4096, 8192}, {4096, 4096, 8192}, {12288, 4096, 8192}};
+                               {16384, 4096, 8192}, {4096, 4096, 8192},  {12288, 4096, 8192}};
   const int modes[][2] = {{kBF16, kBF16}, {kTensor, kTensor}, {k1D, k2D}, {k1D, k1D}, {k2D, k1D}};
   printf("\n%-22s %-18s %9s %9s %s\n", "M x N x K", "A x B", "ms", "TFLOP/s", "vs bf16");
   for (auto& s : shapes) {

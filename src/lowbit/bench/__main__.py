@@ -1,4 +1,4 @@
-"""``python -m lowbit.bench [quantize|dense|grouped|layer|all] [--small|--full] [--out DIR]``
+"""``python -m lowbit.bench [quantize|gemm|dense|grouped|layer|all] [--small|--full] [--out DIR]``
 
 Times lowbit next to plain Flax/XLA in one process, prints tables, writes JSON (with the device
 name and versions) and PNG charts under benchmarks/results/ (or --out). Small shapes on CPU.
@@ -16,6 +16,7 @@ from lowbit.bench.common import environment, on_gpu, print_table, write_json
 
 SUITES = {
     "quantize": ("lowbit.bench.quantize", ["shape", "case", "ms", "GBps", "frac_of_copy"]),
+    "gemm": ("lowbit.bench.gemm", ["shape", "format", "ms", "tflops", "vs_bf16", "vs_fp8"]),
     "dense": ("lowbit.bench.dense", None),
     "grouped": ("lowbit.bench.grouped", None),
     "layer": ("lowbit.bench.layer", ["model", "name", "ms", "speedup", "note"]),
@@ -75,6 +76,9 @@ def _charts(name: str, rows: list, out: str, suffix: str, device: str) -> list:
     if name == "quantize":
         rows = [dict(r, bar=r["case"]) for r in rows if not r["case"].startswith("copy")]
         specs = [("", rows, "fraction of copy bandwidth (copy = 1)", "frac_of_copy", "shape")]
+    elif name == "gemm":
+        rows = [dict(r, bar=r["format"]) for r in rows if r["format"] != "bf16"]
+        specs = [("", rows, "speed-up over the BF16 GEMM", "vs_bf16", "shape")]
     elif name == "grouped":
         rows = [
             dict(r, bar=f"{r['sizes']} {r['pass']}: {r['case']}")
