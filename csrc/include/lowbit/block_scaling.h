@@ -8,6 +8,17 @@
 
 namespace lowbit {
 
+// FP8 block scaling (1x128 / 128x128): encode scale of a block with amax `a` (NaN ignored):
+// a' = max(a, eps); s = scale_from_amax(a', fmax) (fmax / a', 1 for a' zero or not finite, the
+// largest float32 on overflow); with power-of-two scales, s rounded down to a power of two (its
+// exponent bits). Never 0, Inf or NaN.
+LOWBIT_HD float fp8_block_scale(float a, float fmax, float eps, bool pow2) {
+  const float ae = a < eps ? eps : a;
+  float s = scale_from_amax(ae, fmax);
+  if (pow2) s = bits_float(float_bits(s) & 0x7f800000u);
+  return s;
+}
+
 // NVFP4 tensor scale S = scale_from_amax(A, 448 * 6).
 LOWBIT_HD float nvfp4_tensor_scale(float amax) {
   return scale_from_amax(amax, kE4M3Max * kE2M1Max);

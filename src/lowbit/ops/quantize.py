@@ -15,6 +15,7 @@ from lowbit.quantization.scaling_modes import (
     DEFAULT_RHT_SIGN_MASK,
     FLAG_COLWISE,
     FLAG_DBIAS,
+    FLAG_POW2,
     FLAG_RHT,
     FLAG_ROWWISE,
     FLAG_STOCHASTIC,
@@ -23,6 +24,7 @@ from lowbit.quantization.scaling_modes import (
     LAYOUT_FLAGS,
     ScalingMode,
     dtype_code,
+    fp8_block_scale_shape,
 )
 from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod
 
@@ -94,6 +96,8 @@ def _check_flatten_axis(flatten_axis: int, ndim: int) -> int:
 
 
 def _check_block_multiple(mode: ScalingMode, shape, axis: int, rowwise: bool, colwise: bool) -> None:
+    if mode.is_fp8_block:
+        return  # any shape: the last block of a row (or tile) may be partial
     b = mode.block_size
     rows, cols = prod(shape[:axis]), prod(shape[axis:])
     if rowwise and cols % b:
@@ -123,6 +127,8 @@ def quantize(
     rng_key: Optional[jax.Array] = None,
     rht: bool = False,
     rht_sign_mask: int = DEFAULT_RHT_SIGN_MASK,
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
 ) -> ScaledTensor:
     """Quantizes ``x`` in one pass; see docs/numerics.md for the exact numerics.
 
@@ -135,9 +141,22 @@ def quantize(
       flatten_axis: ``x`` is viewed as 2-D (prod(shape[:axis]), prod(shape[axis:])).
       rng_key: NVFP4 only: enables stochastic rounding.
       rht: NVFP4 1-D only: random Hadamard transform of the colwise copy.
+      power_2_scale: FP8 block scaling only: block scales rounded down to powers of two.
+      amax_epsilon: FP8 block scaling only: floor of each block's amax (float32, >= 0).
     """
     qt, _ = _quantize_impl(
-        x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht, rht_sign_mask, dbias=False
+        x,
+        scaling_mode,
+        q_dtype,
+        scale,
+        layout,
+        flatten_axis,
+        rng_key,
+        rht,
+        rht_sign_mask,
+        dbias=False,
+        power_2_scale=power_2_scale,
+        amax_epsilon=amax_epsilon,
     )
     return qt
 
@@ -153,15 +172,57 @@ def quantize_dbias(
     rng_key: Optional[jax.Array] = None,
     rht: bool = False,
     rht_sign_mask: int = DEFAULT_RHT_SIGN_MASK,
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
 ) -> tuple[ScaledTensor, jax.Array]:
     """Fused quantize + bias gradient: returns (ScaledTensor, column sums of the 2-D view).
     Arguments as :func:`quantize`."""
     return _quantize_impl(
-        x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht, rht_sign_mask, dbias=True
+        x,
+        scaling_mode,
+        q_dtype,
+        scale,
+        layout,
+        flatten_axis,
+        rng_key,
+        rht,
+        rht_sign_mask,
+        dbias=True,
+        power_2_scale=power_2_scale,
+        amax_epsilon=amax_epsilon,
     )
 
 
-def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht, rht_sign_mask, dbias):
+def _check_block_options(mode: ScalingMode, power_2_scale, amax_epsilon) -> float:
+    """power_2_scale / amax_epsilon: FP8 block scaling's options; the epsilon as a float."""
+    if not isinstance(power_2_scale, (bool, np.bool_)):
+        raise TypeError(f"power_2_scale must be a bool, got {power_2_scale!r}")
+    if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float, np.floating, np.integer)):
+        raise TypeError(f"amax_epsilon must be a Python float, got {type(amax_epsilon).__name__}")
+    eps = float(np.float32(amax_epsilon))
+    if not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
+    if not mode.is_fp8_block and (power_2_scale or eps != 0.0):
+        raise ValueError(
+            f"power_2_scale and amax_epsilon are only used with BLOCK_1D/2D_SCALING, not {mode.name}"
+        )
+    return eps
+
+
+def _quantize_impl(
+    x,
+    scaling_mode,
+    q_dtype,
+    scale,
+    layout,
+    flatten_axis,
+    rng_key,
+    rht,
+    rht_sign_mask,
+    dbias,
+    power_2_scale=False,
+    amax_epsilon=0.0,
+):
     x = check_input(x)
     mode = check_scaling_mode(scaling_mode)
     q = check_q_dtype(mode, q_dtype, x.dtype)
@@ -189,6 +250,9 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
         flags |= FLAG_RHT
     if dbias:
         flags |= FLAG_DBIAS
+    eps = _check_block_options(mode, power_2_scale, amax_epsilon)
+    if power_2_scale:
+        flags |= FLAG_POW2
 
     f32 = jnp.float32
     u8 = jnp.uint8
@@ -198,6 +262,8 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
         data_dt, s_shape, s_dt = q, lambda r, c: (1,), f32
     elif mode == ScalingMode.MXFP8_1D_SCALING:
         data_dt, s_shape, s_dt = q, lambda r, c: (r, c // 32), jnp.float8_e8m0fnu
+    elif mode.is_fp8_block:
+        data_dt, s_shape, s_dt = q, lambda r, c: fp8_block_scale_shape(mode, r, c), f32
     else:
         data_dt, s_shape, s_dt = u8, lambda r, c: (r, c // 16), jnp.float8_e4m3fn
     packed = mode.is_nvfp4
@@ -231,6 +297,7 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
         q_dtype=np.int32(dtype_code(q)),
         flags=np.int32(flags),
         rht_sign_mask=np.int32(rht_sign_mask & 0xFFFF),
+        amax_epsilon=np.float32(eps),
     )
 
     cw_shape = shape[axis:] + shape[:axis]
