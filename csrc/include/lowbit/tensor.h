@@ -45,24 +45,4 @@ inline int block_size(ScalingMode m) {
   return m == ScalingMode::kMxfp8_1d ? 32 : (is_nvfp4(m) ? 16 : 1);
 }
 
-// FP8 block scaling (kBlock1d / kBlock2d): the float32 scale_inv layout cuBLASLt's
-// VEC128_32F / BLK128x128_32F scale modes read (docs/numerics.md), for a copy of (rows, cols)
-// quantized along cols. 1D: (ceil(cols/128), round_up(rows, 4)), row-major, entry [j][r] is
-// block (r, j): the rows dimension contiguous. 2D: (ceil(rows/128), round_up(ceil(cols/128), 4)),
-// entry [i][j] is tile (i, j). Padding entries are written as 1.0.
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t round_up4(int64_t a) { return (a + 3) / 4 * 4; }
-inline int64_t fp8_block_scale_rows(ScalingMode m, int64_t rows, int64_t cols) {
-  return m == ScalingMode::kBlock1d ? ceil_div(cols, 128) : ceil_div(rows, 128);
-}
-inline int64_t fp8_block_scale_cols(ScalingMode m, int64_t rows, int64_t cols) {
-  return m == ScalingMode::kBlock1d ? round_up4(rows) : round_up4(ceil_div(cols, 128));
-}
-// Index of the scale of element (r, c).
-inline int64_t fp8_block_scale_index(ScalingMode m, int64_t rows, int64_t cols, int64_t r,
-                                     int64_t c) {
-  const int64_t ld = fp8_block_scale_cols(m, rows, cols);
-  return m == ScalingMode::kBlock1d ? (c / 128) * ld + r : (r / 128) * ld + c / 128;
-}
-
 }  // namespace lowbit

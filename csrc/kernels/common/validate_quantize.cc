@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "lowbit/block_scaling.h"
 #include "lowbit/quantize.h"
 
 namespace lowbit {
