@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import jax
@@ -436,13 +438,13 @@ def grouped_dequantize(
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
     M, K = qt.shape
-    if qt.scaling_mode == ScalingMode.MXFP8_1D_SCALING:
+    if qt.scaling_mode in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.BLOCK_1D_SCALING):
         validate(qt, layout, op)
         return dequantize(qt, layout, dtype=out_dtype)
     if not ScalingMode(qt.scaling_mode).is_tensor_scaling:
         raise ValueError(
             f"{op}: qt.scaling_mode must be one grouped_quantize makes (DELAYED/CURRENT_TENSOR_"
-            f"SCALING or MXFP8_1D_SCALING), got {ScalingMode(qt.scaling_mode).name}"
+            f"SCALING, MXFP8_1D_SCALING or BLOCK_1D_SCALING), got {ScalingMode(qt.scaling_mode).name}"
         )
     s_field = "colwise_scale_inv" if layout == "colwise" else "scale_inv"
     s_inv = getattr(qt, s_field)
@@ -506,6 +508,33 @@ def _desc(a) -> str:
     return f"{np.dtype(a.dtype).name} {tuple(a.shape)}"
 
 
+def _grouped_quantize_block_1d(x, group_sizes, layout, q_dtype, scale, power_2_scale, amax_epsilon):
+    """BLOCK_1D_SCALING grouped: 1x128 blocks lie within rows, so it is the rowwise quantize of
+    x; rows in no group get zero data and scale_inv 1, and amax is per group."""
+    mode = ScalingMode.BLOCK_1D_SCALING
+    if layout != "rowwise":
+        raise ValueError(
+            f"layout must be 'rowwise' for grouped BLOCK_1D_SCALING, got {layout!r} "
+            "(colwise blocks would straddle groups)"
+        )
+    if scale is not None:
+        raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
+    M, _ = x.shape
+    G = group_sizes.shape[0]
+    qt = quantize(
+        x, mode, q_dtype, layout="rowwise", power_2_scale=power_2_scale, amax_epsilon=amax_epsilon
+    )
+    gid = group_ids(group_sizes, M)
+    in_group = gid < G
+    codes = jax.lax.bitcast_convert_type(qt.data, jnp.uint8)
+    data = jax.lax.bitcast_convert_type(jnp.where(in_group[:, None], codes, jnp.uint8(0)), qt.data.dtype)
+    cols_in_group = jnp.pad(in_group, (0, qt.scale_inv.shape[1] - M))
+    s_inv = jnp.where(cols_in_group[None, :], qt.scale_inv, jnp.float32(1.0))
+    row_amax = jnp.max(jnp.where(jnp.isnan(x), 0, jnp.abs(x)), axis=1).astype(jnp.float32)
+    amax = jnp.maximum(jax.ops.segment_max(row_amax, gid, num_segments=G + 1)[:G], jnp.float32(0))
+    return dataclasses.replace(qt, data=data, scale_inv=s_inv, amax=amax)
+
+
 def grouped_quantize(
     x: ArrayLike,
     group_sizes: ArrayLike,
@@ -514,10 +543,15 @@ def grouped_quantize(
     *,
     scale: Optional[ArrayLike] = None,
     layout: str = "rowwise",
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
 ) -> ScaledTensor:
     """Quantizes the row groups of ``x`` (M, K) as separate tensors; ``group_sizes`` int32 (G,)
     stays on the device. Returns a ScaledTensor whose scales and amax have one entry per group
-    (tensor modes) and whose colwise copy is the (K, M) transpose."""
+    (tensor modes) and whose colwise copy is the (K, M) transpose.
+
+    Block modes whose blocks lie within rows (MXFP8, BLOCK_1D_SCALING) are rowwise only: their
+    colwise blocks would straddle groups (as would BLOCK_2D_SCALING's tiles, which is refused)."""
     x = check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
@@ -529,11 +563,14 @@ def grouped_quantize(
     if group_sizes.shape[0] < 1:
         raise ValueError("group_sizes must have shape (G,) with at least one group, got shape (0,)")
     mode = check_scaling_mode(scaling_mode)
-    if not (mode.is_tensor_scaling or mode == ScalingMode.MXFP8_1D_SCALING):
+    if not (mode.is_tensor_scaling or mode in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.BLOCK_1D_SCALING)):
         raise ValueError(
-            f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING or MXFP8_1D_SCALING for "
-            f"grouped_quantize, got {mode.name}"
+            f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING, MXFP8_1D_SCALING or BLOCK_1D_SCALING "
+            f"for grouped_quantize, got {mode.name}"
+            + (" (128x128 tiles would straddle groups)" if mode == ScalingMode.BLOCK_2D_SCALING else "")
         )
+    if mode == ScalingMode.BLOCK_1D_SCALING:
+        return _grouped_quantize_block_1d(x, group_sizes, layout, q_dtype, scale, power_2_scale, amax_epsilon)
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
