@@ -84,12 +84,17 @@ def test_norm_and_activation_outputs(rng):
     spec = (SM.BLOCK_1D_SCALING, jnp.float8_e4m3fn, None, "both", True)
     qn = lowbit.layernorm(h, g, be, norm_type="layernorm", quantize=spec)
     ref = lowbit.quantize(
-        lowbit.layernorm(h, g, be, norm_type="layernorm"), SM.BLOCK_1D_SCALING, layout="both", power_2_scale=True
+        lowbit.layernorm(h, g, be, norm_type="layernorm"),
+        SM.BLOCK_1D_SCALING,
+        layout="both",
+        power_2_scale=True,
     )
     for f in ("data", "scale_inv", "colwise_data", "colwise_scale_inv"):
         np.testing.assert_array_equal(np.asarray(getattr(qn, f)), np.asarray(getattr(ref, f)))
     qa = lowbit.activation(h, ("gelu",), quantize=spec)
-    ref = lowbit.quantize(lowbit.activation(h, ("gelu",)), SM.BLOCK_1D_SCALING, layout="both", power_2_scale=True)
+    ref = lowbit.quantize(
+        lowbit.activation(h, ("gelu",)), SM.BLOCK_1D_SCALING, layout="both", power_2_scale=True
+    )
     np.testing.assert_array_equal(np.asarray(qa.scale_inv), np.asarray(ref.scale_inv))
     with pytest.raises(ValueError, match="power_2_scale"):
         lowbit.layernorm(h, g, be, quantize=(SM.CURRENT_TENSOR_SCALING, None, None, "both", True))
@@ -118,7 +123,9 @@ def test_flax_dot_general_and_modules(rng):
             out = first(variables)
             grads = jax.grad(lambda v: jnp.sum(jnp.square(first(v).astype(F32))))(variables)
             assert np.all(np.isfinite(np.asarray(out, np.float32)))
-            assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in jax.tree_util.tree_leaves(grads))
+            assert all(
+                np.all(np.isfinite(np.asarray(g, np.float32))) for g in jax.tree_util.tree_leaves(grads)
+            )
 
 
 def test_training_step_loss_decreases(rng):

@@ -580,10 +580,10 @@ int run_checks(bool quick) {
   struct Shape {
     int64_t R, C;
   };
-  const std::vector<Shape> shapes_full = {
-      {64, 64}, {48, 96}, {128, 256}, {96, 160}, {16, 16}, {32, 32}, {256, 512}, {192, 320},
-      {7, 13},  {33, 50}, {1, 1},     {100, 48}, {0, 64},  {64, 0},  {1024, 64}, {32, 2048},
-      {130, 300}, {257, 129}};
+  const std::vector<Shape> shapes_full = {{64, 64},   {48, 96},   {128, 256}, {96, 160}, {16, 16},
+                                          {32, 32},   {256, 512}, {192, 320}, {7, 13},   {33, 50},
+                                          {1, 1},     {100, 48},  {0, 64},    {64, 0},   {1024, 64},
+                                          {32, 2048}, {130, 300}, {257, 129}};
   const std::vector<Shape> shapes_quick = {{64, 64}, {48, 96}, {7, 13}, {32, 32}, {96, 160}};
   const auto& shapes = quick ? shapes_quick : shapes_full;
   const std::vector<DType> xdts = quick

@@ -40,12 +40,11 @@ Status check_buffer_sizes(const DequantizeParams& p) {
     return Status::Invalid("dequantize: data has " + std::to_string(p.data_elems) +
                            " elements, the (" + std::to_string(p.rows) + ", " +
                            std::to_string(p.cols) + ") output needs " + std::to_string(codes));
-  const int64_t scales =
-      is_tensor_scaling(p.mode) ? 1
-      : is_fp8_block(p.mode)
-          ? fp8_block_scale_rows(p.mode, p.rows, p.cols) *
-                fp8_block_scale_cols(p.mode, p.rows, p.cols)
-          : p.rows * (p.cols / std::max(1, block_size(p.mode)));
+  const int64_t scales = is_tensor_scaling(p.mode) ? 1
+                         : is_fp8_block(p.mode)
+                             ? fp8_block_scale_rows(p.mode, p.rows, p.cols) *
+                                   fp8_block_scale_cols(p.mode, p.rows, p.cols)
+                             : p.rows * (p.cols / std::max(1, block_size(p.mode)));
   if (p.scale_inv_elems >= 0 && p.scale_inv_elems < scales)
     return Status::Invalid("dequantize: scale_inv has " + std::to_string(p.scale_inv_elems) +
                            " elements, the mode needs " + std::to_string(scales));

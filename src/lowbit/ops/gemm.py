@@ -194,7 +194,9 @@ def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, blocks=(0, 0)):
     """One FFI call: a2 (M, K), b2 (N, K) -> (M, N). bias is (N,) or None. ``blocks``: the
     operands' FP8 block scaling (0 per-tensor, 1 = 1x128, 2 = 128x128)."""
     M, N = a2.shape[0], b2.shape[0]
-    flags = (FLAG_FAST_ACCUM if fast_accum else 0) | (blocks[0] << _A_BLOCK_SHIFT) | (blocks[1] << _B_BLOCK_SHIFT)
+    flags = (
+        (FLAG_FAST_ACCUM if fast_accum else 0) | (blocks[0] << _A_BLOCK_SHIFT) | (blocks[1] << _B_BLOCK_SHIFT)
+    )
     return _native.ffi_call(
         "gemm",
         jax.ShapeDtypeStruct((M, N), out_dtype),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Optional
 
 import jax
@@ -521,9 +520,7 @@ def _grouped_quantize_block_1d(x, group_sizes, layout, q_dtype, scale, power_2_s
         raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
     M, _ = x.shape
     G = group_sizes.shape[0]
-    qt = quantize(
-        x, mode, q_dtype, layout="rowwise", power_2_scale=power_2_scale, amax_epsilon=amax_epsilon
-    )
+    qt = quantize(x, mode, q_dtype, layout="rowwise", power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
     gid = group_ids(group_sizes, M)
     in_group = gid < G
     codes = jax.lax.bitcast_convert_type(qt.data, jnp.uint8)
