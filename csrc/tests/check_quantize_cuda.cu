@@ -700,6 +700,9 @@ int run_checks(bool quick) {
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kMxfp8_1d, DType::kE4M3, false, false);
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kNvfp4_1d, DType::kE2M1, true, true);
   run_graph_case(DType::kF32, 96, 160, ScalingMode::kNvfp4_2d, DType::kE2M1, true, false);
+  // FP8 block scaling: cudaFuncSetAttribute (66 KB dynamic shared memory) inside the capture.
+  run_graph_case(DType::kBF16, 256, 512, ScalingMode::kBlock1d, DType::kE4M3, false, false);
+  run_graph_case(DType::kF32, 130, 300, ScalingMode::kBlock2d, DType::kE5M2, false, false);
   std::printf("%s cuda graph capture: %d cases, %d failures\n", g_failures > f1 ? "FAIL" : "PASS",
               g_cases - c1, g_failures - f1);
 
