@@ -58,7 +58,7 @@ def test_ragged_forward_and_grads(device, rng, recipe, shape):
     assert rel(db, dy64.sum(0)) < 1e-5
 
 
-def test_dense_uses_the_block_modes(rng):
+def test_dense_uses_the_block_modes(device, rng):
     """x and dy 1x128, the kernel 128x128; three FP8 GEMMs in the jaxpr."""
     x = jnp.asarray(rng.standard_normal((32, 256)), BF16)
     w = jnp.asarray(rng.standard_normal((256, 128)) * 0.05, BF16)
@@ -77,7 +77,7 @@ def test_dense_uses_the_block_modes(rng):
     assert (SM.BLOCK_1D_SCALING, True) in seen and (SM.BLOCK_2D_SCALING, True) in seen
 
 
-def test_norm_and_activation_outputs(rng):
+def test_norm_and_activation_outputs(device, rng):
     """The fused ops' outputs for this recipe: the op, then lowbit.quantize (same bits)."""
     h = jnp.asarray(rng.standard_normal((8, 16, 256)), BF16)
     g, be = jnp.ones((256,), BF16), jnp.zeros((256,), BF16)
@@ -100,7 +100,7 @@ def test_norm_and_activation_outputs(rng):
         lowbit.layernorm(h, g, be, quantize=(SM.CURRENT_TENSOR_SCALING, None, None, "both", True))
 
 
-def test_flax_dot_general_and_modules(rng):
+def test_flax_dot_general_and_modules(device, rng):
     x = jnp.asarray(rng.standard_normal((4, 24, 160)), BF16)
     key = jax.random.PRNGKey(0)
     layer = nn.Dense(136, dot_general=lf.make_dot_general_cls(BLOCK)(), dtype=BF16)
@@ -128,7 +128,7 @@ def test_flax_dot_general_and_modules(rng):
             )
 
 
-def test_training_step_loss_decreases(rng):
+def test_training_step_loss_decreases(device, rng):
     """A two-layer MLP regression with Flax + optax under autocast(Float8BlockScaling())."""
 
     class MLP(nn.Module):
