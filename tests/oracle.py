@@ -24,8 +24,9 @@ F32 = np.float32
 FLT_MAX = np.float32(np.finfo(np.float32).max)
 
 # Mode numbers of lowbit.ScalingMode (kept as plain ints so the oracle imports nothing of lowbit).
-NO_SCALING, DELAYED, CURRENT, MXFP8, NVFP4_1D, NVFP4_2D = 0, 1, 2, 3, 4, 5
+NO_SCALING, DELAYED, CURRENT, MXFP8, NVFP4_1D, NVFP4_2D, BLOCK_1D, BLOCK_2D = 0, 1, 2, 3, 4, 5, 6, 7
 TENSOR_MODES = (DELAYED, CURRENT)
+FP8_BLOCK_MODES = (BLOCK_1D, BLOCK_2D)
 NVFP4_MODES = (NVFP4_1D, NVFP4_2D)
 
 
@@ -339,6 +340,54 @@ class QResult:
     w_colwise: Optional[np.ndarray] = None
 
 
+# --------------------------------------------------------------------------------------------
+# FP8 block scaling (1x128 blocks / 128x128 tiles, float32 scales in cuBLASLt's layout)
+# --------------------------------------------------------------------------------------------
+def fp8_block_scale_shape(mode: int, rows: int, cols: int) -> tuple:
+    nc = -(-cols // 128)
+    if mode == BLOCK_1D:
+        return (nc, -(-rows // 4) * 4)
+    return (-(-rows // 128), -(-nc // 4) * 4)
+
+
+def fp8_block_scale(a, fmax: float, eps: float, pow2: bool) -> np.float32:
+    """max(a, eps) -> scale_from_amax -> (power of two: the exponent bits only)."""
+    a = np.float32(max(np.float32(a), np.float32(eps)))
+    s = np.float32(scale_from_amax(a, fmax))
+    if pow2:
+        s = np.array([s], np.float32).view(np.uint32) & np.uint32(0x7F800000)
+        s = s.view(np.float32)[0]
+    return np.float32(s)
+
+
+def fp8_block_scale_of(mode: int, rows: int, cols: int) -> np.ndarray:
+    """(rows, cols) float32: which scale_inv entry decodes each element, as flat indices."""
+    ld = fp8_block_scale_shape(mode, rows, cols)[1]
+    r = np.arange(rows)[:, None]
+    c = np.arange(cols)[None, :]
+    if mode == BLOCK_1D:
+        return (c // 128) * ld + r
+    return (r // 128) * ld + c // 128
+
+
+def quantize_copy_fp8_block(v: np.ndarray, mode: int, fmt: Fmt, eps: float = 0.0, pow2: bool = False):
+    """One copy (rows, cols): codes (rows, cols) uint8 and the float32 scale_inv array."""
+    rows, cols = v.shape
+    si = np.ones(fp8_block_scale_shape(mode, rows, cols), np.float32)
+    q = np.zeros((rows, cols), np.uint8)
+    th = 128 if mode == BLOCK_2D else 1
+    for r0 in range(0, rows, th):
+        for c0 in range(0, cols, 128):
+            blk = v[r0 : r0 + th, c0 : c0 + 128]
+            s = fp8_block_scale(amax(blk), fmt.max, eps, pow2)
+            q[r0 : r0 + th, c0 : c0 + 128] = encode(mul32(blk, s), fmt)
+            if mode == BLOCK_1D:
+                si[c0 // 128, r0] = f32_recip(s)
+            else:
+                si[r0 // 128, c0 // 128] = f32_recip(s)
+    return q, si
+
+
 def quantize(
     x,
     mode: int,
@@ -350,6 +399,8 @@ def quantize(
     seed=None,
     rht: bool = False,
     rht_sign_mask: int = 0xA759,
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
 ) -> QResult:
     """Reference of lowbit.quantize. ``x``: NumPy array (f32 / bf16 / f16). ``seed``: (s0, s1)
     uint32 words (= jax.random.bits(key, (2,), uint32)) for stochastic rounding."""
@@ -383,6 +434,16 @@ def quantize(
             out.data, out.scale_inv = q.reshape(shape), si
         if colwise:
             out.colwise_data, out.colwise_scale_inv = q.T.reshape(cw_shape), si.copy()
+        return out
+
+    if mode in FP8_BLOCK_MODES:
+        kw = dict(eps=amax_epsilon, pow2=power_2_scale)
+        if rowwise:
+            q, si = quantize_copy_fp8_block(v, mode, fmt, **kw)
+            out.data, out.scale_inv = q.reshape(shape), si
+        if colwise:
+            q, si = quantize_copy_fp8_block(np.ascontiguousarray(v.T), mode, fmt, **kw)
+            out.colwise_data, out.colwise_scale_inv = q.reshape(cw_shape), si
         return out
 
     if mode == MXFP8:
@@ -453,6 +514,9 @@ def dequantize_copy(codes2d, scale_inv, mode: int, fmt: Fmt, *, gsi=None, rht=Fa
     if mode == MXFP8:
         s = decode_e8m0(scale_inv).astype(np.float32)
         return mul32(d, np.repeat(s, 32, axis=1))
+    if mode in FP8_BLOCK_MODES:
+        s = np.asarray(scale_inv, np.float32).reshape(-1)[fp8_block_scale_of(mode, rows, cols)]
+        return mul32(d, s)
     assert mode in NVFP4_MODES
     sb = decode(scale_inv, E4M3).astype(np.float32)
     out = mul32(mul32(d, np.repeat(sb, 16, axis=1)), np.float32(gsi))

@@ -25,7 +25,7 @@ def test_capability_queries_answer_every_recipe_on_cpu():
         assert te.is_scaling_mode_supported(mode) == (True, "")
         assert te_q.is_fp8_available(mode)[0]
     got = te_q.get_supported_quantization_recipes()
-    assert [type(r) for r in got] == list(ALL)
+    assert [type(r) for r in got] == [*ALL[:3], recipe.Float8BlockScaling, ALL[3]]
     assert set(te_q.get_supported_scaling_modes()) == set(te_q.ScalingMode)
     with pytest.raises(ValueError, match="scaling_mode"):
         te.is_scaling_mode_supported("mxfp8")
@@ -106,10 +106,10 @@ def test_unhonoured_fields_are_refused_by_name(cls, field, value):
 
 
 def test_unsupported_recipes_and_formats():
-    for cls in (recipe.Float8BlockScaling, recipe.CustomRecipe):
-        assert cls.float8_block_scaling() or cls.custom()
-        with pytest.raises(NotImplementedError, match=cls.__name__):
-            cls()
+    assert recipe.CustomRecipe.custom()
+    with pytest.raises(NotImplementedError, match="CustomRecipe"):
+        recipe.CustomRecipe()
+    assert recipe.Float8BlockScaling.float8_block_scaling()
     with pytest.raises(ValueError, match="fp4_format"):
         recipe.NVFP4BlockScaling(fp4_format=recipe.Format.E4M3)
     with pytest.raises(TypeError, match="fp8_format"):

@@ -13,12 +13,12 @@ using namespace lowbit::ffi_util;
 namespace {
 
 // Flag bits of the `flags` attribute (src/lowbit/quantize/scaling_modes.py mirrors them).
-constexpr int32_t kRowwise = 1, kColwise = 2, kDbias = 4, kStochastic = 8, kRht = 16;
+constexpr int32_t kRowwise = 1, kColwise = 2, kDbias = 4, kStochastic = 8, kRht = 16, kPow2 = 32;
 
 ffi::Error Quantize(LOWBIT_PLATFORM_CTX Buf x, Buf scale, Buf seed, Ret data, Ret scale_inv,
                     Ret cw_data, Ret cw_scale_inv, Ret amax, Ret global_scale_inv, Ret dbias,
                     Ret workspace, int32_t mode, int32_t q_dtype, int32_t flags,
-                    int32_t rht_sign_mask) {
+                    int32_t rht_sign_mask, float amax_epsilon) {
   QuantizeParams p;
   if (!dims_2d(x, &p.rows, &p.cols)) return to_error(Status::Invalid("quantize: x must be 2-D"));
   if (!to_dtype(x.element_type(), &p.x_dtype))
@@ -30,6 +30,8 @@ ffi::Error Quantize(LOWBIT_PLATFORM_CTX Buf x, Buf scale, Buf seed, Ret data, Re
   p.colwise = flags & kColwise;
   p.rht = flags & kRht;
   p.rht_sign_mask = static_cast<uint32_t>(rht_sign_mask) & 0xFFFFu;
+  p.power_2_scale = flags & kPow2;
+  p.amax_epsilon = amax_epsilon;
   p.scale = in_or_null<float>(scale);
   p.sr_seed = (flags & kStochastic) && seed.element_count() >= 2
                   ? static_cast<const uint32_t*>(seed.untyped_data())
@@ -117,7 +119,8 @@ LOWBIT_HANDLER(lowbit_quantize, Quantize,
                    .Attr<int32_t>("mode")
                    .Attr<int32_t>("q_dtype")
                    .Attr<int32_t>("flags")
-                   .Attr<int32_t>("rht_sign_mask"));
+                   .Attr<int32_t>("rht_sign_mask")
+                   .Attr<float>("amax_epsilon"));
 
 LOWBIT_HANDLER(lowbit_dequantize, Dequantize,
                LOWBIT_BIND()

@@ -89,6 +89,8 @@ const char* mname(ScalingMode m) {
     case ScalingMode::kMxfp8_1d: return "mxfp8";
     case ScalingMode::kNvfp4_1d: return "nvfp4_1d";
     case ScalingMode::kNvfp4_2d: return "nvfp4_2d";
+    case ScalingMode::kBlock1d: return "block1d";
+    case ScalingMode::kBlock2d: return "block2d";
   }
   return "?";
 }
@@ -244,6 +246,8 @@ size_t data_bytes(ScalingMode m, DType xdt, int64_t rows, int64_t cols) {
 size_t sinv_bytes(ScalingMode m, int64_t rows, int64_t cols) {
   if (m == ScalingMode::kNoScaling) return 0;
   if (is_tensor_scaling(m)) return 4;
+  if (is_fp8_block(m))
+    return size_t(fp8_block_scale_rows(m, rows, cols) * fp8_block_scale_cols(m, rows, cols)) * 4;
   return size_t(rows * cols / block_size(m));
 }
 
@@ -341,6 +345,9 @@ void run_quantize_case(const QCase& q, uint64_t seed, cudaStream_t st, bool with
   pc.scale = &dscale;
   pc.sr_seed = q.sr ? seed2 : nullptr;
   pc.rht = q.rht;
+  // FP8 block scaling: power-of-two scales on every other case, an amax floor on every third.
+  pc.power_2_scale = is_fp8_block(q.mode) && (seed & 1);
+  pc.amax_epsilon = is_fp8_block(q.mode) && seed % 3 == 0 ? 1e-3f : 0.0f;
   pc.data = q.row ? h_data.data() : nullptr;
   pc.scale_inv = q.row ? h_sinv.data() : nullptr;
   pc.colwise_data = q.col ? h_cdata.data() : nullptr;
@@ -573,9 +580,10 @@ int run_checks(bool quick) {
   struct Shape {
     int64_t R, C;
   };
-  const std::vector<Shape> shapes_full = {
-      {64, 64}, {48, 96}, {128, 256}, {96, 160}, {16, 16}, {32, 32}, {256, 512}, {192, 320},
-      {7, 13},  {33, 50}, {1, 1},     {100, 48}, {0, 64},  {64, 0},  {1024, 64}, {32, 2048}};
+  const std::vector<Shape> shapes_full = {{64, 64},   {48, 96},   {128, 256}, {96, 160}, {16, 16},
+                                          {32, 32},   {256, 512}, {192, 320}, {7, 13},   {33, 50},
+                                          {1, 1},     {100, 48},  {0, 64},    {64, 0},   {1024, 64},
+                                          {32, 2048}, {130, 300}, {257, 129}};
   const std::vector<Shape> shapes_quick = {{64, 64}, {48, 96}, {7, 13}, {32, 32}, {96, 160}};
   const auto& shapes = quick ? shapes_quick : shapes_full;
   const std::vector<DType> xdts = quick
@@ -593,7 +601,8 @@ int run_checks(bool quick) {
     for (const Shape& sh : shapes)
       for (ScalingMode mode :
            {ScalingMode::kNoScaling, ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor,
-            ScalingMode::kMxfp8_1d, ScalingMode::kNvfp4_1d, ScalingMode::kNvfp4_2d}) {
+            ScalingMode::kMxfp8_1d, ScalingMode::kNvfp4_1d, ScalingMode::kNvfp4_2d,
+            ScalingMode::kBlock1d, ScalingMode::kBlock2d}) {
         std::vector<DType> qdts;
         if (mode == ScalingMode::kNoScaling)
           qdts = {xdt};
@@ -691,6 +700,9 @@ int run_checks(bool quick) {
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kMxfp8_1d, DType::kE4M3, false, false);
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kNvfp4_1d, DType::kE2M1, true, true);
   run_graph_case(DType::kF32, 96, 160, ScalingMode::kNvfp4_2d, DType::kE2M1, true, false);
+  // FP8 block scaling: cudaFuncSetAttribute (66 KB dynamic shared memory) inside the capture.
+  run_graph_case(DType::kBF16, 256, 512, ScalingMode::kBlock1d, DType::kE4M3, false, false);
+  run_graph_case(DType::kF32, 130, 300, ScalingMode::kBlock2d, DType::kE5M2, false, false);
   std::printf("%s cuda graph capture: %d cases, %d failures\n", g_failures > f1 ? "FAIL" : "PASS",
               g_cases - c1, g_failures - f1);
 

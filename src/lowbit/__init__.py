@@ -17,7 +17,14 @@ from lowbit.ops.norm import layernorm
 from lowbit.ops.quantize import dequantize, grouped_dequantize, grouped_quantize, quantize, quantize_dbias
 from lowbit.ops.softmax import softmax
 from lowbit.quantization import ScaledTensor, ScalingMode
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling
+from lowbit.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 from lowbit.sharding import MeshResource, global_mesh_resource, global_shard_guard
 
 __version__ = "0.1.0"
@@ -26,6 +33,7 @@ __all__ = [
     "grouped_gemm",
     "init_grouped_delayed_state",
     "DelayedScaling",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
     "MXFP8BlockScaling",

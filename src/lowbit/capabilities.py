@@ -11,7 +11,14 @@ from typing import List, Optional, Tuple
 import jax
 
 from lowbit.quantization.scaling_modes import ScalingMode
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
+from lowbit.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
 
 _MIN_CC = (9, 0)
 
@@ -68,8 +75,14 @@ def get_supported_scaling_modes() -> List[ScalingMode]:
 
 
 def get_supported_quantization_recipes() -> List[Recipe]:
-    """One default instance of every recipe this machine runs: all four on CPU and Hopper."""
-    recipes = [DelayedScaling(), Float8CurrentScaling(), MXFP8BlockScaling(), NVFP4BlockScaling()]
+    """One default instance of every recipe this machine runs: all five on CPU and Hopper."""
+    recipes = [
+        DelayedScaling(),
+        Float8CurrentScaling(),
+        MXFP8BlockScaling(),
+        Float8BlockScaling(),
+        NVFP4BlockScaling(),
+    ]
     return [
         r
         for r in recipes

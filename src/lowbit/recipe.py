@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax.numpy as jnp
@@ -389,16 +390,106 @@ class _Unsupported(Recipe):
         raise NotImplementedError(f"{type(self).__name__} is not supported by lowbit: {self._why}")
 
 
-class Float8BlockScaling(_Unsupported):
-    """TransformerEngine's 1x128 / 128x128 block-scaled FP8 recipe (not in lowbit)."""
+_BLOCK_F32_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 
-    _why = (
-        "1x128/128x128 FP8 block scaling is not implemented; use MXFP8BlockScaling (1x32 blocks) "
-        "or Float8CurrentScaling"
-    )
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(_FP8FormatRecipe):
+    """DeepSeek-style FP8 block scaling: float32 scales per 1x128 block of activations and
+    gradients (along the contraction axis) and per 128x128 tile of weights.
+
+    TransformerEngine's fields and defaults. ``use_f32_scales`` (default from the environment
+    variable ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``) turns off the power-of-two rounding of the
+    scales; ``fp8_quant_{fwd_inp,fwd_weight,bwd_grad}`` are the per-role QParams (only
+    ``power_2_scale`` and ``amax_epsilon`` apply); left at None they follow ``use_f32_scales``
+    (in TransformerEngine they are class attributes fixed at import from the environment
+    variable; here they can also be passed). ``{x,w,grad}_block_scaling_dim``: 1 (1x128) or 2
+    (128x128); no GEMM may pair two 2-D operands. Split accumulation is required for every GEMM
+    (``fp8_gemm_*.use_split_accumulator=True``), FP8 attention is not offered, and
+    ``fp8_format`` is E4M3 or HYBRID (E5M2 gradients).
+    """
+
+    use_f32_scales: bool = dataclasses.field(default_factory=lambda: os.getenv(_BLOCK_F32_ENV, "0") == "1")
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: Optional[QParams] = None
+    fp8_quant_fwd_weight: Optional[QParams] = None
+    fp8_quant_bwd_grad: Optional[QParams] = None
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        if self.fp8_format is Format.E5M2:
+            raise ValueError(
+                "Float8BlockScaling(fp8_format=Format.E5M2): pure E5M2 training is not supported; "
+                "use Format.E4M3 or Format.HYBRID"
+            )
+        if not isinstance(self.use_f32_scales, bool):
+            raise TypeError(f"use_f32_scales must be a bool, got {self.use_f32_scales!r}")
+        default_q = QParams(power_2_scale=not self.use_f32_scales, amax_epsilon=0.0)
+        for f in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            q = getattr(self, f)
+            if q is None:
+                object.__setattr__(self, f, default_q)
+                continue
+            if not isinstance(q, QParams):
+                raise TypeError(f"{f} must be a lowbit.recipe.QParams, got {q!r}")
+            eps = q.amax_epsilon
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < float("inf")):
+                raise ValueError(f"{f}.amax_epsilon must be a finite float >= 0, got {eps!r}")
+            if q.random_hadamard_transform or q.stochastic_rounding or q.fp4_2d_quantization:
+                raise ValueError(
+                    f"{f}: the Hadamard transform, stochastic rounding and fp4_2d_quantization are "
+                    "NVFP4 options, not Float8BlockScaling's"
+                )
+        dims = {
+            "x": self.x_block_scaling_dim,
+            "w": self.w_block_scaling_dim,
+            "grad": self.grad_block_scaling_dim,
+        }
+        for name, d in dims.items():
+            if isinstance(d, bool) or d not in (1, 2):
+                raise ValueError(f"{name}_block_scaling_dim must be 1 or 2, got {d!r}")
+        for a, b in (("x", "w"), ("x", "grad"), ("w", "grad")):
+            if dims[a] == 2 and dims[b] == 2:
+                raise ValueError(
+                    f"Float8BlockScaling: {a}_block_scaling_dim=2 and {b}_block_scaling_dim=2 would "
+                    "need a 2D x 2D block-scaled GEMM, which cuBLASLt does not offer"
+                )
+        for f in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if not getattr(self, f).use_split_accumulator:
+                raise ValueError(
+                    f"Float8BlockScaling: {f}.use_split_accumulator must be True (FP8 block "
+                    "scaling needs split accumulation)"
+                )
+        if self.fp8_dpa or self.fp8_mha:
+            raise NotImplementedError(
+                "Float8BlockScaling(fp8_dpa/fp8_mha=True): FP8 attention is not supported for "
+                "Float8BlockScaling"
+            )
+        _refuse_unless_default(self, {"backward_override": None}, _BACKWARD)
+
+    def scaling_mode(self, role):
+        dim = {"x": self.x_block_scaling_dim, "kernel": self.w_block_scaling_dim}.get(
+            role, self.grad_block_scaling_dim
+        )
+        return ScalingMode.BLOCK_2D_SCALING if dim == 2 else ScalingMode.BLOCK_1D_SCALING
+
+    def qparams(self, role: str) -> QParams:
+        """The QParams of a role ("x", "kernel" or "grad")."""
+        return {"x": self.fp8_quant_fwd_inp, "kernel": self.fp8_quant_fwd_weight}.get(
+            role, self.fp8_quant_bwd_grad
+        )
 
 
 class CustomRecipe(_Unsupported):
     """TransformerEngine's quantizer-factory recipe (not in lowbit)."""
 
-    _why = "lowbit has no per-role quantizer factories; pick one of lowbit's four recipes"
+    _why = "lowbit has no per-role quantizer factories; pick one of lowbit's five recipes"

@@ -1,12 +1,45 @@
-// NVFP4 pieces shared by the CPU and CUDA kernels: block scales, stochastic rounding and the
-// 16-point Hadamard transform, exactly as docs/numerics.md specifies them.
+// Block-scaling pieces shared by the CPU and CUDA kernels: the FP8 block scaling (1x128 /
+// 128x128) scale layout and scale; NVFP4 block scales, stochastic rounding and the 16-point
+// Hadamard transform, exactly as docs/numerics.md specifies them.
 #pragma once
 
 #include <cstdint>
 
 #include "lowbit/formats.h"
+#include "lowbit/tensor.h"
 
 namespace lowbit {
+
+// FP8 block scaling (kBlock1d / kBlock2d): the float32 scale_inv layout cuBLASLt's
+// VEC128_32F / BLK128x128_32F scale modes read (docs/numerics.md), for a copy of (rows, cols)
+// quantized along cols. 1D: (ceil(cols/128), round_up(rows, 4)), row-major, entry [j][r] is
+// block (r, j): the rows dimension contiguous. 2D: (ceil(rows/128), round_up(ceil(cols/128), 4)),
+// entry [i][j] is tile (i, j). Padding entries are written as 1.0.
+LOWBIT_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+LOWBIT_HD int64_t round_up4(int64_t a) { return (a + 3) / 4 * 4; }
+LOWBIT_HD int64_t fp8_block_scale_rows(ScalingMode m, int64_t rows, int64_t cols) {
+  return m == ScalingMode::kBlock1d ? ceil_div(cols, 128) : ceil_div(rows, 128);
+}
+LOWBIT_HD int64_t fp8_block_scale_cols(ScalingMode m, int64_t rows, int64_t cols) {
+  return m == ScalingMode::kBlock1d ? round_up4(rows) : round_up4(ceil_div(cols, 128));
+}
+// Index of the scale of element (r, c).
+LOWBIT_HD int64_t fp8_block_scale_index(ScalingMode m, int64_t rows, int64_t cols, int64_t r,
+                                        int64_t c) {
+  const int64_t ld = fp8_block_scale_cols(m, rows, cols);
+  return m == ScalingMode::kBlock1d ? (c / 128) * ld + r : (r / 128) * ld + c / 128;
+}
+
+// FP8 block scaling (1x128 / 128x128): encode scale of a block with amax `a` (NaN ignored):
+// a' = max(a, eps); s = scale_from_amax(a', fmax) (fmax / a', 1 for a' zero or not finite, the
+// largest float32 on overflow); with power-of-two scales, s rounded down to a power of two (its
+// exponent bits). Never 0, Inf or NaN.
+LOWBIT_HD float fp8_block_scale(float a, float fmax, float eps, bool pow2) {
+  const float ae = a < eps ? eps : a;
+  float s = scale_from_amax(ae, fmax);
+  if (pow2) s = bits_float(float_bits(s) & 0x7f800000u);
+  return s;
+}
 
 // NVFP4 tensor scale S = scale_from_amax(A, 448 * 6).
 LOWBIT_HD float nvfp4_tensor_scale(float amax) {

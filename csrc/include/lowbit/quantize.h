@@ -30,6 +30,9 @@ struct QuantizeParams {
       nullptr;       // NVFP4 stochastic rounding: (2,) seed, null = round to nearest
   bool rht = false;  // NVFP4: Hadamard-transform the colwise copy
   uint32_t rht_sign_mask = kDefaultRhtSignMask;
+  // FP8 block scaling: scales rounded down to powers of two; amax floor of each block.
+  bool power_2_scale = false;
+  float amax_epsilon = 0.0f;
 
   // Outputs; a copy's pointers are ignored when that copy is not requested.
   void* data = nullptr;  // (rows, cols) [packed (rows, cols/2) for E2M1]

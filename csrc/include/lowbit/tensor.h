@@ -26,6 +26,8 @@ enum class ScalingMode : int32_t {
   kMxfp8_1d = 3,
   kNvfp4_1d = 4,
   kNvfp4_2d = 5,
+  kBlock1d = 6,  // FP8, float32 scale per 1x128 block (DeepSeek-style Float8BlockScaling)
+  kBlock2d = 7,  // FP8, float32 scale per 128x128 block
 };
 
 inline bool is_tensor_scaling(ScalingMode m) {
@@ -34,8 +36,12 @@ inline bool is_tensor_scaling(ScalingMode m) {
 inline bool is_nvfp4(ScalingMode m) {
   return m == ScalingMode::kNvfp4_1d || m == ScalingMode::kNvfp4_2d;
 }
+inline bool is_fp8_block(ScalingMode m) {
+  return m == ScalingMode::kBlock1d || m == ScalingMode::kBlock2d;
+}
 // Elements per block along the copy's last axis (1 for tensor scaling).
 inline int block_size(ScalingMode m) {
+  if (is_fp8_block(m)) return 128;
   return m == ScalingMode::kMxfp8_1d ? 32 : (is_nvfp4(m) ? 16 : 1);
 }
 

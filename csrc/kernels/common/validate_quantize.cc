@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "lowbit/block_scaling.h"
 #include "lowbit/quantize.h"
 
 namespace lowbit {
@@ -39,8 +40,11 @@ Status check_buffer_sizes(const DequantizeParams& p) {
     return Status::Invalid("dequantize: data has " + std::to_string(p.data_elems) +
                            " elements, the (" + std::to_string(p.rows) + ", " +
                            std::to_string(p.cols) + ") output needs " + std::to_string(codes));
-  const int64_t scales =
-      is_tensor_scaling(p.mode) ? 1 : p.rows * (p.cols / std::max(1, block_size(p.mode)));
+  const int64_t scales = is_tensor_scaling(p.mode) ? 1
+                         : is_fp8_block(p.mode)
+                             ? fp8_block_scale_rows(p.mode, p.rows, p.cols) *
+                                   fp8_block_scale_cols(p.mode, p.rows, p.cols)
+                             : p.rows * (p.cols / std::max(1, block_size(p.mode)));
   if (p.scale_inv_elems >= 0 && p.scale_inv_elems < scales)
     return Status::Invalid("dequantize: scale_inv has " + std::to_string(p.scale_inv_elems) +
                            " elements, the mode needs " + std::to_string(scales));
@@ -56,7 +60,8 @@ Status validate(const QuantizeParams& p) {
   if (p.rows < 0 || p.cols < 0) return Status::Invalid("negative shape");
   if (auto s = check_q_dtype(p.mode, p.q_dtype, p.x_dtype); !s.ok()) return s;
   if (!p.rowwise && !p.colwise) return Status::Invalid("no layout requested");
-  const int b = block_size(p.mode);
+  // FP8 block scaling takes any shape (the last block of a row or tile may be partial).
+  const int b = is_fp8_block(p.mode) ? 1 : block_size(p.mode);
   if (p.rowwise) {
     if (auto s = check_multiple(p.cols, b, "columns"); !s.ok()) return s;
   }
@@ -69,6 +74,10 @@ Status validate(const QuantizeParams& p) {
     if (p.rht) return Status::Invalid("the Hadamard transform is not offered with 2-D blocks");
   }
   if (p.rht && !is_nvfp4(p.mode)) return Status::Invalid("the Hadamard transform is NVFP4-only");
+  if (!is_fp8_block(p.mode) && (p.power_2_scale || p.amax_epsilon != 0.0f))
+    return Status::Invalid("power-of-two scales and amax_epsilon are FP8 block scaling only");
+  if (!(p.amax_epsilon >= 0.0f) || p.amax_epsilon > 3.40282347e38f)
+    return Status::Invalid("amax_epsilon must be finite and >= 0");
   if (p.sr_seed && !is_nvfp4(p.mode)) return Status::Invalid("stochastic rounding is NVFP4-only");
   if (p.mode == ScalingMode::kDelayedTensor && !p.scale)
     return Status::Invalid("delayed scaling needs a scale");
@@ -90,7 +99,9 @@ Status validate(const DequantizeParams& p) {
     return Status::Invalid("output must be float32, bfloat16 or float16");
   if (p.mode == ScalingMode::kNoScaling) return Status::Invalid("nothing to dequantize");
   if (auto s = check_q_dtype(p.mode, p.q_dtype, p.out_dtype); !s.ok()) return s;
-  if (auto s = check_multiple(p.cols, block_size(p.mode), "columns"); !s.ok()) return s;
+  if (!is_fp8_block(p.mode)) {
+    if (auto s = check_multiple(p.cols, block_size(p.mode), "columns"); !s.ok()) return s;
+  }
   if (is_nvfp4(p.mode) && !p.global_scale_inv) return Status::Invalid("global_scale_inv missing");
   return check_buffer_sizes(p);
 }

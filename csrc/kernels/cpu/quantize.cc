@@ -54,6 +54,32 @@ void encode_copy(const std::vector<float>& v, int64_t rows, int64_t cols, const 
         }
       return;
     }
+    case ScalingMode::kBlock1d:
+    case ScalingMode::kBlock2d: {
+      // One float32 scale per 1x128 block (1D) or 128x128 tile (2D), in the cuBLASLt layout of
+      // fp8_block_scale_index; partial blocks at the ends; padding entries 1.0.
+      const SmallFloat& f = fp8_format(p.q_dtype);
+      const float fmax = fp8_max(p.q_dtype);
+      const bool two_d = p.mode == ScalingMode::kBlock2d;
+      auto* q = static_cast<uint8_t*>(data);
+      auto* s = static_cast<float*>(scale_inv);
+      const int64_t sr = fp8_block_scale_rows(p.mode, rows, cols);
+      const int64_t sc = fp8_block_scale_cols(p.mode, rows, cols);
+      for (int64_t i = 0; i < sr * sc; ++i) s[i] = 1.0f;
+      const int64_t tile_rows = two_d ? 128 : 1;
+      for (int64_t r0 = 0; r0 < rows; r0 += tile_rows)
+        for (int64_t c0 = 0; c0 < cols; c0 += 128) {
+          const int64_t r1 = std::min(rows, r0 + tile_rows), c1 = std::min(cols, c0 + 128);
+          float a = 0.0f;
+          for (int64_t r = r0; r < r1; ++r) a = std::max(a, amax_of(&v[r * cols + c0], c1 - c0));
+          const float scale = fp8_block_scale(a, fmax, p.amax_epsilon, p.power_2_scale);
+          s[fp8_block_scale_index(p.mode, rows, cols, r0, c0)] = 1.0f / scale;
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t c = c0; c < c1; ++c)
+              q[r * cols + c] = uint8_t(encode_rne(v[r * cols + c] * scale, f));
+        }
+      return;
+    }
     case ScalingMode::kNvfp4_1d:
     case ScalingMode::kNvfp4_2d: {
       const float S = nvfp4_tensor_scale(amax_of(v.data(), n));
@@ -159,6 +185,11 @@ Status dequantize_cpu(const DequantizeParams& p) {
         case ScalingMode::kMxfp8_1d:
           y = decode(static_cast<const uint8_t*>(p.data)[i], fp8_format(p.q_dtype)) *
               decode_e8m0(static_cast<const uint8_t*>(p.scale_inv)[r * (C / 32) + c / 32]);
+          break;
+        case ScalingMode::kBlock1d:
+        case ScalingMode::kBlock2d:
+          y = decode(static_cast<const uint8_t*>(p.data)[i], fp8_format(p.q_dtype)) *
+              static_cast<const float*>(p.scale_inv)[fp8_block_scale_index(p.mode, R, C, r, c)];
           break;
         default: {  // NVFP4
           const uint8_t byte = static_cast<const uint8_t*>(p.data)[i / 2];

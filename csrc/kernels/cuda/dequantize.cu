@@ -68,6 +68,11 @@ __global__ void __launch_bounds__(256) dequant_kernel(const DeqArgs a) {
 #pragma unroll
       for (int j = 0; j < 16; ++j) y[j] = __fmul_rn(__fmul_rn(decode(code[j], F), sb), gsi);
       if (a.rht) hadamard16_inverse(y, a.mask);
+    } else if (a.mode == ScalingMode::kBlock1d || a.mode == ScalingMode::kBlock2d) {
+      const float* sf = static_cast<const float*>(a.scale_inv);
+#pragma unroll
+      for (int j = 0; j < U; ++j)
+        y[j] = __fmul_rn(decode(code[j], F), sf[fp8_block_scale_index(a.mode, a.R, C, r, c + j)]);
     } else if (a.mode == ScalingMode::kMxfp8_1d) {
 #pragma unroll
       for (int j = 0; j < U; ++j)

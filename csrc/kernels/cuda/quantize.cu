@@ -6,6 +6,8 @@
 //   current scaling, NVFP4] -> finalize (scale_inv / global_scale_inv) -> fused cast -> [dbias
 //   reduce]. The fused cast (cast_kernels.cuh, cast_tile_kernel) reads x once and writes both
 //   copies; modes that do not need the amax up front (delayed, MXFP8) fold the amax into it.
+//   FP8 block scaling (1x128 / 128x128): memset amax -> amax -> fill scale padding -> block cast
+//   (fp8_block_cast_kernel, both copies from one read) -> [dbias].
 #include "cast_kernels.cuh"
 
 namespace lowbit {
@@ -297,6 +299,178 @@ Status run_cast(const QuantizeParams& p, cudaStream_t st) {
   return Status::Ok();
 }
 
+// ---- FP8 block scaling (1x128 blocks / 128x128 tiles, float32 scales) ----
+//
+// One thread block per 128x128 tile of x: the tile is staged in shared memory as float32 (one
+// read of x), then the rowwise copy is written row by row and the colwise copy column by column
+// (each a contiguous run of the (C, R) output), so both copies come from that one read. 1-D: a
+// warp takes a 128-element row (or column) of the tile, 4 values per lane, and reduces its amax
+// with shuffles; 2-D: one amax and scale for the whole tile. Partial tiles at the edges are
+// padded with zeros in shared memory (zeros never raise an amax) and never stored.
+constexpr int kBlk = 128, kBlkLd = kBlk + 1, kBlkThreads = 256;
+constexpr size_t kBlkSmem = size_t(kBlk) * kBlkLd * sizeof(float);
+
+struct BlockCastArgs {
+  const void* x;
+  int64_t R, C;
+  uint8_t* q_row;  // (R, C) or null
+  float* s_row;    // fp8_block_scale layout of the (R, C) copy
+  uint8_t* q_col;  // (C, R) or null
+  float* s_col;    // layout of the (C, R) copy
+  float eps;
+  bool pow2;
+  int64_t tiles_c;
+};
+
+template <int IN, int FMT, bool TWO_D>
+__global__ void __launch_bounds__(kBlkThreads) fp8_block_cast_kernel(const BlockCastArgs a) {
+  using T = typename In<IN>::T;
+  extern __shared__ float tile[];  // [kBlk][kBlkLd]
+  __shared__ float red[kBlkThreads / 32];
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t tr = int64_t(blockIdx.x) / a.tiles_c, tc = int64_t(blockIdx.x) - tr * a.tiles_c;
+  const int64_t r0 = tr * kBlk, c0 = tc * kBlk;
+  const int nr = int(a.R - r0 < kBlk ? a.R - r0 : kBlk),
+            nc = int(a.C - c0 < kBlk ? a.C - c0 : kBlk);
+  const float fmax = fmt_max<FMT>();
+  float m = 0.0f;
+  for (int i = threadIdx.x; i < kBlk * kBlk; i += kBlkThreads) {
+    const int rr = i / kBlk, cc = i - rr * kBlk;
+    const float v = (rr < nr && cc < nc) ? In<IN>::f(x[(r0 + rr) * a.C + c0 + cc]) : 0.0f;
+    tile[rr * kBlkLd + cc] = v;
+    m = fmaxf(m, fabsf(v));
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if constexpr (TWO_D) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    float t = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kBlkThreads / 32; ++w) t = fmaxf(t, red[w]);
+    const float s = fp8_block_scale(t, fmax, a.eps, a.pow2);
+    if (threadIdx.x == 0) {
+      const float inv = 1.0f / s;
+      const int64_t tiles_r = (a.R + kBlk - 1) / kBlk;
+      if (a.s_row) a.s_row[tr * round_up4(a.tiles_c) + tc] = inv;
+      if (a.s_col) a.s_col[tc * round_up4(tiles_r) + tr] = inv;
+    }
+    if (a.q_row)
+      for (int i = threadIdx.x; i < kBlk * kBlk; i += kBlkThreads) {
+        const int rr = i / kBlk, cc = i - rr * kBlk;
+        if (rr < nr && cc < nc)
+          a.q_row[(r0 + rr) * a.C + c0 + cc] =
+              uint8_t(enc_fp8<FMT>(__fmul_rn(tile[rr * kBlkLd + cc], s)));
+      }
+    if (a.q_col)
+      for (int i = threadIdx.x; i < kBlk * kBlk; i += kBlkThreads) {
+        const int cc = i / kBlk, rr = i - cc * kBlk;
+        if (rr < nr && cc < nc)
+          a.q_col[(c0 + cc) * a.R + r0 + rr] =
+              uint8_t(enc_fp8<FMT>(__fmul_rn(tile[rr * kBlkLd + cc], s)));
+      }
+  } else {
+    if (a.q_row)
+      for (int rr = warp; rr < nr; rr += kBlkThreads / 32) {
+        float v[4], bm = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          v[k] = tile[rr * kBlkLd + lane + 32 * k];
+          bm = fmaxf(bm, fabsf(v[k]));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
+        const float s = fp8_block_scale(bm, fmax, a.eps, a.pow2);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int cc = lane + 32 * k;
+          if (cc < nc)
+            a.q_row[(r0 + rr) * a.C + c0 + cc] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
+        }
+        if (lane == 0) a.s_row[tc * round_up4(a.R) + r0 + rr] = 1.0f / s;
+      }
+    if (a.q_col)
+      for (int cc = warp; cc < nc; cc += kBlkThreads / 32) {
+        float v[4], bm = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          v[k] = tile[(lane + 32 * k) * kBlkLd + cc];
+          bm = fmaxf(bm, fabsf(v[k]));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
+        const float s = fp8_block_scale(bm, fmax, a.eps, a.pow2);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int rr = lane + 32 * k;
+          if (rr < nr)
+            a.q_col[(c0 + cc) * a.R + r0 + rr] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
+        }
+        if (lane == 0) a.s_col[tr * round_up4(a.C) + c0 + cc] = 1.0f / s;
+      }
+  }
+}
+
+__global__ void fill_kernel(float* p, int64_t n, float v) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = v;
+}
+
+// Padding entries of a block-scale array hold 1.0 (the cast writes every real entry after).
+Status fill_scales(float* s, ScalingMode m, int64_t rows, int64_t cols, cudaStream_t st) {
+  const int64_t n = fp8_block_scale_rows(m, rows, cols) * fp8_block_scale_cols(m, rows, cols);
+  if (!s || n == 0) return Status::Ok();
+  fill_kernel<<<grid_for(n, 256), 256, 0, st>>>(s, n, 1.0f);
+  return launch_status("fill_kernel");
+}
+
+template <int IN, int FMT>
+Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
+  const int64_t R = p.rows, C = p.cols, n = R * C;
+  if (auto s = api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "memset amax"); !s.ok())
+    return s;
+  if (auto s = launch_amax<IN>(p, p.amax, st); !s.ok()) return s;
+  if (p.rowwise)
+    if (auto s = fill_scales(static_cast<float*>(p.scale_inv), p.mode, R, C, st); !s.ok()) return s;
+  if (p.colwise)
+    if (auto s = fill_scales(static_cast<float*>(p.colwise_scale_inv), p.mode, C, R, st); !s.ok())
+      return s;
+  if (n > 0) {
+    BlockCastArgs a;
+    a.x = p.x;
+    a.R = R;
+    a.C = C;
+    a.q_row = p.rowwise ? static_cast<uint8_t*>(p.data) : nullptr;
+    a.s_row = p.rowwise ? static_cast<float*>(p.scale_inv) : nullptr;
+    a.q_col = p.colwise ? static_cast<uint8_t*>(p.colwise_data) : nullptr;
+    a.s_col = p.colwise ? static_cast<float*>(p.colwise_scale_inv) : nullptr;
+    a.eps = p.amax_epsilon;
+    a.pow2 = p.power_2_scale;
+    a.tiles_c = (C + kBlk - 1) / kBlk;
+    const int64_t tiles = ((R + kBlk - 1) / kBlk) * a.tiles_c;
+    if (tiles > INT32_MAX) return Status::Invalid("quantize: tensor too large");
+    auto kernel = p.mode == ScalingMode::kBlock2d ? fp8_block_cast_kernel<IN, FMT, true>
+                                                  : fp8_block_cast_kernel<IN, FMT, false>;
+    if (auto s = api_status(cudaFuncSetAttribute(
+                                kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBlkSmem)),
+                            "cudaFuncSetAttribute");
+        !s.ok())
+      return s;
+    // clang-format off
+    kernel<<<unsigned(tiles), kBlkThreads, kBlkSmem, st>>>(a);
+    // clang-format on
+    if (auto s = launch_status("fp8_block_cast_kernel"); !s.ok()) return s;
+  }
+  if (p.dbias && C > 0) {
+    dbias_generic_kernel<IN><<<grid_for(C, 256), 256, 0, st>>>(p.x, R, C, p.dbias);
+    if (auto s = launch_status("dbias_generic_kernel"); !s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
 template <int IN>
 Status dispatch_mode(const QuantizeParams& p, cudaStream_t st) {
   const bool e5 = p.q_dtype == DType::kE5M2;
@@ -309,6 +483,9 @@ Status dispatch_mode(const QuantizeParams& p, cudaStream_t st) {
       return e5 ? run_cast<IN, kMx, kFmtE5M2>(p, st) : run_cast<IN, kMx, kFmtE4M3>(p, st);
     case ScalingMode::kNvfp4_1d: return run_cast<IN, kNv1, kFmtE2M1>(p, st);
     case ScalingMode::kNvfp4_2d: return run_cast<IN, kNv2, kFmtE2M1>(p, st);
+    case ScalingMode::kBlock1d:
+    case ScalingMode::kBlock2d:
+      return e5 ? run_fp8_block<IN, kFmtE5M2>(p, st) : run_fp8_block<IN, kFmtE4M3>(p, st);
   }
   return Status::Invalid("quantize: unknown scaling mode");
 }

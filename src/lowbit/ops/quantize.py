@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -15,6 +16,7 @@ from lowbit.quantization.scaling_modes import (
     DEFAULT_RHT_SIGN_MASK,
     FLAG_COLWISE,
     FLAG_DBIAS,
+    FLAG_POW2,
     FLAG_RHT,
     FLAG_ROWWISE,
     FLAG_STOCHASTIC,
@@ -23,6 +25,7 @@ from lowbit.quantization.scaling_modes import (
     LAYOUT_FLAGS,
     ScalingMode,
     dtype_code,
+    fp8_block_scale_shape,
 )
 from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod
 
@@ -94,6 +97,8 @@ def _check_flatten_axis(flatten_axis: int, ndim: int) -> int:
 
 
 def _check_block_multiple(mode: ScalingMode, shape, axis: int, rowwise: bool, colwise: bool) -> None:
+    if mode.is_fp8_block:
+        return  # any shape: the last block of a row (or tile) may be partial
     b = mode.block_size
     rows, cols = prod(shape[:axis]), prod(shape[axis:])
     if rowwise and cols % b:
@@ -123,6 +128,8 @@ def quantize(
     rng_key: Optional[jax.Array] = None,
     rht: bool = False,
     rht_sign_mask: int = DEFAULT_RHT_SIGN_MASK,
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
 ) -> ScaledTensor:
     """Quantizes ``x`` in one pass; see docs/numerics.md for the exact numerics.
 
@@ -135,9 +142,22 @@ def quantize(
       flatten_axis: ``x`` is viewed as 2-D (prod(shape[:axis]), prod(shape[axis:])).
       rng_key: NVFP4 only: enables stochastic rounding.
       rht: NVFP4 1-D only: random Hadamard transform of the colwise copy.
+      power_2_scale: FP8 block scaling only: block scales rounded down to powers of two.
+      amax_epsilon: FP8 block scaling only: floor of each block's amax (float32, >= 0).
     """
     qt, _ = _quantize_impl(
-        x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht, rht_sign_mask, dbias=False
+        x,
+        scaling_mode,
+        q_dtype,
+        scale,
+        layout,
+        flatten_axis,
+        rng_key,
+        rht,
+        rht_sign_mask,
+        dbias=False,
+        power_2_scale=power_2_scale,
+        amax_epsilon=amax_epsilon,
     )
     return qt
 
@@ -153,15 +173,57 @@ def quantize_dbias(
     rng_key: Optional[jax.Array] = None,
     rht: bool = False,
     rht_sign_mask: int = DEFAULT_RHT_SIGN_MASK,
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
 ) -> tuple[ScaledTensor, jax.Array]:
     """Fused quantize + bias gradient: returns (ScaledTensor, column sums of the 2-D view).
     Arguments as :func:`quantize`."""
     return _quantize_impl(
-        x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht, rht_sign_mask, dbias=True
+        x,
+        scaling_mode,
+        q_dtype,
+        scale,
+        layout,
+        flatten_axis,
+        rng_key,
+        rht,
+        rht_sign_mask,
+        dbias=True,
+        power_2_scale=power_2_scale,
+        amax_epsilon=amax_epsilon,
     )
 
 
-def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_key, rht, rht_sign_mask, dbias):
+def _check_block_options(mode: ScalingMode, power_2_scale, amax_epsilon) -> float:
+    """power_2_scale / amax_epsilon: FP8 block scaling's options; the epsilon as a float."""
+    if not isinstance(power_2_scale, (bool, np.bool_)):
+        raise TypeError(f"power_2_scale must be a bool, got {power_2_scale!r}")
+    if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float, np.floating, np.integer)):
+        raise TypeError(f"amax_epsilon must be a Python float, got {type(amax_epsilon).__name__}")
+    eps = float(np.float32(amax_epsilon))
+    if not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
+    if not mode.is_fp8_block and (power_2_scale or eps != 0.0):
+        raise ValueError(
+            f"power_2_scale and amax_epsilon are only used with BLOCK_1D/2D_SCALING, not {mode.name}"
+        )
+    return eps
+
+
+def _quantize_impl(
+    x,
+    scaling_mode,
+    q_dtype,
+    scale,
+    layout,
+    flatten_axis,
+    rng_key,
+    rht,
+    rht_sign_mask,
+    dbias,
+    power_2_scale=False,
+    amax_epsilon=0.0,
+):
     x = check_input(x)
     mode = check_scaling_mode(scaling_mode)
     q = check_q_dtype(mode, q_dtype, x.dtype)
@@ -189,6 +251,9 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
         flags |= FLAG_RHT
     if dbias:
         flags |= FLAG_DBIAS
+    eps = _check_block_options(mode, power_2_scale, amax_epsilon)
+    if power_2_scale:
+        flags |= FLAG_POW2
 
     f32 = jnp.float32
     u8 = jnp.uint8
@@ -198,6 +263,8 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
         data_dt, s_shape, s_dt = q, lambda r, c: (1,), f32
     elif mode == ScalingMode.MXFP8_1D_SCALING:
         data_dt, s_shape, s_dt = q, lambda r, c: (r, c // 32), jnp.float8_e8m0fnu
+    elif mode.is_fp8_block:
+        data_dt, s_shape, s_dt = q, lambda r, c: fp8_block_scale_shape(mode, r, c), f32
     else:
         data_dt, s_shape, s_dt = u8, lambda r, c: (r, c // 16), jnp.float8_e4m3fn
     packed = mode.is_nvfp4
@@ -231,6 +298,7 @@ def _quantize_impl(x, scaling_mode, q_dtype, scale, layout, flatten_axis, rng_ke
         q_dtype=np.int32(dtype_code(q)),
         flags=np.int32(flags),
         rht_sign_mask=np.int32(rht_sign_mask & 0xFFFF),
+        amax_epsilon=np.float32(eps),
     )
 
     cw_shape = shape[axis:] + shape[:axis]
@@ -369,13 +437,13 @@ def grouped_dequantize(
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
     M, K = qt.shape
-    if qt.scaling_mode == ScalingMode.MXFP8_1D_SCALING:
+    if qt.scaling_mode in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.BLOCK_1D_SCALING):
         validate(qt, layout, op)
         return dequantize(qt, layout, dtype=out_dtype)
     if not ScalingMode(qt.scaling_mode).is_tensor_scaling:
         raise ValueError(
             f"{op}: qt.scaling_mode must be one grouped_quantize makes (DELAYED/CURRENT_TENSOR_"
-            f"SCALING or MXFP8_1D_SCALING), got {ScalingMode(qt.scaling_mode).name}"
+            f"SCALING, MXFP8_1D_SCALING or BLOCK_1D_SCALING), got {ScalingMode(qt.scaling_mode).name}"
         )
     s_field = "colwise_scale_inv" if layout == "colwise" else "scale_inv"
     s_inv = getattr(qt, s_field)
@@ -439,6 +507,31 @@ def _desc(a) -> str:
     return f"{np.dtype(a.dtype).name} {tuple(a.shape)}"
 
 
+def _grouped_quantize_block_1d(x, group_sizes, layout, q_dtype, scale, power_2_scale, amax_epsilon):
+    """BLOCK_1D_SCALING grouped: 1x128 blocks lie within rows, so it is the rowwise quantize of
+    x; rows in no group get zero data and scale_inv 1, and amax is per group."""
+    mode = ScalingMode.BLOCK_1D_SCALING
+    if layout != "rowwise":
+        raise ValueError(
+            f"layout must be 'rowwise' for grouped BLOCK_1D_SCALING, got {layout!r} "
+            "(colwise blocks would straddle groups)"
+        )
+    if scale is not None:
+        raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
+    M, _ = x.shape
+    G = group_sizes.shape[0]
+    qt = quantize(x, mode, q_dtype, layout="rowwise", power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+    gid = group_ids(group_sizes, M)
+    in_group = gid < G
+    codes = jax.lax.bitcast_convert_type(qt.data, jnp.uint8)
+    data = jax.lax.bitcast_convert_type(jnp.where(in_group[:, None], codes, jnp.uint8(0)), qt.data.dtype)
+    cols_in_group = jnp.pad(in_group, (0, qt.scale_inv.shape[1] - M))
+    s_inv = jnp.where(cols_in_group[None, :], qt.scale_inv, jnp.float32(1.0))
+    row_amax = jnp.max(jnp.where(jnp.isnan(x), 0, jnp.abs(x)), axis=1).astype(jnp.float32)
+    amax = jnp.maximum(jax.ops.segment_max(row_amax, gid, num_segments=G + 1)[:G], jnp.float32(0))
+    return dataclasses.replace(qt, data=data, scale_inv=s_inv, amax=amax)
+
+
 def grouped_quantize(
     x: ArrayLike,
     group_sizes: ArrayLike,
@@ -447,10 +540,15 @@ def grouped_quantize(
     *,
     scale: Optional[ArrayLike] = None,
     layout: str = "rowwise",
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
 ) -> ScaledTensor:
     """Quantizes the row groups of ``x`` (M, K) as separate tensors; ``group_sizes`` int32 (G,)
     stays on the device. Returns a ScaledTensor whose scales and amax have one entry per group
-    (tensor modes) and whose colwise copy is the (K, M) transpose."""
+    (tensor modes) and whose colwise copy is the (K, M) transpose.
+
+    Block modes whose blocks lie within rows (MXFP8, BLOCK_1D_SCALING) are rowwise only: their
+    colwise blocks would straddle groups (as would BLOCK_2D_SCALING's tiles, which is refused)."""
     x = check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
@@ -462,11 +560,14 @@ def grouped_quantize(
     if group_sizes.shape[0] < 1:
         raise ValueError("group_sizes must have shape (G,) with at least one group, got shape (0,)")
     mode = check_scaling_mode(scaling_mode)
-    if not (mode.is_tensor_scaling or mode == ScalingMode.MXFP8_1D_SCALING):
+    if not (mode.is_tensor_scaling or mode in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.BLOCK_1D_SCALING)):
         raise ValueError(
-            f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING or MXFP8_1D_SCALING for "
-            f"grouped_quantize, got {mode.name}"
+            f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING, MXFP8_1D_SCALING or BLOCK_1D_SCALING "
+            f"for grouped_quantize, got {mode.name}"
+            + (" (128x128 tiles would straddle groups)" if mode == ScalingMode.BLOCK_2D_SCALING else "")
         )
+    if mode == ScalingMode.BLOCK_1D_SCALING:
+        return _grouped_quantize_block_1d(x, group_sizes, layout, q_dtype, scale, power_2_scale, amax_epsilon)
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.quantization.scaling_modes import FP8_DTYPES, INPUT_DTYPES, ScalingMode
+from lowbit.quantization.scaling_modes import FP8_DTYPES, INPUT_DTYPES, ScalingMode, fp8_block_scale_shape
 from lowbit.quantization.tensor import ScaledTensor, prod
 
 _F32 = np.dtype(jnp.float32)
@@ -106,6 +106,17 @@ def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt", num_group
         s_shape = (num_groups,) if num_groups is not None else (1,)
         why = "the decode scales, one per group" if num_groups is not None else "the decode scale"
         _expect(op, scale_field, s_inv, s_shape, _F32, why)
+        return
+    if mode.is_fp8_block:
+        blk = "1x128 block" if mode == ScalingMode.BLOCK_1D_SCALING else "128x128 tile"
+        _expect(
+            op,
+            scale_field,
+            s_inv,
+            fp8_block_scale_shape(mode, r, c),
+            _F32,
+            f"one scale per {blk} of the ({r}, {c}) {layout} copy, in cuBLASLt's layout",
+        )
         return
     if c % b:
         raise ValueError(

@@ -17,6 +17,8 @@ class ScalingMode(enum.IntEnum):
     MXFP8_1D_SCALING = 3
     NVFP4_1D_SCALING = 4
     NVFP4_2D_SCALING = 5
+    BLOCK_1D_SCALING = 6
+    BLOCK_2D_SCALING = 7
 
     @property
     def is_tensor_scaling(self) -> bool:
@@ -27,8 +29,15 @@ class ScalingMode(enum.IntEnum):
         return self in (ScalingMode.NVFP4_1D_SCALING, ScalingMode.NVFP4_2D_SCALING)
 
     @property
+    def is_fp8_block(self) -> bool:
+        """FP8 with float32 scales per 1x128 block or 128x128 tile (Float8BlockScaling)."""
+        return self in (ScalingMode.BLOCK_1D_SCALING, ScalingMode.BLOCK_2D_SCALING)
+
+    @property
     def block_size(self) -> int:
         """Elements per scale along a copy's last axis (1 for tensor scaling)."""
+        if self.is_fp8_block:
+            return 128
         if self == ScalingMode.MXFP8_1D_SCALING:
             return 32
         if self.is_nvfp4:
@@ -40,6 +49,27 @@ class ScalingMode(enum.IntEnum):
         if self.is_nvfp4:
             return jnp.float4_e2m1fn
         return jnp.float8_e4m3fn
+
+
+def fp8_block_scale_shape(mode: ScalingMode, rows: int, cols: int) -> tuple:
+    """The float32 scale_inv shape of a (rows, cols) copy under FP8 block scaling.
+
+    The layout is the one cuBLASLt's block-scaled FP8 GEMM reads on Hopper (TransformerEngine's
+    "GEMM_READY"), so the GEMM takes the scales as they are:
+
+    * ``BLOCK_1D_SCALING`` (1x128 blocks along cols, cuBLASLt ``VEC128_32F``):
+      ``(ceil(cols/128), round_up(rows, 4))``, entry ``[j, r]`` = block ``(r, j)``: the rows
+      (the GEMM's M or N) are contiguous, padded to a multiple of 4 (16 bytes).
+    * ``BLOCK_2D_SCALING`` (128x128 tiles, cuBLASLt ``BLK128x128_32F``):
+      ``(ceil(rows/128), round_up(ceil(cols/128), 4))``, entry ``[i, j]`` = tile ``(i, j)``.
+
+    Partial blocks at the ends of a row (cols not a multiple of 128) or of the tile rows are
+    blocks of their own; padding entries hold 1.0.
+    """
+    nc = -(-cols // 128)
+    if mode == ScalingMode.BLOCK_1D_SCALING:
+        return (nc, -(-rows // 4) * 4)
+    return (-(-rows // 128), -(-nc // 4) * 4)
 
 
 # DType codes of csrc/include/lowbit/tensor.h.
@@ -62,7 +92,7 @@ def dtype_code(dtype) -> int:
 
 
 # Flag bits of the FFI `flags` attribute (csrc/ffi/quantize.cc).
-FLAG_ROWWISE, FLAG_COLWISE, FLAG_DBIAS, FLAG_STOCHASTIC, FLAG_RHT = 1, 2, 4, 8, 16
+FLAG_ROWWISE, FLAG_COLWISE, FLAG_DBIAS, FLAG_STOCHASTIC, FLAG_RHT, FLAG_POW2 = 1, 2, 4, 8, 16, 32
 #: The copies a ``layout`` argument asks for, as those flag bits.
 LAYOUT_FLAGS = {"rowwise": FLAG_ROWWISE, "colwise": FLAG_COLWISE, "both": FLAG_ROWWISE | FLAG_COLWISE}
 DEFAULT_RHT_SIGN_MASK = 0xA759
