@@ -454,8 +454,11 @@ MHA_CONFIGS = {
     "mha_rotary": dict(h=H, g=H, fuse=True, self=True, rotary="consecutive", mask_type="causal"),
     # GQA self-attention: query + kv, rotary (alternate), padding_causal + sliding window
     "gqa_window": dict(h=H, g=2, fuse=True, self=True, rotary="alternate", mask_type="padding_causal", window=(3, 0)),
-    # cross-attention (sk != sq), unfused key/value, padding, scaled logits, a post-scale bias
-    "cross": dict(h=H, g=2, fuse=False, self=False, mask_type="padding", scale_attn_logits=True, bias=True),
+    # cross-attention (sk != sq), unfused key/value, padding, scaled logits, a post-scale bias;
+    # no projection biases (the key bias's gradient is exactly zero: relative errors are noise)
+    "cross": dict(
+        h=H, g=2, fuse=False, self=False, mask_type="padding", scale_attn_logits=True, bias=True, use_bias=False
+    ),
 }
 
 
@@ -463,6 +466,8 @@ MHA_CONFIGS = {
 @pytest.mark.parametrize("name,recipe,dtype,tol_out,tol_grad", CASES, ids=CASE_IDS)
 def test_mha_against_reference(cfg_name, name, recipe, dtype, tol_out, tol_grad):
     cfg = MHA_CONFIGS[cfg_name]
+    if not cfg["self"] and dtype != jnp.float32:
+        pytest.skip("check_module initialises with float32 inputs_q; inputs_kv must have its dtype (as in TE)")
     hidden, sq = 32, 8
     sk = sq if cfg["self"] else 6
     m = MultiHeadAttention(
@@ -470,7 +475,7 @@ def test_mha_against_reference(cfg_name, name, recipe, dtype, tol_out, tol_grad)
         num_attention_heads=cfg["h"],
         num_gqa_groups=cfg["g"],
         fuse_qkv_params=cfg["fuse"],
-        use_bias=True,
+        use_bias=cfg.get("use_bias", True),
         attn_mask_type=cfg["mask_type"],
         window_size=cfg.get("window"),
         enable_rotary_pos_emb="rotary" in cfg,
