@@ -329,7 +329,11 @@ def test_dot_product_attention(mask_type, groups):
     q, k, v = randn((b, s, h, d), 1), randn((b, s, groups, d), 2), randn((b, s, groups, d), 3)
     mask = _pad_mask(b, s, [8, 5])
     m = lf.DotProductAttention(
-        head_dim=d, num_attention_heads=h, num_gqa_groups=groups, attn_mask_type=mask_type, transpose_batch_sequence=False
+        head_dim=d,
+        num_attention_heads=h,
+        num_gqa_groups=groups,
+        attn_mask_type=mask_type,
+        transpose_batch_sequence=False,
     )
     pad = mask_type.startswith("padding")
     out = jax.jit(lambda q, k, v: m.apply({}, q, k, v, mask if pad else None))(q, k, v)
@@ -374,7 +378,11 @@ def test_multi_head_attention(groups):
     for GQA; logits unscaled by default (scale_attn_logits=False, scaled_query_init=True)."""
     h, d = 4, 16
     m = lf.MultiHeadAttention(
-        head_dim=d, num_attention_heads=h, num_gqa_groups=groups, attn_mask_type="causal", transpose_batch_sequence=False
+        head_dim=d,
+        num_attention_heads=h,
+        num_gqa_groups=groups,
+        attn_mask_type="causal",
+        transpose_batch_sequence=False,
     )
     x = randn((2, 8, 32))
 
@@ -401,7 +409,11 @@ def test_multi_head_attention(groups):
     # cross-attention: Q from inputs_q, K/V from a different sequence
     kv = randn((2, 5, 32), 4)
     mc = lf.MultiHeadAttention(
-        head_dim=d, num_attention_heads=h, num_gqa_groups=groups, attn_mask_type="no_mask", transpose_batch_sequence=False
+        head_dim=d,
+        num_attention_heads=h,
+        num_gqa_groups=groups,
+        attn_mask_type="no_mask",
+        transpose_batch_sequence=False,
     )
     vc = mc.init(jax.random.PRNGKey(0), x, kv)
     out, res = mc.apply(vc, x, kv, deterministic=True)

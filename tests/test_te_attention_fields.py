@@ -110,7 +110,9 @@ def ref_mha(p, xq, xkv, cfg, masked, bias=None):
         q = y @ a["kernel"] + (a["bias"] if "bias" in a else 0)
         src = y if self_attn else xkv
         if "kv" in p:
-            kv = jnp.einsum("bsh,hnf->bsnf", src, p["kv"]["kernel"]) + (p["kv"]["bias"] if "bias" in p["kv"] else 0)
+            kv = jnp.einsum("bsh,hnf->bsnf", src, p["kv"]["kernel"]) + (
+                p["kv"]["bias"] if "bias" in p["kv"] else 0
+            )
             k, v = kv[..., 0, :], kv[..., 1, :]
         else:
             k = src @ p["key"]["kernel"] + (p["key"]["bias"] if "bias" in p["key"] else 0)
@@ -127,9 +129,9 @@ def ref_mha(p, xq, xkv, cfg, masked, bias=None):
 
 
 def _grad_check(f_mod, f_ref, args, dy, tol_out, tol_grad):
-    out, grads = jax.jit(lambda *a: (f_mod(*a), jax.grad(lambda *a: jnp.vdot(f_mod(*a), dy), range(len(a)))(*a)))(
-        *args
-    )
+    out, grads = jax.jit(
+        lambda *a: (f_mod(*a), jax.grad(lambda *a: jnp.vdot(f_mod(*a), dy), range(len(a)))(*a))
+    )(*args)
     with jax.enable_x64(True):
         a64 = [jnp.asarray(np.asarray(a, np.float64)) for a in args]
         dy64 = jnp.asarray(np.asarray(dy, np.float64))
@@ -141,7 +143,14 @@ def _grad_check(f_mod, f_ref, args, dy, tol_out, tol_grad):
 
 
 # ---- DotProductAttention ----------------------------------------------------------------------
-MASK_TYPES = ["no_mask", "padding", "causal", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right"]
+MASK_TYPES = [
+    "no_mask",
+    "padding",
+    "causal",
+    "padding_causal",
+    "causal_bottom_right",
+    "padding_causal_bottom_right",
+]
 
 
 @pytest.mark.parametrize("mask_type", MASK_TYPES)
@@ -184,7 +193,10 @@ def test_dpa_transpose_batch_sequence_default_and_gqa():
     sw = lambda t: jnp.swapaxes(t, 0, 1)  # noqa: E731
     out = m.apply({}, sw(q), sw(k), sw(v))  # (seq, batch, ...) in and out
     with jax.enable_x64(True):
-        ref = ref_attention(*(jnp.asarray(np.asarray(t, np.float64)) for t in (q, k, v)), jnp.asarray(ref_mask("causal", None, 8, 8)))
+        ref = ref_attention(
+            *(jnp.asarray(np.asarray(t, np.float64)) for t in (q, k, v)),
+            jnp.asarray(ref_mask("causal", None, 8, 8)),
+        )
     assert relerr(sw(out), ref) < 1e-5
 
 
@@ -243,9 +255,13 @@ def test_dpa_dropout_reference_path_and_rng():
         ref = jnp.einsum("bhqk,bkhd->bqhd", jnp.where(jnp.asarray(keep), p / (1 - rate), 0), vv)
     assert relerr(out, ref) < 1e-5
     m = DotProductAttention(
-        head_dim=D, num_attention_heads=H, num_gqa_groups=g, attention_dropout=rate,
-        dropout_rng_name="attn_rng", transpose_batch_sequence=False,
-    )  # fmt: skip
+        head_dim=D,
+        num_attention_heads=H,
+        num_gqa_groups=g,
+        attention_dropout=rate,
+        dropout_rng_name="attn_rng",
+        transpose_batch_sequence=False,
+    )
     o_det = m.apply({}, q, k, v, deterministic=True)
     o1 = m.apply({}, q, k, v, rngs={"attn_rng": jax.random.PRNGKey(1)})
     o2 = m.apply({}, q, k, v, rngs={"attn_rng": jax.random.PRNGKey(2)})
@@ -272,7 +288,9 @@ def test_dpa_dropout_cudnn_fused(gpu_device):
     det = DotProductAttention(**kw)
     o_det = jax.jit(lambda q, k, v: det.apply({}, q, k, v))(q, k, v)
     tri = jnp.asarray(ref_mask("causal", None, s, s))
-    o0 = jax.jit(lambda q, k, v: cudnn_attention_dropout(q, k, v, tri, None, "no_bias", d**-0.5, 0.0, 7, True))(q, k, v)
+    o0 = jax.jit(
+        lambda q, k, v: cudnn_attention_dropout(q, k, v, tri, None, "no_bias", d**-0.5, 0.0, 7, True)
+    )(q, k, v)
     assert relerr(np.asarray(o0, np.float32), np.asarray(o_det, np.float32)) < 1e-2
     m = DotProductAttention(**kw, attention_dropout=rate)
     f = jax.jit(lambda q, k, v, r: m.apply({}, q, k, v, rngs={"dropout": r}))
@@ -285,13 +303,27 @@ def test_dpa_dropout_cudnn_fused(gpu_device):
     # fraction dropped: q = k = 0 gives uniform probabilities; value = identity reads them out
     z = jnp.zeros((b, s, H, s), jnp.bfloat16)
     eye = jnp.broadcast_to(jnp.eye(s, dtype=jnp.bfloat16)[None, :, None, :], (b, s, H, s))
-    mn = DotProductAttention(head_dim=s, num_attention_heads=H, transpose_batch_sequence=False,
-                             attn_mask_type="no_mask", attention_dropout=rate)  # fmt: skip
-    p = np.asarray(jax.jit(lambda z, e: mn.apply({}, z, z, e, rngs={"dropout": jax.random.PRNGKey(0)}))(z, eye), np.float32)
+    mn = DotProductAttention(
+        head_dim=s,
+        num_attention_heads=H,
+        transpose_batch_sequence=False,
+        attn_mask_type="no_mask",
+        attention_dropout=rate,
+    )
+    p = np.asarray(
+        jax.jit(lambda z, e: mn.apply({}, z, z, e, rngs={"dropout": jax.random.PRNGKey(0)}))(z, eye),
+        np.float32,
+    )
     frac = float((p == 0).mean())
     assert abs(frac - rate) < 0.02, frac
     np.testing.assert_allclose(p[p != 0], 1 / (s * (1 - rate)), rtol=2e-2)
-    g = jax.jit(jax.grad(lambda q: jnp.sum(m.apply({}, q, k, v, rngs={"dropout": jax.random.PRNGKey(0)}).astype(jnp.float32))))(q)
+    g = jax.jit(
+        jax.grad(
+            lambda q: jnp.sum(
+                m.apply({}, q, k, v, rngs={"dropout": jax.random.PRNGKey(0)}).astype(jnp.float32)
+            )
+        )
+    )(q)
     assert np.isfinite(np.asarray(g, np.float32)).all()
 
 
@@ -306,7 +338,12 @@ def test_softmax_causal_fallback_non_square(sq, sk):
         return jnp.where(tri, 0.0, p)
 
     _grad_check(
-        lambda x: lowbit.softmax(x, 0.7, softmax_type="scaled_upper_triang_masked"), ref, (x,), randn(x.shape, 2), 1e-5, 1e-5
+        lambda x: lowbit.softmax(x, 0.7, softmax_type="scaled_upper_triang_masked"),
+        ref,
+        (x,),
+        randn(x.shape, 2),
+        1e-5,
+        1e-5,
     )
     y = te_softmax(x, None, 0.7, SoftmaxType.SCALED_UPPER_TRIANG_MASKED)
     y2 = lowbit.flax.Softmax(scale_factor=0.7, softmax_type="scaled_upper_triang_masked").apply({}, x)
@@ -329,7 +366,9 @@ def test_rotary_pos_emb(method, tbs):
         1e-5,
     )
     other = "alternate" if method == "consecutive" else "consecutive"
-    assert relerr(rotary_pos_emb(x, (1, 10000), tbs, method), rotary_pos_emb(x, (1, 10000), tbs, other)) > 1e-2
+    assert (
+        relerr(rotary_pos_emb(x, (1, 10000), tbs, method), rotary_pos_emb(x, (1, 10000), tbs, other)) > 1e-2
+    )
 
 
 def ref_bucket(n, num_buckets, max_distance, bidirectional):
@@ -411,9 +450,14 @@ def expected_tree(hidden, h, g, d, self_attn, fuse, use_bias):
 def test_mha_param_tree_matches_te(g, self_attn, fuse, use_bias):
     hidden = 32
     m = MultiHeadAttention(
-        head_dim=D, num_attention_heads=H, num_gqa_groups=g, fuse_qkv_params=fuse, use_bias=use_bias,
-        transpose_batch_sequence=False, attn_mask_type="no_mask",
-    )  # fmt: skip
+        head_dim=D,
+        num_attention_heads=H,
+        num_gqa_groups=g,
+        fuse_qkv_params=fuse,
+        use_bias=use_bias,
+        transpose_batch_sequence=False,
+        attn_mask_type="no_mask",
+    )
     x = randn((B, 8, hidden), 1)
     kv = x if self_attn else randn((B, 5, hidden), 2)
     v = m.init(jax.random.PRNGKey(0), x, kv, deterministic=True)
@@ -430,7 +474,9 @@ def test_mha_initialisation_as_te():
     hidden, d = 64, 16
     x = randn((2, 4, hidden), 1)
     for sqi in (True, False):
-        m = MultiHeadAttention(head_dim=d, num_attention_heads=4, transpose_batch_sequence=False, scaled_query_init=sqi)
+        m = MultiHeadAttention(
+            head_dim=d, num_attention_heads=4, transpose_batch_sequence=False, scaled_query_init=sqi
+        )
         k = nn.unbox(m.init(jax.random.PRNGKey(0), x, x, deterministic=True))["params"]["qkv"]["kernel"]
         std = np.asarray(k).std(axis=(0, 2))  # per slot q, k, v
         want_q = 1 / math.sqrt(hidden) / (math.sqrt(d) if sqi else 1)
@@ -439,9 +485,12 @@ def test_mha_initialisation_as_te():
 
 def test_mha_lora_scope_output_proj():
     m = MultiHeadAttention(
-        head_dim=D, num_attention_heads=H, transpose_batch_sequence=False, low_rank_adaptation_scope="output_proj",
+        head_dim=D,
+        num_attention_heads=H,
+        transpose_batch_sequence=False,
+        low_rank_adaptation_scope="output_proj",
         low_rank_adaptation_dim=4,
-    )  # fmt: skip
+    )
     x = randn((B, 8, 32), 1)
     p = nn.unbox(m.init(jax.random.PRNGKey(0), x, x, deterministic=True))["params"]
     assert p["out"]["lora_a_kernel"].shape == (H * D, 4) and p["out"]["lora_b_kernel"].shape == (4, 32)
@@ -453,11 +502,20 @@ MHA_CONFIGS = {
     # self-attention, fused qkv, rotary (consecutive pairs), causal
     "mha_rotary": dict(h=H, g=H, fuse=True, self=True, rotary="consecutive", mask_type="causal"),
     # GQA self-attention: query + kv, rotary (alternate), padding_causal + sliding window
-    "gqa_window": dict(h=H, g=2, fuse=True, self=True, rotary="alternate", mask_type="padding_causal", window=(3, 0)),
+    "gqa_window": dict(
+        h=H, g=2, fuse=True, self=True, rotary="alternate", mask_type="padding_causal", window=(3, 0)
+    ),
     # cross-attention (sk != sq), unfused key/value, padding, scaled logits, a post-scale bias;
     # no projection biases (the key bias's gradient is exactly zero: relative errors are noise)
     "cross": dict(
-        h=H, g=2, fuse=False, self=False, mask_type="padding", scale_attn_logits=True, bias=True, use_bias=False
+        h=H,
+        g=2,
+        fuse=False,
+        self=False,
+        mask_type="padding",
+        scale_attn_logits=True,
+        bias=True,
+        use_bias=False,
     ),
 }
 
@@ -467,7 +525,9 @@ MHA_CONFIGS = {
 def test_mha_against_reference(cfg_name, name, recipe, dtype, tol_out, tol_grad):
     cfg = MHA_CONFIGS[cfg_name]
     if not cfg["self"] and dtype != jnp.float32:
-        pytest.skip("check_module initialises with float32 inputs_q; inputs_kv must have its dtype (as in TE)")
+        pytest.skip(
+            "check_module initialises with float32 inputs_q; inputs_kv must have its dtype (as in TE)"
+        )
     hidden, sq = 32, 8
     sk = sq if cfg["self"] else 6
     m = MultiHeadAttention(
@@ -487,7 +547,9 @@ def test_mha_against_reference(cfg_name, name, recipe, dtype, tol_out, tol_grad)
     kv = None if cfg["self"] else randn((B, sk, hidden), 2).astype(dtype)
     pad = np.zeros((B, 1, sq, sk), bool)
     pad[1, :, :, sk - 2 :] = True
-    masked = ref_mask(cfg["mask_type"], cfg.get("window"), sq, sk, pad if "padding" in cfg["mask_type"] else None)
+    masked = ref_mask(
+        cfg["mask_type"], cfg.get("window"), sq, sk, pad if "padding" in cfg["mask_type"] else None
+    )
     bias = randn((1, H, sq, sk), 7) if cfg.get("bias") else None
     extra = (kv, jnp.asarray(pad), bias)
 
@@ -496,7 +558,9 @@ def test_mha_against_reference(cfg_name, name, recipe, dtype, tol_out, tol_grad)
         b64 = None if bias is None else jnp.asarray(np.asarray(bias, np.float64))
         return ref_mha(p, x, kv64, cfg, jnp.asarray(masked), b64)
 
-    check_module(m, x, ref, recipe, dtype, tol_out, tol_grad, extra_args=extra, apply_kw={"deterministic": True})
+    check_module(
+        m, x, ref, recipe, dtype, tol_out, tol_grad, extra_args=extra, apply_kw={"deterministic": True}
+    )
 
 
 def test_mha_transpose_batch_sequence():
@@ -519,13 +583,31 @@ def test_mha_encoder_decoder_attention_as_transformer_layer_calls_it():
     x, enc = randn((B, 8, 32), 1), randn((B, 5, 32), 2)
     mask = jnp.zeros((B, 1, 8, 5), bool).at[1, :, :, 4:].set(True)
     m = MultiHeadAttention(
-        num_attention_heads=H, dtype=jnp.float32, head_dim=D, num_gqa_groups=H, transpose_batch_sequence=False,
-        enable_sequence_parallel=False, attention_dropout=0.1, dropout_rng_name="dropout", layernorm_type="layernorm",
-        layernorm_epsilon=1e-6, zero_centered_gamma=False, return_layernorm_output=True, input_layernorm=True,
-        attn_mask_type="padding", attn_bias_type="no_bias", enable_rotary_pos_emb=False,
-        low_rank_adaptation_scope="none", float32_logits=False, scale_attn_logits=False, scaled_query_init=True,
-        fuse_qkv_params=True, use_bias=False, window_size=None, name="encoder_decoder_attention",
-    )  # fmt: skip
+        num_attention_heads=H,
+        dtype=jnp.float32,
+        head_dim=D,
+        num_gqa_groups=H,
+        transpose_batch_sequence=False,
+        enable_sequence_parallel=False,
+        attention_dropout=0.1,
+        dropout_rng_name="dropout",
+        layernorm_type="layernorm",
+        layernorm_epsilon=1e-6,
+        zero_centered_gamma=False,
+        return_layernorm_output=True,
+        input_layernorm=True,
+        attn_mask_type="padding",
+        attn_bias_type="no_bias",
+        enable_rotary_pos_emb=False,
+        low_rank_adaptation_scope="none",
+        float32_logits=False,
+        scale_attn_logits=False,
+        scaled_query_init=True,
+        fuse_qkv_params=True,
+        use_bias=False,
+        window_size=None,
+        name="encoder_decoder_attention",
+    )
     v = m.init(jax.random.PRNGKey(0), x, enc, mask, deterministic=True)
     assert set(v["params"]) == {"query", "kv", "out"}
     out, ln_out = m.apply(v, x, enc, mask, deterministic=True)
@@ -541,39 +623,68 @@ def _fields(cls):
 
 def test_field_order_and_defaults_match_te():
     dpa = _fields(DotProductAttention)
-    assert dpa[:19] == [
-        ("head_dim", dataclasses.MISSING),
-        ("num_attention_heads", dataclasses.MISSING),
-        ("num_gqa_groups", None),
-        ("attention_dropout", 0.0),
-        ("attn_mask_type", "causal"),
-        ("attn_bias_type", None),
-        ("dtype", jnp.float32),
-        ("dropout_rng_name", "dropout"),
-        ("float32_logits", False),
-        ("qkv_layout", "bshd_bshd_bshd"),
-        ("scale_factor", None),
-        ("transpose_batch_sequence", True),
-        ("window_size", None),
-        ("max_segments_per_seq", 1),
-        ("context_parallel_causal_load_balanced", False),
-        ("context_parallel_axis", ""),
-        ("context_parallel_strategy", "DEFAULT"),
-        ("context_checkpoint_name", "context"),
-        ("implementation", None),  # lowbit's, after TE's fields
-    ][:19]
+    assert (
+        dpa[:19]
+        == [
+            ("head_dim", dataclasses.MISSING),
+            ("num_attention_heads", dataclasses.MISSING),
+            ("num_gqa_groups", None),
+            ("attention_dropout", 0.0),
+            ("attn_mask_type", "causal"),
+            ("attn_bias_type", None),
+            ("dtype", jnp.float32),
+            ("dropout_rng_name", "dropout"),
+            ("float32_logits", False),
+            ("qkv_layout", "bshd_bshd_bshd"),
+            ("scale_factor", None),
+            ("transpose_batch_sequence", True),
+            ("window_size", None),
+            ("max_segments_per_seq", 1),
+            ("context_parallel_causal_load_balanced", False),
+            ("context_parallel_axis", ""),
+            ("context_parallel_strategy", "DEFAULT"),
+            ("context_checkpoint_name", "context"),
+            ("implementation", None),  # lowbit's, after TE's fields
+        ][:19]
+    )
     mha = _fields(MultiHeadAttention)
     names = [n for n, _ in mha]
     assert names == [
-        "head_dim", "num_attention_heads", "num_gqa_groups", "attention_dropout", "dropout_rng_name",
-        "input_layernorm", "layernorm_type", "layernorm_epsilon", "return_layernorm_output", "zero_centered_gamma",
-        "kernel_init", "use_bias", "bias_init", "attn_mask_type", "attn_bias_type", "enable_rotary_pos_emb",
-        "rotary_pos_emb_windows", "rotary_pos_emb_group_method", "low_rank_adaptation_scope",
-        "low_rank_adaptation_dim", "low_rank_adaptation_alpha", "dtype", "fuse_qkv_params",
-        "transpose_batch_sequence", "enable_sequence_parallel", "scale_attn_logits", "scaled_query_init",
-        "float32_logits", "window_size", "num_heads", "dropout_rate", "output_layernorm",
-        "apply_residual_connection_post_layernorm", "fuse_qkv",
-    ]  # fmt: skip
+        "head_dim",
+        "num_attention_heads",
+        "num_gqa_groups",
+        "attention_dropout",
+        "dropout_rng_name",
+        "input_layernorm",
+        "layernorm_type",
+        "layernorm_epsilon",
+        "return_layernorm_output",
+        "zero_centered_gamma",
+        "kernel_init",
+        "use_bias",
+        "bias_init",
+        "attn_mask_type",
+        "attn_bias_type",
+        "enable_rotary_pos_emb",
+        "rotary_pos_emb_windows",
+        "rotary_pos_emb_group_method",
+        "low_rank_adaptation_scope",
+        "low_rank_adaptation_dim",
+        "low_rank_adaptation_alpha",
+        "dtype",
+        "fuse_qkv_params",
+        "transpose_batch_sequence",
+        "enable_sequence_parallel",
+        "scale_attn_logits",
+        "scaled_query_init",
+        "float32_logits",
+        "window_size",
+        "num_heads",
+        "dropout_rate",
+        "output_layernorm",
+        "apply_residual_connection_post_layernorm",
+        "fuse_qkv",
+    ]
     d = dict(mha)
     assert d["attention_dropout"] == 0.0 and d["input_layernorm"] is True and d["layernorm_epsilon"] == 1e-6
     assert d["kernel_init"] is None and d["use_bias"] is False and d["attn_mask_type"] == "causal"
@@ -583,8 +694,13 @@ def test_field_order_and_defaults_match_te():
     assert d["scale_attn_logits"] is False and d["scaled_query_init"] is True and d["float32_logits"] is False
     rpb = _fields(RelativePositionBiases)
     assert [n for n, _ in rpb] == [
-        "num_buckets", "max_distance", "num_attention_heads", "embedding_init", "embedding_axes", "dtype"
-    ]  # fmt: skip
+        "num_buckets",
+        "max_distance",
+        "num_attention_heads",
+        "embedding_init",
+        "embedding_axes",
+        "dtype",
+    ]
     assert dict(rpb)["embedding_axes"] == ("heads", "relpos_buckets")
     # positional construction in TE's order
     assert MultiHeadAttention(8, 4).head_dim == 8 and DotProductAttention(8, 4, 2).num_gqa_groups == 2
@@ -597,10 +713,14 @@ def test_deprecated_fields():
         v = m.init(jax.random.PRNGKey(0), x, x, deterministic=True)
     assert nn.unbox(v)["params"]["qkv"]["kernel"].shape == (32, 3, H * D)
     with pytest.raises(ValueError, match="output_layernorm is deprecated"):
-        MultiHeadAttention(head_dim=D, num_attention_heads=H, output_layernorm=True).init(jax.random.PRNGKey(0), x, x)
+        MultiHeadAttention(head_dim=D, num_attention_heads=H, output_layernorm=True).init(
+            jax.random.PRNGKey(0), x, x
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        MultiHeadAttention(head_dim=D, num_attention_heads=H).init(jax.random.PRNGKey(0), x, x, deterministic=True)
+        MultiHeadAttention(head_dim=D, num_attention_heads=H).init(
+            jax.random.PRNGKey(0), x, x, deterministic=True
+        )
 
 
 # ---- clear errors ------------------------------------------------------------------------------
@@ -640,7 +760,9 @@ def test_errors_name_the_field():
     with pytest.raises(NotImplementedError, match="SequenceDescriptor"):
         dpa(attn_mask_type="padding")(q, q, q, object())
     with pytest.raises(ValueError, match="cannot be provided at the same time"):
-        dpa(attn_mask_type="padding")(q, q, q, jnp.zeros((B, 1, 8, 8), bool), mask=jnp.zeros((B, 1, 8, 8), bool))
+        dpa(attn_mask_type="padding")(
+            q, q, q, jnp.zeros((B, 1, 8, 8), bool), mask=jnp.zeros((B, 1, 8, 8), bool)
+        )
     with pytest.raises(ValueError, match="bias must have shape"):
         dpa()(q, q, q, None, jnp.zeros((H, 8, 8)))
 
@@ -661,4 +783,6 @@ def test_errors_name_the_field():
     with pytest.raises(ValueError, match=r"num_gqa_groups \(3\) must be a positive divisor"):
         mha(num_gqa_groups=3)(x, x)
     with pytest.raises(ValueError, match="num_buckets must be a positive int"):
-        RelativePositionBiases(num_buckets=0, max_distance=8, num_attention_heads=H).init(jax.random.PRNGKey(0), 4, 4)
+        RelativePositionBiases(num_buckets=0, max_distance=8, num_attention_heads=H).init(
+            jax.random.PRNGKey(0), 4, 4
+        )

@@ -117,7 +117,8 @@ def _check_window(window_size):
         ok = False
     if not ok:
         raise ValueError(
-            f"window_size must be None or a pair (left, right) of ints (negative = unbounded), got {window_size!r}"
+            f"window_size must be None or a pair (left, right) of ints (negative = unbounded), "
+            f"got {window_size!r}"
         )
     return int(left), int(right)
 
@@ -265,7 +266,9 @@ class DotProductAttention(nn.Module):
                     f"order, got {t.shape}"
                 )
         if key.shape[1] != value.shape[1]:
-            raise ValueError(f"key and value must have the same sequence length, got {key.shape} and {value.shape}")
+            raise ValueError(
+                f"key and value must have the same sequence length, got {key.shape} and {value.shape}"
+            )
         sk = key.shape[1]
 
         padding = _check_mask(sequence_descriptor, mask_type, b, h, sq, sk)
@@ -282,7 +285,8 @@ class DotProductAttention(nn.Module):
             bias = jnp.asarray(bias)
             if bias.ndim != 4 or any(m not in (1, w) for m, w in zip(bias.shape, (b, h, sq, sk))):
                 raise ValueError(
-                    f"bias must have shape (1 or batch, 1 or heads, sq, sk) = (1 or {b}, 1 or {h}, {sq}, {sk}), "
+                    f"bias must have shape (1 or batch, 1 or heads, sq, sk) = "
+                    f"(1 or {b}, 1 or {h}, {sq}, {sk}), "
                     f"got {tuple(bias.shape)}"
                 )
 
@@ -300,7 +304,9 @@ class DotProductAttention(nn.Module):
                         raise
             if out is None:
                 rng = self.make_rng(self.dropout_rng_name)
-                out = attention_reference(query, key, value, masked, bias, bias_type, scale, rate, rng, plain_causal)
+                out = attention_reference(
+                    query, key, value, masked, bias, bias_type, scale, rate, rng, plain_causal
+                )
         else:
             out = self._fast(query, key, value, masked, bias, bias_type, scale, plain_causal)
         out = checkpoint_name(out, self.context_checkpoint_name)
@@ -324,7 +330,8 @@ class DotProductAttention(nn.Module):
         s = self.context_parallel_strategy
         if getattr(s, "name", s) is None or str(getattr(s, "name", s)).upper() not in _CP_STRATEGIES:
             raise ValueError(
-                f"context_parallel_strategy must be one of {list(_CP_STRATEGIES)} (case insensitive), got {s!r}"
+                f"context_parallel_strategy must be one of {list(_CP_STRATEGIES)} (case insensitive), "
+                f"got {s!r}"
             )
         if not isinstance(self.context_checkpoint_name, str):
             raise TypeError(f"context_checkpoint_name must be a str, got {self.context_checkpoint_name!r}")
@@ -342,11 +349,15 @@ class DotProductAttention(nn.Module):
     def _unpack(self, layout, query, key, value):
         if layout == "bs3hd":
             if query.ndim != 5 or query.shape[2] != 3:
-                raise ValueError(f"qkv_layout='bs3hd': query must be (b, s, 3, heads, head_dim), got {query.shape}")
+                raise ValueError(
+                    f"qkv_layout='bs3hd': query must be (b, s, 3, heads, head_dim), got {query.shape}"
+                )
             return query[:, :, 0], query[:, :, 1], query[:, :, 2]
         if layout == "bshd_bs2hd":
             if key.ndim != 5 or key.shape[2] != 2:
-                raise ValueError(f"qkv_layout='bshd_bs2hd': key must be (b, s, 2, groups, head_dim), got {key.shape}")
+                raise ValueError(
+                    f"qkv_layout='bshd_bs2hd': key must be (b, s, 2, groups, head_dim), got {key.shape}"
+                )
             return query, key[:, :, 0], key[:, :, 1]
         return query, key, value
 
@@ -505,7 +516,8 @@ class MultiHeadAttention(nn.Module):
             )
         if self.fuse_qkv is not None:
             warnings.warn(
-                f"{cls}.fuse_qkv is deprecated (and, as in TransformerEngine, has no effect); use fuse_qkv_params",
+                f"{cls}.fuse_qkv is deprecated (and, as in TransformerEngine, has no effect); "
+                f"use fuse_qkv_params",
                 DeprecationWarning,
             )
         if self.output_layernorm is not None:
@@ -537,7 +549,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"num_gqa_groups ({g}) must be a positive divisor of num_attention_heads ({h})")
         if decode:
             raise NotImplementedError(
-                "MultiHeadAttention(decode=True): the autoregressive key/value cache is not supported by lowbit"
+                "MultiHeadAttention(decode=True): the autoregressive key/value cache is not "
+                "supported by lowbit"
             )
         check_norm_type(self.layernorm_type)
         lora_qkv, lora_out, _ = lora_scope(self.low_rank_adaptation_scope)
@@ -554,9 +567,9 @@ class MultiHeadAttention(nn.Module):
                 f"inputs_q and inputs_kv must have the same dtype, got {inputs_q.dtype} and {inputs_kv.dtype}"
             )
         if inputs_q.ndim != 3 or inputs_kv.ndim != 3:
+            order = "(seq, batch, hidden)" if self.transpose_batch_sequence else "(batch, seq, hidden)"
             raise ValueError(
-                f"inputs_q and inputs_kv must be rank 3 ({'(seq, batch, hidden)' if self.transpose_batch_sequence else '(batch, seq, hidden)'}), "
-                f"got {inputs_q.shape} and {inputs_kv.shape}"
+                f"inputs_q and inputs_kv must be rank 3 {order}, got {inputs_q.shape} and {inputs_kv.shape}"
             )
         kinit = self.kernel_init
         if kinit is None:
@@ -573,7 +586,9 @@ class MultiHeadAttention(nn.Module):
                 if len(shape) != 3 or shape[-2] != n:
                     return kinit(key, shape, dtype)
                 keys = jax.random.split(key, n)
-                parts = [(first if i == 0 else kinit)(keys[i], (shape[0], shape[-1]), dtype) for i in range(n)]
+                parts = [
+                    (first if i == 0 else kinit)(keys[i], (shape[0], shape[-1]), dtype) for i in range(n)
+                ]
                 return jnp.stack(parts, axis=-2).astype(dtype)
 
             return init

@@ -27,10 +27,14 @@ _GROUP_METHODS = ("consecutive", "alternate")
 def canonical_group_method(group_method: Any) -> str:
     """``"consecutive"`` or ``"alternate"`` (case, ``-`` and ``_`` ignored, as in TransformerEngine)."""
     if not isinstance(group_method, str):
-        raise ValueError(f"rotary_pos_emb_group_method must be one of {list(_GROUP_METHODS)}, got {group_method!r}")
+        raise ValueError(
+            f"rotary_pos_emb_group_method must be one of {list(_GROUP_METHODS)}, got {group_method!r}"
+        )
     s = group_method.lower().strip().replace("-", "").replace("_", "")
     if s not in _GROUP_METHODS:
-        raise ValueError(f"rotary_pos_emb_group_method must be one of {list(_GROUP_METHODS)}, got {group_method!r}")
+        raise ValueError(
+            f"rotary_pos_emb_group_method must be one of {list(_GROUP_METHODS)}, got {group_method!r}"
+        )
     return s
 
 
@@ -39,9 +43,13 @@ def check_rotary_windows(windows: Any) -> Tuple[float, float]:
     try:
         lo, hi = (float(w) for w in windows)
     except (TypeError, ValueError):
-        raise ValueError(f"rotary_pos_emb_windows must be a pair (min, max) of positive numbers, got {windows!r}") from None
+        raise ValueError(
+            f"rotary_pos_emb_windows must be a pair (min, max) of positive numbers, got {windows!r}"
+        ) from None
     if not (lo > 0 and hi > 0 and np.isfinite(lo) and np.isfinite(hi)):
-        raise ValueError(f"rotary_pos_emb_windows must be a pair (min, max) of positive numbers, got {windows!r}")
+        raise ValueError(
+            f"rotary_pos_emb_windows must be a pair (min, max) of positive numbers, got {windows!r}"
+        )
     return lo, hi
 
 
@@ -142,7 +150,9 @@ class RelativePositionBiases(nn.Module):
         for name, v in (("q_seqlen", q_seqlen), ("k_seqlen", k_seqlen)):
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"RelativePositionBiases: {name} must be a positive (static) int, got {v!r}")
-        bucket = relative_position_buckets(q_seqlen, k_seqlen, self.num_buckets, self.max_distance, bidirectional)
+        bucket = relative_position_buckets(
+            q_seqlen, k_seqlen, self.num_buckets, self.max_distance, bidirectional
+        )
         axes: Sequence[str] = tuple(self.embedding_axes or ())
         init = nn.with_logical_partitioning(self.embedding_init, axes) if axes else self.embedding_init
         table = self.param("rel_embedding", init, (self.num_attention_heads, self.num_buckets), self.dtype)
