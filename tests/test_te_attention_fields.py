@@ -804,3 +804,28 @@ def test_mha_lora_fused_qkv_shapes_as_te():
     x = randn((B, 8, 32), 1)
     p = nn.unbox(m.init(jax.random.PRNGKey(0), x, x, deterministic=True))["params"]["qkv"]
     assert p["lora_a_kernel"].shape == (32, 3, 4) and p["lora_b_kernel"].shape == (3, 4, H * D)
+
+
+def test_dropout_falls_back_when_cudnn_refuses(monkeypatch):
+    """Where cuDNN cannot take the call at trace time the reference dropout path runs (same
+    output as without the cuDNN attempt); forcing implementation='cudnn' surfaces the error."""
+    import lowbit.flax.attention as attn
+
+    q = randn((2, 8, H, 16), 1).astype(jnp.bfloat16)
+    m = DotProductAttention(
+        head_dim=16, num_attention_heads=H, attention_dropout=0.2, transpose_batch_sequence=False
+    )
+    rngs = {"dropout": jax.random.PRNGKey(0)}
+    ref = m.apply({}, q, q, q, rngs=rngs)
+    monkeypatch.setattr(attn, "_default_is_gpu", lambda: True)  # pretend: cuDNN is tried first
+    np.testing.assert_array_equal(m.apply({}, q, q, q, rngs=rngs), ref)
+    forced = DotProductAttention(
+        head_dim=16,
+        num_attention_heads=H,
+        attention_dropout=0.2,
+        transpose_batch_sequence=False,
+        implementation="cudnn",
+    )
+    if not jax.devices()[0].platform == "gpu":
+        with pytest.raises(Exception, match="(?i)cudnn"):
+            forced.apply({}, q, q, q, rngs=rngs)
