@@ -829,3 +829,56 @@ def test_dropout_falls_back_when_cudnn_refuses(monkeypatch):
     if not jax.devices()[0].platform == "gpu":
         with pytest.raises(Exception, match="(?i)cudnn"):
             forced.apply({}, q, q, q, rngs=rngs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mask_type,window,bias_type,sq,sk",
+    [
+        ("causal", None, None, 64, 64),
+        ("causal", (16, 0), None, 64, 64),
+        ("padding_causal", None, "post_scale_bias", 64, 64),
+        ("causal_bottom_right", None, None, 32, 64),
+        ("padding", (8, 8), "pre_scale_bias", 48, 64),
+        ("no_mask", None, None, 32, 64),
+    ],
+)
+def test_dpa_gpu_cudnn_matches_xla(gpu_device, mask_type, window, bias_type, sq, sk):
+    """bf16 on a GPU: the default path (cuDNN where it applies) equals implementation='xla',
+    forward and gradients, for the mask types, windows and bias types."""
+    d, g = 64, 2
+    q = randn((B, sq, H, d), 1).astype(jnp.bfloat16)
+    k, v = (randn((B, sk, g, d), i).astype(jnp.bfloat16) for i in (2, 3))
+    pad = jnp.zeros((B, 1, sq, sk), bool).at[1, :, :, sk - 5 :].set(True)
+    bias = randn((1, H, sq, sk), 4).astype(jnp.bfloat16) if bias_type else None
+    masked = ref_mask(mask_type, window, sq, sk, np.asarray(pad) if mask_type.startswith("padding") else None)
+    live = jnp.asarray(np.broadcast_to(~masked.all(-1, keepdims=True), (B, 1, sq, 1)).transpose(0, 2, 1, 3))
+    kw = dict(
+        head_dim=d,
+        num_gqa_groups=g,
+        num_attention_heads=H,
+        attn_mask_type=mask_type,
+        window_size=window,
+        attn_bias_type=bias_type,
+        transpose_batch_sequence=False,
+    )
+    dy = randn((B, sq, H, d), 5).astype(jnp.bfloat16)
+
+    def run(impl):
+        m = DotProductAttention(**kw, implementation=impl)
+
+        def f(q, k, v):
+            return (m.apply({}, q, k, v, pad, bias) * live).astype(jnp.float32)
+
+        return jax.jit(
+            lambda q, k, v: (
+                f(q, k, v),
+                jax.grad(lambda *a: jnp.vdot(f(*a), dy.astype(jnp.float32)), (0, 1, 2))(q, k, v),
+            )
+        )(q, k, v)
+
+    out, grads = run(None)
+    ref, rgrads = run("xla")
+    assert relerr(out, ref) < 2e-2
+    for g1, g2 in zip(grads, rgrads):
+        assert relerr(np.asarray(g1, np.float32), np.asarray(g2, np.float32)) < 3e-2
