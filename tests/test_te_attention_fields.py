@@ -776,8 +776,10 @@ def test_errors_name_the_field():
         mha(enable_rotary_pos_emb=True, rotary_pos_emb_windows=(0, 10))(x, x)
     with pytest.raises(ValueError, match="low_rank_adaptation_scope must be one of"):
         mha(low_rank_adaptation_scope="qkv")(x, x)
-    with pytest.raises(NotImplementedError, match="decode=True"):
-        mha()(x, x, decode=True)
+    with pytest.raises(ValueError, match="decode=True: each step takes one position"):
+        m = MultiHeadAttention(head_dim=D, num_attention_heads=H, transpose_batch_sequence=False)
+        v = m.init(jax.random.PRNGKey(0), x, x, decode=True, deterministic=True)
+        m.apply(v, x, x, decode=True, deterministic=True, mutable=["cache"])
     with pytest.raises(ValueError, match="same dtype"):
         mha()(x, x.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"num_gqa_groups \(3\) must be a positive divisor"):
@@ -882,3 +884,43 @@ def test_dpa_gpu_cudnn_matches_xla(gpu_device, mask_type, window, bias_type, sq,
     assert relerr(out, ref) < 2e-2
     for g1, g2 in zip(grads, rgrads):
         assert relerr(np.asarray(g1, np.float32), np.asarray(g2, np.float32)) < 3e-2
+
+
+@pytest.mark.parametrize("tbs", [False, True])
+@pytest.mark.parametrize(
+    "g,rotary,window", [(H, None, None), (2, "alternate", (2, 0)), (H, "consecutive", None)]
+)
+def test_mha_decode_steps_equal_full_causal(tbs, g, rotary, window):
+    """decode=True: the init call sizes the cache; one position per call after that gives the
+    full causal forward's rows (rotary at the cache position, window relative to it)."""
+    L = 6
+    m = MultiHeadAttention(
+        head_dim=D,
+        num_attention_heads=H,
+        num_gqa_groups=g,
+        attn_mask_type="causal",
+        enable_rotary_pos_emb=rotary is not None,
+        rotary_pos_emb_group_method=rotary or "consecutive",
+        window_size=window,
+        transpose_batch_sequence=tbs,
+    )
+    x = randn((B, L, 32), 1)
+    xs = jnp.swapaxes(x, 0, 1) if tbs else x
+    v = m.init(jax.random.PRNGKey(0), xs, xs, decode=True, deterministic=True)
+    params, cache = v["params"], v["cache"]
+    assert set(cache) == {"cached_key", "cached_value", "cache_index"}
+    full, _ = m.apply({"params": params}, xs, xs, deterministic=True)
+    step = jax.jit(
+        lambda c, xt: m.apply(
+            {"params": params, "cache": c}, xt, xt, decode=True, deterministic=True, mutable=["cache"]
+        )
+    )
+    outs = []
+    for t in range(L):
+        xt = xs[t : t + 1] if tbs else xs[:, t : t + 1]
+        (o, _), mut = step(cache, xt)
+        cache = mut["cache"]
+        outs.append(o)
+    dec = jnp.concatenate(outs, axis=0 if tbs else 1)
+    np.testing.assert_allclose(dec, full, rtol=2e-5, atol=2e-5)
+    assert int(cache["cache_index"]) == L

@@ -547,11 +547,6 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"head_dim must be a positive int, got {d!r}")
         if not isinstance(g, (int, np.integer)) or g < 1 or h % g:
             raise ValueError(f"num_gqa_groups ({g}) must be a positive divisor of num_attention_heads ({h})")
-        if decode:
-            raise NotImplementedError(
-                "MultiHeadAttention(decode=True): the autoregressive key/value cache is not "
-                "supported by lowbit"
-            )
         check_norm_type(self.layernorm_type)
         lora_qkv, lora_out, _ = lora_scope(self.low_rank_adaptation_scope)
         if self.enable_rotary_pos_emb:
@@ -667,15 +662,24 @@ class MultiHeadAttention(nn.Module):
         q = q.astype(dt).reshape(q.shape[:2] + (h, d))
         k = k.astype(dt).reshape(k.shape[:2] + (g, d))
         v = v.astype(dt).reshape(v.shape[:2] + (g, d))
+        tbs = self.transpose_batch_sequence
+        mask_type, window = self.attn_mask_type, self.window_size
+        # decode: the cache exists after the call that created it (init, full length)
+        stepping = decode and self.has_variable("cache", "cached_key")
+        offset = self.get_variable("cache", "cache_index") if stepping else 0
         if self.enable_rotary_pos_emb:
-            tbs = self.transpose_batch_sequence
-            q = rotary_pos_emb(q, self.rotary_pos_emb_windows, tbs, self.rotary_pos_emb_group_method)
-            k = rotary_pos_emb(k, self.rotary_pos_emb_windows, tbs, self.rotary_pos_emb_group_method)
+            windows, method = self.rotary_pos_emb_windows, self.rotary_pos_emb_group_method
+            q = rotary_pos_emb(q, windows, tbs, method, position_offset=offset)
+            k = rotary_pos_emb(k, windows, tbs, method, position_offset=offset)
+        if decode:
+            k, v, mask, bias = self._decode_step(q, k, v, mask, bias, stepping, h, d)
+            if stepping:  # one query at position cache_index: the step mask replaces the causal one
+                mask_type, window = "padding", None
         x = DotProductAttention(
             head_dim=d,
             num_attention_heads=h,
             num_gqa_groups=g,
-            attn_mask_type=self.attn_mask_type,
+            attn_mask_type=mask_type,
             attn_bias_type=self.attn_bias_type,
             attention_dropout=rate,
             dtype=self.dtype,
@@ -683,8 +687,8 @@ class MultiHeadAttention(nn.Module):
             float32_logits=self.float32_logits,
             qkv_layout="bshd_bshd_bshd",
             scale_factor=(1.0 / math.sqrt(d)) if self.scale_attn_logits else 1.0,
-            transpose_batch_sequence=self.transpose_batch_sequence,
-            window_size=self.window_size,
+            transpose_batch_sequence=tbs,
+            window_size=window,
         )(q, k, v, mask, bias, deterministic=deterministic)
         x = x.reshape(x.shape[:2] + (h * d,))
         out = DenseGeneral(
@@ -698,6 +702,49 @@ class MultiHeadAttention(nn.Module):
         )(x)
         out = checkpoint_name(out, "out_proj")
         return out, ln_out
+
+    def _decode_step(self, q, k, v, mask, bias, stepping, h, d):
+        """TransformerEngine's autoregressive cache (collection "cache": ``cached_key``,
+        ``cached_value``, ``cache_index``). The call that creates it (init with the full length)
+        attends normally; each later call takes one position, writes its key/value at
+        ``cache_index`` and attends to keys ``0 .. cache_index`` (and the window)."""
+        ck = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+        cv = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        ci = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
+        if not stepping:
+            return k, v, mask, bias
+        seq_axis = 0 if self.transpose_batch_sequence else 1
+        length, batch = ck.value.shape[seq_axis], ck.value.shape[1 - seq_axis]
+        expected = (1, batch, h, d) if self.transpose_batch_sequence else (batch, 1, h, d)
+        if q.shape != expected:
+            raise ValueError(
+                f"decode=True: each step takes one position, the query must be {expected} "
+                f"(cache of length {length}), got {q.shape}"
+            )
+        cur = ci.value.astype(jnp.int32)
+        shape = [1, 1, 1, 1]
+        shape[seq_axis] = length
+        onehot = jax.nn.one_hot(cur, length, dtype=k.dtype).reshape(shape)
+        k = ck.value + k.astype(ck.value.dtype) * onehot
+        v = cv.value + v.astype(cv.value.dtype) * onehot
+        ck.value, cv.value, ci.value = k, v, ci.value + 1
+        j = jnp.arange(length)
+        step = j > cur
+        window = _check_window(self.window_size)
+        if window is not None and window[0] >= 0:
+            step = step | (j < cur - window[0])
+        step = jnp.broadcast_to(step, (batch, 1, 1, length))
+        mt = _enum_name(self.attn_mask_type, "attn_mask_type", _MASK_TYPES)
+        if mask is not None and mt.startswith("padding"):
+            m = jnp.asarray(mask)
+            if m.shape[-2] != 1:  # a full (b, 1, L, L) mask: the row of this position
+                m = jax.lax.dynamic_slice_in_dim(m, cur, 1, axis=2)
+            step = step | (m != 0)
+        if bias is not None:
+            bias = jnp.asarray(bias)
+            if bias.shape[-2] != 1:
+                bias = jax.lax.dynamic_slice_in_dim(bias, cur, 1, axis=2)
+        return k, v, step, bias
 
 
 __all__ = ["DotProductAttention", "MultiHeadAttention", "attention_reference", "cudnn_attention_dropout"]

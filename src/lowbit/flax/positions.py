@@ -58,10 +58,13 @@ def rotary_pos_emb(
     windows: Tuple[int, int],
     transpose_batch_sequence: bool,
     group_method: str = "consecutive",
+    *,
+    position_offset: Any = 0,
 ) -> jax.Array:
     """Rotary position embedding of ``x``: ``(batch, seq, ..., heads, head_dim)``, or
     ``(seq, batch, ...)`` with ``transpose_batch_sequence``. Positions are ``0 .. seq-1`` along
-    the sequence axis; ``head_dim`` must be even. Returns x's shape and dtype."""
+    the sequence axis, plus ``position_offset`` (lowbit: an int or a traced scalar, e.g. the
+    decode cache index); ``head_dim`` must be even. Returns x's shape and dtype."""
     method = canonical_group_method(group_method)
     lo, hi = check_rotary_windows(windows)
     x = jnp.asarray(x)
@@ -73,14 +76,19 @@ def rotary_pos_emb(
     half = d // 2
     seq_axis = 0 if transpose_batch_sequence else 1
     timescale = lo * (hi / lo) ** (2.0 * np.arange(half) / d)  # (half,)
-    pos = np.arange(x.shape[seq_axis], dtype=np.float64)
-    angle = pos[:, None] / timescale[None, :]  # (seq, half)
     # Broadcast (seq, half) over x's other axes: seq at seq_axis, half at the end.
     shape = [1] * x.ndim
     shape[seq_axis] = x.shape[seq_axis]
     shape[-1] = half
-    sin = jnp.asarray(np.sin(angle).reshape(shape), jnp.float32)
-    cos = jnp.asarray(np.cos(angle).reshape(shape), jnp.float32)
+    if isinstance(position_offset, (int, np.integer)):
+        pos = np.arange(x.shape[seq_axis], dtype=np.float64) + int(position_offset)
+        angle = pos[:, None] / timescale[None, :]  # (seq, half), float64 on the host
+        sin = jnp.asarray(np.sin(angle).reshape(shape), jnp.float32)
+        cos = jnp.asarray(np.cos(angle).reshape(shape), jnp.float32)
+    else:
+        pos = jnp.arange(x.shape[seq_axis], dtype=jnp.float32) + jnp.asarray(position_offset, jnp.float32)
+        angle = pos[:, None] / jnp.asarray(timescale, jnp.float32)[None, :]
+        sin, cos = jnp.sin(angle).reshape(shape), jnp.cos(angle).reshape(shape)
     xf = x.astype(jnp.float32)
     if method == "alternate":
         a, b = xf[..., :half], xf[..., half:]
