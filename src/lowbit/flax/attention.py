@@ -308,7 +308,18 @@ class DotProductAttention(nn.Module):
                     query, key, value, masked, bias, bias_type, scale, rate, rng, plain_causal
                 )
         else:
-            out = self._fast(query, key, value, masked, bias, bias_type, scale, plain_causal)
+            # A square causal mask with a left window (no padding): the fused kernels' own
+            # sliding window (cuDNN's sliding_window_length) instead of an explicit mask.
+            local = None
+            if (
+                padding is None
+                and "causal" in mask_type
+                and sq == sk
+                and window is not None
+                and window[0] >= 0
+            ):
+                local = (window[0], 0)
+            out = self._fast(query, key, value, masked, bias, bias_type, scale, plain_causal, local)
         out = checkpoint_name(out, self.context_checkpoint_name)
         return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
 
@@ -367,13 +378,16 @@ class DotProductAttention(nn.Module):
         half = np.dtype(dt) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
         return self.implementation is None and _default_is_gpu() and half and d % 8 == 0 and d <= 128
 
-    def _fast(self, query, key, value, masked, bias, bias_type, scale, plain_causal):
+    def _fast(self, query, key, value, masked, bias, bias_type, scale, plain_causal, local=None):
         if bias is not None:
             bias = bias.astype(query.dtype)
             if bias_type == "pre_scale_bias":  # softmax(scale * (qk + bias))
                 bias = (bias * scale).astype(query.dtype)
-        keep = None if (masked is None or plain_causal) else jnp.logical_not(masked)
-        kw = dict(bias=bias, mask=keep, is_causal=plain_causal, scale=scale)
+        if local is not None:
+            kw = dict(bias=bias, mask=None, is_causal=True, scale=scale, local_window_size=local)
+        else:
+            keep = None if (masked is None or plain_causal) else jnp.logical_not(masked)
+            kw = dict(bias=bias, mask=keep, is_causal=plain_causal, scale=scale)
         if self.implementation == "cudnn":
             return jax.nn.dot_product_attention(query, key, value, implementation="cudnn", **kw)
         if self._use_cudnn(query.dtype, query.shape[-1]):
