@@ -475,7 +475,9 @@ class MultiHeadAttention(nn.Module):
     logits by ``1/sqrt(head_dim)``: by default the logits are not scaled (TransformerEngine's
     T5 convention). Returns ``(out, ln_out)``: ``ln_out`` is the norm output when
     ``return_layernorm_output`` (and, as in TransformerEngine, for self-attention without the
-    fused ``qkv``), else None."""
+    fused ``qkv``), else None. ``decode=True`` keeps TransformerEngine's key/value cache
+    (collection "cache"): the call that creates it attends normally, each later call takes one
+    position and attends to the cached keys up to it."""
 
     head_dim: int
     num_attention_heads: int
