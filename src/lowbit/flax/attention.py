@@ -291,6 +291,9 @@ class DotProductAttention(nn.Module):
                 )
 
         if rate > 0 and not deterministic:
+            # Drawn on every path (the dropout stream is required, as in TransformerEngine), used
+            # by the reference path; cuDNN's dropout has its own generator.
+            rng = self.make_rng(self.dropout_rng_name)
             out = None
             if self._use_cudnn(dt, d):
                 # A seed per module path: layers with the same shapes draw different masks.
@@ -303,7 +306,6 @@ class DotProductAttention(nn.Module):
                     if self.implementation == "cudnn":
                         raise
             if out is None:
-                rng = self.make_rng(self.dropout_rng_name)
                 out = attention_reference(
                     query, key, value, masked, bias, bias_type, scale, rate, rng, plain_causal
                 )
