@@ -924,3 +924,43 @@ def test_mha_decode_steps_equal_full_causal(tbs, g, rotary, window):
     dec = jnp.concatenate(outs, axis=0 if tbs else 1)
     np.testing.assert_allclose(dec, full, rtol=2e-5, atol=2e-5)
     assert int(cache["cache_index"]) == L
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan", [False, True], ids=["plain", "lax.scan"])
+def test_dpa_cudnn_dropout_forward_and_backward_masks_agree(gpu_device, scan):
+    """cuDNN regenerates the dropout mask in the backward from its seed and an offset that XLA
+    advances per execution: the backward's mask must be the forward's, also when the same
+    attention runs several times in a loop (layers under lax.scan). With q = k = 0 (uniform
+    probabilities) and value = identity the output is the forward's dropped probability matrix;
+    with dy = identity, dvalue is the backward's (transposed)."""
+    b, s, rate, layers = 2, 64, 0.2, 3
+    m = DotProductAttention(
+        head_dim=s,
+        num_attention_heads=H,
+        attn_mask_type="no_mask",
+        attention_dropout=rate,
+        transpose_batch_sequence=False,
+    )
+    z = jnp.zeros((b, s, H, s), jnp.bfloat16)
+    eye = jnp.broadcast_to(jnp.eye(s, dtype=jnp.bfloat16)[None, :, None, :], (b, s, H, s))
+
+    def one(v):
+        return m.apply({}, z, z, v, rngs={"dropout": jax.random.PRNGKey(0)})
+
+    if scan:
+        vs = jnp.stack([eye] * layers)
+        f = lambda vs: jax.lax.scan(lambda c, v: (c, one(v)), 0, vs)[1]  # noqa: E731
+    else:
+        vs, f = eye, one
+
+    def fwd_bwd(vs):
+        out, vjp = jax.vjp(f, vs)
+        return out, vjp(vs)[0]  # dy = identity as well
+
+    for _ in range(2):  # a second execution: offsets have advanced
+        out, dv = jax.jit(fwd_bwd)(vs)
+        p_fwd = np.asarray(out, np.float32)
+        p_bwd = np.asarray(jnp.swapaxes(dv, -3, -1), np.float32)
+        assert abs(float((p_fwd == 0).mean()) - rate) < 0.03
+        np.testing.assert_array_equal(p_fwd == 0, p_bwd == 0)
