@@ -331,7 +331,11 @@ def test_dot_product_attention(mask_type, groups):
     q, k, v = randn((b, s, h, d), 1), randn((b, s, groups, d), 2), randn((b, s, groups, d), 3)
     mask = _pad_mask(b, s, [8, 5])
     m = lf.DotProductAttention(
-        head_dim=d, num_attention_heads=h, num_gqa_groups=groups, attn_mask_type=mask_type
+        head_dim=d,
+        num_attention_heads=h,
+        num_gqa_groups=groups,
+        attn_mask_type=mask_type,
+        transpose_batch_sequence=False,
     )
     pad = mask_type.startswith("padding")
     out = jax.jit(lambda q, k, v: m.apply({}, q, k, v, mask if pad else None))(q, k, v)
@@ -349,16 +353,21 @@ def test_attention_dropout_path(mask_type):
     q, k, v = randn((b, s, h, d), 1), randn((b, s, g, d), 2), randn((b, s, g, d), 3)
     mask = _pad_mask(b, s, [8, 6]) if mask_type == "padding_causal" else None
     key = jax.random.PRNGKey(9)
-    out = lf_attention._attention_with_dropout(q, k, v, mask, None, True, 1 / np.sqrt(d), rate, key)
+    out_m = jnp.triu(jnp.ones((s, s), bool), 1)[None, None] | (False if mask is None else mask)
+    out = lf_attention.attention_reference(q, k, v, out_m, None, "no_bias", 1 / np.sqrt(d), rate, key)
     keep = jax.random.bernoulli(key, 1 - rate, (b, h, s, s))
     kk, vv = jnp.repeat(k, 2, 2), jnp.repeat(v, 2, 2)
     sc = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(d)
-    out_m = jnp.triu(jnp.ones((s, s), bool), 1)[None, None] | (False if mask is None else mask)
     p = jnp.nan_to_num(jax.nn.softmax(jnp.where(out_m, -jnp.inf, sc), -1))  # fully masked rows: 0
     ref = jnp.einsum("bhqk,bkhd->bqhd", jnp.where(keep, p / (1 - rate), 0), vv)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     m = lf.DotProductAttention(
-        head_dim=d, num_attention_heads=h, num_gqa_groups=g, attention_dropout=rate, attn_mask_type=mask_type
+        head_dim=d,
+        num_attention_heads=h,
+        num_gqa_groups=g,
+        attention_dropout=rate,
+        attn_mask_type=mask_type,
+        transpose_batch_sequence=False,
     )
     o1 = m.apply({}, q, k, v, mask, rngs={"dropout": key})
     o2 = m.apply({}, q, k, v, mask, deterministic=True)
@@ -367,35 +376,50 @@ def test_attention_dropout_path(mask_type):
 
 @pytest.mark.parametrize("groups", [4, 2])
 def test_multi_head_attention(groups):
+    """TransformerEngine's layout: fused ``qkv (H, 3, h*d)`` for MHA, ``query`` + ``kv (H, 2, g*d)``
+    for GQA; logits unscaled by default (scale_attn_logits=False, scaled_query_init=True)."""
     h, d = 4, 16
     m = lf.MultiHeadAttention(
-        head_dim=d, num_attention_heads=h, num_gqa_groups=groups, attn_mask_type="causal"
+        head_dim=d,
+        num_attention_heads=h,
+        num_gqa_groups=groups,
+        attn_mask_type="causal",
+        transpose_batch_sequence=False,
     )
     x = randn((2, 8, 32))
 
     def ref(p, x):
-        y = _ln(x, p["qkv"]["scale"], p["qkv"]["ln_bias"])
-        q, k, v = jnp.split(y @ p["qkv"]["kernel"], [h * d, (h + groups) * d], -1)
+        if "qkv" in p:
+            y = _ln(x, p["qkv"]["scale"], p["qkv"]["ln_bias"])
+            qkv = jnp.einsum("bsh,hnf->bsnf", y, p["qkv"]["kernel"])
+            q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        else:
+            y = _ln(x, p["query"]["scale"], p["query"]["ln_bias"])
+            q = y @ p["query"]["kernel"]
+            kv = jnp.einsum("bsh,hnf->bsnf", y, p["kv"]["kernel"])
+            k, v = kv[..., 0, :], kv[..., 1, :]
         o = _attn_ref(
-            q.reshape(2, 8, h, d),
-            k.reshape(2, 8, groups, d),
-            v.reshape(2, 8, groups, d),
-            None,
-            True,
-            1 / np.sqrt(d),
+            q.reshape(2, 8, h, d), k.reshape(2, 8, groups, d), v.reshape(2, 8, groups, d), None, True, 1.0
         )
         return o.reshape(2, 8, h * d) @ p["out"]["kernel"]
 
     v = check_module(m, x, ref, None, jnp.float32, 1e-5, 1e-5, apply_kw={"deterministic": True})
-    assert v["params"]["qkv"]["kernel"].shape == (32, (h + 2 * groups) * d)
+    if groups == h:
+        assert v["params"]["qkv"]["kernel"].shape == (32, 3, h * d)
+    else:
+        assert v["params"]["kv"]["kernel"].shape == (32, 2, groups * d)
     # cross-attention: Q from inputs_q, K/V from a different sequence
     kv = randn((2, 5, 32), 4)
     mc = lf.MultiHeadAttention(
-        head_dim=d, num_attention_heads=h, num_gqa_groups=groups, attn_mask_type="no_mask"
+        head_dim=d,
+        num_attention_heads=h,
+        num_gqa_groups=groups,
+        attn_mask_type="no_mask",
+        transpose_batch_sequence=False,
     )
     vc = mc.init(jax.random.PRNGKey(0), x, kv)
     out, res = mc.apply(vc, x, kv, deterministic=True)
-    assert out.shape == x.shape and res is x
+    assert out.shape == x.shape and res is None  # TE: the norm output only when asked for
 
 
 # ---- TransformerLayer ------------------------------------------------------------------------

@@ -338,7 +338,7 @@ def _softmax_cases():
         ),
         ("softmax_type", "causal"),
         ("softmax_type", None),
-        ("softmax_type", "scaled_upper_triang_masked", ("x", "square")),
+        # (the causal type on non-square x is TransformerEngine's top-left fallback, not an error)
     ]
     return _swap(dict(x=x4), cases, lowbit.softmax)
 

@@ -8,7 +8,8 @@ a row with every entry masked out is all zeros (as ``jax.nn.softmax`` with ``whe
 row's kept entries NaN, as ``jax.nn.softmax``; its gradient is NaN too. A NaN in a masked-out
 entry is ignored. See docs/numerics.md "Softmax". The mask follows TransformerEngine:
 ``True`` (nonzero) means *masked out*. The causal type masks key ``j > i`` for query ``i``
-(top-left aligned; needs ``Sq == Sk``).
+(top-left aligned). With ``Sq != Sk`` the causal type takes TransformerEngine's fallback: the
+same top-left triangle (key ``j`` masked for query ``i`` when ``j > i``) through the masked kernel.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def softmax(
 
     Args:
       x: float32/bfloat16/float16 array. "scaled": any rank; "scaled_masked": rank <= 4
-        (B, H, Sq, Sk); "scaled_upper_triang_masked": rank >= 2 with ``Sq == Sk``.
+        (B, H, Sq, Sk); "scaled_upper_triang_masked": rank >= 2 (Sq, Sk); when ``Sq != Sk`` it
+        masks key ``j > i`` of query ``i`` (top-left, TransformerEngine's fallback).
       scale_factor: a static Python float multiplying x before the softmax.
       mask: "scaled_masked" only: boolean, broadcastable to x's shape, True = masked out.
       softmax_type: "scaled", "scaled_masked" or "scaled_upper_triang_masked".
@@ -108,11 +110,16 @@ def softmax(
             raise ValueError(f"mask is only used with softmax_type='scaled_masked', not {softmax_type!r}")
         mask4 = _native.EMPTY_U8
         if softmax_type == "scaled_upper_triang_masked":
-            if x.ndim < 2 or shape[-2] != Sk:
-                raise ValueError(
-                    f"x must end in square (Sq, Sk) axes for the causal softmax, got shape {shape}"
-                )
+            if x.ndim < 2:
+                raise ValueError(f"x must end in (Sq, Sk) axes for the causal softmax, got shape {shape}")
             shape4 = (prod(shape[:-2]), 1, shape[-2], Sk)
+            if shape[-2] != Sk:
+                # TransformerEngine's fallback for a non-square causal softmax: the top-left
+                # triangle as an explicit mask (the causal kernel needs Sq == Sk).
+                Sq = shape[-2]
+                tri = np.arange(Sk)[None, :] > np.arange(Sq)[:, None]
+                mask4 = jnp.asarray(tri.reshape(1, 1, Sq, Sk), jnp.uint8)
+                softmax_type = "scaled_masked"
         else:
             shape4 = (1, 1, prod(shape[:-1]), Sk)
     code = _TYPES[softmax_type]

@@ -27,6 +27,7 @@ from lowbit.flax import (
     make_dot_general_cls,
     make_ragged_dot_cls,
 )
+from lowbit.flax.positions import RelativePositionBiases
 from lowbit.flax.state_module import call_index, state_variable_name
 from lowbit.recipe import DelayedScaling, NVFP4BlockScaling, Recipe
 from lowbit.te.quantize import QuantizerSet, quantizer_set_for_recipe
@@ -120,6 +121,7 @@ __all__ = [
     "Softmax",
     "DotProductAttention",
     "MultiHeadAttention",
+    "RelativePositionBiases",
     "TransformerLayer",
     "make_dot_general_cls",
     "make_ragged_dot_cls",
