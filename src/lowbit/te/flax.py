@@ -24,6 +24,7 @@ from lowbit.flax import (
     MultiHeadAttention,
     Softmax,
     TransformerLayer,
+    TransformerLayerType,
     make_dot_general_cls,
     make_ragged_dot_cls,
 )
@@ -121,6 +122,7 @@ __all__ = [
     "DotProductAttention",
     "MultiHeadAttention",
     "TransformerLayer",
+    "TransformerLayerType",
     "make_dot_general_cls",
     "make_ragged_dot_cls",
     "wrap_function_in_te_state_module",
