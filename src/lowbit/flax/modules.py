@@ -398,15 +398,12 @@ def _lora_mlp(x, a, b, alpha):
 
 
 def _stacked_init(init, n):
-    """A (K, n, F) kernel from ``n`` draws of ``init`` at (K, F), keys split one after another
-    (TransformerEngine's kernel_1_init)."""
+    """A (K, n, F) kernel from ``n`` draws of ``init`` at (K, F), so each slot has fan_in K like
+    a separate Dense (as TransformerEngine's kernel_1_init)."""
 
     def f(key, shape, dtype):
-        kernels = []
-        for _ in range(n):
-            key, sub = jax.random.split(key)
-            kernels.append(init(sub, (shape[0], shape[2]), dtype))
-        return jnp.stack(kernels, axis=-2).astype(dtype)
+        keys = jax.random.split(key, shape[1])
+        return jnp.stack([init(k, (shape[0], shape[2]), dtype) for k in keys], axis=-2).astype(dtype)
 
     return f
 
