@@ -511,7 +511,9 @@ def test_errors():
     x = randn((2, 8, 64))
     with pytest.raises(ValueError, match="unknown activation 'gleu'"):
         lf.LayerNormMLP(intermediate_dim=32, activations=("gleu",)).init(jax.random.PRNGKey(0), x)
-    with pytest.raises(ValueError, match=r"hidden_size \(64\) must be a multiple of num_attention_heads \(6\)"):
+    with pytest.raises(
+        ValueError, match=r"hidden_size \(64\) must be a multiple of num_attention_heads \(6\)"
+    ):
         lf.TransformerLayer(hidden_size=64, mlp_hidden_size=32, num_attention_heads=6).init(
             jax.random.PRNGKey(0), x
         )

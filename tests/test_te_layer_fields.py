@@ -36,7 +36,13 @@ NO_DROP = dict(hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0
 RNGS = {"dropout": jax.random.PRNGKey(5)}
 
 _MHA_FIELDS = {f.name for f in dataclasses.fields(lf.MultiHeadAttention)}
-_TE_MHA = {"transpose_batch_sequence", "scaled_query_init", "fuse_qkv_params", "window_size", "enable_rotary_pos_emb"}
+_TE_MHA = {
+    "transpose_batch_sequence",
+    "scaled_query_init",
+    "fuse_qkv_params",
+    "window_size",
+    "enable_rotary_pos_emb",
+}
 needs_attention_helper = pytest.mark.skipif(
     not _TE_MHA <= _MHA_FIELDS, reason="needs attention helper's MHA fields"
 )
@@ -277,7 +283,9 @@ def _mha_ref(p, xq, xkv, c, mask, causal, bias, input_ln, self_attn):
         out_m = out_m | (ki > qi)
     if c.get("window") is not None:
         left, right = c["window"]
-        out_m = out_m | ((ki < qi - left) if left >= 0 else False) | ((ki > qi + right) if right >= 0 else False)
+        out_m = (
+            out_m | ((ki < qi - left) if left >= 0 else False) | ((ki > qi + right) if right >= 0 else False)
+        )
     s = jnp.where(out_m, -jnp.inf, s)
     pr = jax.nn.softmax(s, -1)
     o = jnp.einsum("bhqk,bkhd->bqhd", pr, v).reshape(b, sq, h * d)
@@ -318,7 +326,9 @@ def layer_ref(p, x, enc, c):
 
 
 def cfg(**kw):
-    c = dict(heads=HEADS, groups=HEADS, head_dim=H // HEADS, acts=("relu",), eps=1e-6, kind="layernorm", scale=1.0)
+    c = dict(
+        heads=HEADS, groups=HEADS, head_dim=H // HEADS, acts=("relu",), eps=1e-6, kind="layernorm", scale=1.0
+    )
     c.update(kw)
     return c
 
@@ -356,9 +366,9 @@ def check(module, inputs, ref, case, apply_kw=None, n_grad_inputs=None):
             o = o[0] if isinstance(o, tuple) else o
             return jnp.vdot(o.astype(jnp.float32), dy)
 
-        out, grads = jax.jit(lambda p, *xs: (loss(p, *xs), jax.grad(loss, argnums=tuple(range(n + 1)))(p, *xs)))(
-            v["params"], *inputs[:n]
-        )
+        out, grads = jax.jit(
+            lambda p, *xs: (loss(p, *xs), jax.grad(loss, argnums=tuple(range(n + 1)))(p, *xs))
+        )(v["params"], *inputs[:n])
         out = module.apply(v, *inputs, rngs=RNGS, **apply_kw)
     out = out[0] if isinstance(out, tuple) else out
     with jax.enable_x64(True):
@@ -437,12 +447,17 @@ def test_layernorm_mlp_lora(case):
 
 def test_layernorm_mlp_returns_layernorm_output_and_ckpt_names():
     x = randn((B, S, H))
-    m = lf.LayerNormMLP(intermediate_dim=F, intermediate_dropout_rate=0.0, ffn1_ckpt_name="a1", ffn2_ckpt_name="a2")
+    m = lf.LayerNormMLP(
+        intermediate_dim=F, intermediate_dropout_rate=0.0, ffn1_ckpt_name="a1", ffn2_ckpt_name="a2"
+    )
     v = m.init(jax.random.PRNGKey(0), x)
     out, ln = m.apply(v, x)
     p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), nn.unbox(v)["params"])
     np.testing.assert_allclose(ln, _ln(np.asarray(x, np.float64), p), rtol=1e-5, atol=1e-5)
-    assert lf.LayerNormMLP(intermediate_dim=F, return_layernorm_output=False).apply(v, x, deterministic=True)[1] is None
+    assert (
+        lf.LayerNormMLP(intermediate_dim=F, return_layernorm_output=False).apply(v, x, deterministic=True)[1]
+        is None
+    )
     jaxpr = str(jax.make_jaxpr(lambda x: m.apply(v, x, deterministic=True))(x))
     assert "name=a1" in jaxpr and "name=a2" in jaxpr
 
@@ -488,15 +503,27 @@ def test_decoder_with_cross_attention(case):
             dict(apply_residual_connection_post_layernorm=True, output_layernorm=True),
             dict(post_ln_residual=True, output_ln=True),
         ),
-        (dict(scale_attn_logits=True, enable_relative_embedding=False), dict(scale=1 / math.sqrt(H // HEADS))),
+        (
+            dict(scale_attn_logits=True, enable_relative_embedding=False),
+            dict(scale=1 / math.sqrt(H // HEADS)),
+        ),
         (dict(hidden_size=16), dict(head_dim=4)),  # heads of hidden_size/heads dims, input width 32
         (dict(transpose_batch_sequence=True), dict(transpose=True)),
         (dict(self_attn_mask_type="no_mask"), dict(causal=False)),
         (dict(layernorm_type="rmsnorm", layernorm_epsilon=1e-5), dict(kind="rmsnorm", eps=1e-5)),
         (dict(mlp_activations=("squared_relu",)), dict(acts=("squared_relu",))),
     ],
-    ids=["output_layernorm", "post_ln_residual", "post_ln_residual+output_layernorm", "scale_attn_logits",
-         "hidden_size", "transpose_batch_sequence", "no_mask", "rmsnorm", "squared_relu"],
+    ids=[
+        "output_layernorm",
+        "post_ln_residual",
+        "post_ln_residual+output_layernorm",
+        "scale_attn_logits",
+        "hidden_size",
+        "transpose_batch_sequence",
+        "no_mask",
+        "rmsnorm",
+        "squared_relu",
+    ],
 )
 def test_layer_fields(kw, ref_kw):
     c = cfg(**ref_kw)
@@ -517,10 +544,22 @@ def test_padding_causal_and_gqa_f32():
     mask[1, :, :, 6:] = True
     m = _layer(num_gqa_groups=2, self_attn_mask_type="padding_causal", enable_relative_embedding=False)
     c = cfg(groups=2, mask=mask)
-    check(m, (randn((B, S, H)),), lambda p, x: layer_ref(p, x, None, c), F32, apply_kw={"attention_mask": jnp.asarray(mask)})
+    check(
+        m,
+        (randn((B, S, H)),),
+        lambda p, x: layer_ref(p, x, None, c),
+        F32,
+        apply_kw={"attention_mask": jnp.asarray(mask)},
+    )
     # TransformerEngine also spells it 'causal_padding'
     m2 = _layer(num_gqa_groups=2, self_attn_mask_type="causal_padding", enable_relative_embedding=False)
-    check(m2, (randn((B, S, H)),), lambda p, x: layer_ref(p, x, None, c), F32, apply_kw={"attention_mask": jnp.asarray(mask)})
+    check(
+        m2,
+        (randn((B, S, H)),),
+        lambda p, x: layer_ref(p, x, None, c),
+        F32,
+        apply_kw={"attention_mask": jnp.asarray(mask)},
+    )
 
 
 def test_lora_scope_mlp_and_all():
@@ -538,7 +577,9 @@ def test_lora_scope_mlp_and_all():
 
 def test_relative_position_biases_buckets():
     """The default relative embedding's buckets (exact and logarithmic) against T5's rule."""
-    rel = lf_transformer._relative_position_biases_cls()(num_buckets=32, max_distance=128, num_attention_heads=2)
+    rel = lf_transformer._relative_position_biases_cls()(
+        num_buckets=32, max_distance=128, num_attention_heads=2
+    )
     for bidirectional in (True, False):
         v = rel.init(jax.random.PRNGKey(0), 160, 160, bidirectional)
         out = rel.apply(v, 160, 160, bidirectional)
@@ -611,7 +652,9 @@ def test_mha_fields_passed_under_te_names(monkeypatch):
     sa, ca = seen["self_attention"], seen["encoder_decoder_attention"]
     for f in (sa, ca):
         assert f["head_dim"] == H // HEADS and f["num_attention_heads"] == HEADS and f["num_gqa_groups"] == 2
-        assert f["float32_logits"] is True and f["scale_attn_logits"] is True and f["scaled_query_init"] is False
+        assert (
+            f["float32_logits"] is True and f["scale_attn_logits"] is True and f["scaled_query_init"] is False
+        )
         assert f["transpose_batch_sequence"] is True and f["enable_sequence_parallel"] is True
         assert f["enable_rotary_pos_emb"] is True and f["rotary_pos_emb_windows"] == (2, 500)
         assert f["rotary_pos_emb_group_method"] == "alternate" and f["window_size"] == (3, 0)
@@ -621,7 +664,11 @@ def test_mha_fields_passed_under_te_names(monkeypatch):
         assert f["return_layernorm_output"] is False
     assert sa["input_layernorm"] is False and sa["attn_mask_type"] == "padding_causal"
     assert sa["attn_bias_type"] == "post_scale_bias"
-    assert ca["input_layernorm"] is True and ca["attn_mask_type"] == "padding" and ca["attn_bias_type"] == "no_bias"
+    assert (
+        ca["input_layernorm"] is True
+        and ca["attn_mask_type"] == "padding"
+        and ca["attn_bias_type"] == "no_bias"
+    )
 
 
 # ---- parameter trees in TE's layout -------------------------------------------------------------
@@ -638,11 +685,15 @@ def _mlp_tree(n_act=1, bias=False):
 
 def test_param_tree_outside_attention_is_te():
     x = randn((B, S, H))
-    v = _layer(mlp_activations=("silu", "linear"), use_bias=True).init(jax.random.PRNGKey(0), x, deterministic=True)
+    v = _layer(mlp_activations=("silu", "linear"), use_bias=True).init(
+        jax.random.PRNGKey(0), x, deterministic=True
+    )
     t = _tree(v)
     assert set(t) == {"attention", "mlp", "relpos_bias"}
     assert t["mlp"] == _mlp_tree(2, bias=True) and t["relpos_bias"] == {"rel_embedding": (HEADS, 32)}
-    v = _layer(output_layernorm=True, enable_relative_embedding=False).init(jax.random.PRNGKey(0), x, deterministic=True)
+    v = _layer(output_layernorm=True, enable_relative_embedding=False).init(
+        jax.random.PRNGKey(0), x, deterministic=True
+    )
     t = _tree(v)
     assert set(t) == {"attention", "mlp", "output_layernorm"}
     assert t["output_layernorm"] == {"scale": (H,), "ln_bias": (H,)}
@@ -663,7 +714,11 @@ def test_param_tree_te_layout_needs_attention_helper():
     }
     dec = _tree(
         _layer(layer_type="decoder").init(
-            jax.random.PRNGKey(0), x, x, encoder_decoder_mask=jnp.zeros((B, 1, S, S), bool), deterministic=True
+            jax.random.PRNGKey(0),
+            x,
+            x,
+            encoder_decoder_mask=jnp.zeros((B, 1, S, S), bool),
+            deterministic=True,
         )
     )
     assert dec == {
@@ -749,7 +804,11 @@ def test_errors_name_the_field():
 def test_pre_merge_shim_refuses_missing_mha_fields():
     """Until MultiHeadAttention has a TE field, a non-default value of it is refused by name."""
     x = randn((B, S, H))
-    for field, value in [("window_size", (2, 0)), ("float32_attention_logits", True), ("fuse_qkv_params", False)]:
+    for field, value in [
+        ("window_size", (2, 0)),
+        ("float32_attention_logits", True),
+        ("fuse_qkv_params", False),
+    ]:
         mha_field = "float32_logits" if field == "float32_attention_logits" else field
         if mha_field in _MHA_FIELDS:
             continue  # the attention module has it now: passed through, nothing to refuse

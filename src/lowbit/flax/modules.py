@@ -493,7 +493,8 @@ class LayerNormMLP(nn.Module):
         axis = _canon_tuple(self.axis, "axis")
         if axis not in ((-1,), (inputs.ndim - 1,)):
             raise NotImplementedError(
-                f"LayerNormMLP: axis must be -1 (the last axis, as TransformerEngine requires), got {self.axis!r}"
+                "LayerNormMLP: axis must be -1 (the last axis, as TransformerEngine requires), "
+                f"got {self.axis!r}"
             )
         n_act = len(acts)
         if not isinstance(self.intermediate_dim, (int, np.integer)) or self.intermediate_dim < 1:

@@ -93,7 +93,9 @@ def _relative_buckets(q_len: int, k_len: int, num_buckets: int, max_distance: in
         n = np.maximum(n, 0)
     exact = nb // 2
     with np.errstate(divide="ignore"):
-        log_part = np.log(n.astype(np.float32) / exact + np.finfo(np.float32).eps) / np.log(max_distance / exact)
+        log_part = np.log(n.astype(np.float32) / exact + np.finfo(np.float32).eps) / np.log(
+            max_distance / exact
+        )
     large = np.minimum(exact + (log_part * (nb - exact)).astype(np.int64), nb - 1)
     return bucket + np.where(n < exact, n, large)
 
@@ -170,7 +172,9 @@ def _mha_kwargs(kw: dict, head_dim: int, has_bias: bool) -> Tuple[dict, bool]:
         elif name in ("rotary_pos_emb_windows", "rotary_pos_emb_group_method") and not rotary:
             pass  # unused without rotary embedding
         elif name == "attn_bias_type" and (
-            value is None or _norm_name(value) == "post_scale_bias" or (_norm_name(value) == "no_bias" and not has_bias)
+            value is None
+            or _norm_name(value) == "post_scale_bias"
+            or (_norm_name(value) == "no_bias" and not has_bias)
         ):
             pass  # the module adds a bias after scaling, as post_scale_bias does
         elif name == "scaled_query_init":
@@ -260,13 +264,19 @@ class TransformerLayer(nn.Module):
         layer_type = _layer_type(self.layer_type)
         decoder = layer_type is TransformerLayerType.DECODER
         H, heads = self.hidden_size, self.num_attention_heads
-        if not isinstance(heads, (int, np.integer)) or heads < 1 or not isinstance(H, (int, np.integer)) or H % heads:
+        if (
+            not isinstance(heads, (int, np.integer))
+            or heads < 1
+            or not isinstance(H, (int, np.integer))
+            or H % heads
+        ):
             raise ValueError(
                 f"TransformerLayer: hidden_size ({H!r}) must be a multiple of num_attention_heads ({heads!r})"
             )
         if decode:
             raise NotImplementedError(
-                "TransformerLayer: decode=True (the autoregressive key/value cache) is not supported by lowbit"
+                "TransformerLayer: decode=True (the autoregressive key/value cache) is not "
+                "supported by lowbit"
             )
         if inputs.ndim != 3:
             raise ValueError(
@@ -274,7 +284,9 @@ class TransformerLayer(nn.Module):
                 f"transpose_batch_sequence), got shape {tuple(inputs.shape)}"
             )
         if decoder and encoded is None:
-            raise ValueError("TransformerLayer: encoded is required when layer_type is TransformerLayerType.DECODER")
+            raise ValueError(
+                "TransformerLayer: encoded is required when layer_type is TransformerLayerType.DECODER"
+            )
         if not decoder and (encoded is not None or encoder_decoder_mask is not None):
             raise ValueError(
                 "TransformerLayer: encoded / encoder_decoder_mask are only used by a "
@@ -282,7 +294,8 @@ class TransformerLayer(nn.Module):
             )
         if self.mlp_activation_params is not None:
             raise NotImplementedError(
-                "TransformerLayer: mlp_activation_params (clamped SwiGLU parameters) is not supported by lowbit"
+                "TransformerLayer: mlp_activation_params (clamped SwiGLU parameters) is not "
+                "supported by lowbit"
             )
         for name in ("hidden_dropout", "attention_dropout", "intermediate_dropout", "drop_path"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -303,7 +316,9 @@ class TransformerLayer(nn.Module):
                     max_distance=128,
                     num_attention_heads=heads,
                     dtype=self.dtype,
-                    embedding_init=nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", dtype=self.dtype),
+                    embedding_init=nn.initializers.variance_scaling(
+                        1.0, "fan_avg", "uniform", dtype=self.dtype
+                    ),
                     name="relpos_bias",
                 )
             attn_bias = rel_emb(seq, seq, not decoder)
@@ -353,7 +368,9 @@ class TransformerLayer(nn.Module):
         def hidden_dropout(x):
             dims = tuple(self.hidden_dropout_dims)
             if any(not -x.ndim <= d < x.ndim for d in dims):
-                raise ValueError(f"TransformerLayer: hidden_dropout_dims {dims} out of range for rank {x.ndim}")
+                raise ValueError(
+                    f"TransformerLayer: hidden_dropout_dims {dims} out of range for rank {x.ndim}"
+                )
             return nn.Dropout(self.hidden_dropout, broadcast_dims=dims, rng_collection=self.dropout_rng_name)(
                 x, deterministic=deterministic
             )
