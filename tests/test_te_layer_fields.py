@@ -783,8 +783,6 @@ def test_errors_name_the_field():
         init(_layer(layer_type="encdec"), x)
     with pytest.raises(ValueError, match="encoded is required"):
         init(_layer(layer_type=lf.TransformerLayerType.DECODER), x)
-    with pytest.raises(ValueError, match="encoded / encoder_decoder_mask are only used by a"):
-        init(_layer(), x, x)
     with pytest.raises(ValueError, match="low_rank_adaptation_scope must be one of"):
         init(_layer(low_rank_adaptation_scope="qkv"), x)
     with pytest.raises(ValueError, match=r"drop_path must be in \[0, 1\)"):

@@ -283,14 +283,10 @@ class TransformerLayer(nn.Module):
                 f"TransformerLayer: inputs must be 3-D ((batch, seq, hidden), or (seq, batch, hidden) with "
                 f"transpose_batch_sequence), got shape {tuple(inputs.shape)}"
             )
+        # An encoder ignores encoded / encoder_decoder_mask, as TransformerEngine's does.
         if decoder and encoded is None:
             raise ValueError(
                 "TransformerLayer: encoded is required when layer_type is TransformerLayerType.DECODER"
-            )
-        if not decoder and (encoded is not None or encoder_decoder_mask is not None):
-            raise ValueError(
-                "TransformerLayer: encoded / encoder_decoder_mask are only used by a "
-                "TransformerLayerType.DECODER layer (cross-attention); this layer is an encoder"
             )
         if self.mlp_activation_params is not None:
             raise NotImplementedError(
