@@ -812,3 +812,18 @@ def test_pre_merge_shim_refuses_missing_mha_fields():
             continue  # the attention module has it now: passed through, nothing to refuse
         with pytest.raises(NotImplementedError, match=f"{mha_field}=.*needs MultiHeadAttention.{mha_field}"):
             _layer(**{field: value}).init(jax.random.PRNGKey(0), x, deterministic=True)
+
+
+def test_layernorm_mlp_input_axes_are_constraints_only():
+    """layernorm_input_axes / dot_*_input_axes constrain sharding only: same output without a mesh."""
+    x = randn((B, S, H))
+    axes = dict(
+        layernorm_input_axes=("batch", "seq", "embed"),
+        dot_1_input_axes=("batch", "seq", "embed"),
+        dot_2_input_axes=("batch", "seq", "mlp"),
+        transpose_batch_sequence=True,  # per-token math: no effect
+    )
+    plain = lf.LayerNormMLP(intermediate_dim=F, intermediate_dropout_rate=0.0)
+    v = plain.init(jax.random.PRNGKey(0), x)
+    out = lf.LayerNormMLP(intermediate_dim=F, intermediate_dropout_rate=0.0, **axes).apply(v, x)[0]
+    np.testing.assert_array_equal(out, plain.apply(v, x)[0])
