@@ -430,6 +430,12 @@ LAYER = dict(
     hidden_dropout=0.0,
     attention_dropout=0.0,
     intermediate_dropout=0.0,
+    # TransformerEngine's defaults add a relative position bias and leave the logits unscaled
+    # (the query init is scaled instead); _layer_ref has neither.
+    enable_relative_embedding=False,
+    scale_attn_logits=True,
+    # the bounds below were measured with this (truncated normal) draw, not TransformerEngine's normal one
+    mha_kernel_init=lf.modules.DEFAULT_KERNEL_INIT,
 )
 
 
@@ -456,17 +462,22 @@ def test_transformer_layer(name, recipe, dtype, tol_out, tol_grad):
 
 
 def test_transformer_layer_decoder_is_causal_and_axes():
-    m = lf.TransformerLayer(**LAYER, layer_type="decoder", self_attn_mask_type="no_mask")
-    x = randn((2, 16, 64))
-    v = m.init(jax.random.PRNGKey(0), x, deterministic=True)
-    y = m.apply(v, x, deterministic=True)
-    y2 = m.apply(v, x.at[:, 10:].set(0.0), deterministic=True)  # the future does not change the past
+    """A decoder layer (TransformerEngine's: self-attention with self_attn_mask_type as given,
+    then cross-attention on ``encoded``) with a causal self-attention: the future of the decoder
+    input does not change the past."""
+    m = lf.TransformerLayer(**LAYER, layer_type=lf.TransformerLayerType.DECODER, self_attn_mask_type="causal")
+    x, enc = randn((2, 16, 64)), randn((2, 12, 64), 3)
+    ed_mask = jnp.zeros((2, 1, 16, 12), bool)
+    v = m.init(jax.random.PRNGKey(0), x, enc, encoder_decoder_mask=ed_mask, deterministic=True)
+    y = m.apply(v, x, enc, encoder_decoder_mask=ed_mask, deterministic=True)
+    y2 = m.apply(v, x.at[:, 10:].set(0.0), enc, encoder_decoder_mask=ed_mask, deterministic=True)
     np.testing.assert_allclose(y[:, :10], y2[:, :10], rtol=1e-5, atol=1e-5)
     spec = nn.get_partition_spec(v)["params"]
-    assert spec["attention"]["qkv"]["kernel"] == jax.sharding.PartitionSpec("embed", "joined_kv")
-    assert spec["attention"]["out"]["kernel"] == jax.sharding.PartitionSpec("joined_kv", "embed")
-    assert spec["mlp"]["wi_kernel"] == jax.sharding.PartitionSpec("embed", None, "mlp")
-    assert spec["mlp"]["scale"] == jax.sharding.PartitionSpec("embed")
+    assert spec["self_attention"]["qkv"]["kernel"] == jax.sharding.PartitionSpec("embed", "joined_kv")
+    assert spec["self_attention"]["out"]["kernel"] == jax.sharding.PartitionSpec("joined_kv", "embed")
+    # the MLP's parameters carry TransformerEngine's logical axis names, as its TransformerLayer sets them
+    assert spec["mlp"]["wi_kernel"] == jax.sharding.PartitionSpec("nvte_w_fsdp", "nvte_w_joined", "nvte_w_tp")
+    assert spec["mlp"]["scale"] == jax.sharding.PartitionSpec("nvte_w_no_shard")
 
 
 def test_transformer_layer_gpu_attention_matches_xla(device):
@@ -524,9 +535,11 @@ def test_training_delayed_scaling_tracks_no_recipe():
 # ---- bad configuration -----------------------------------------------------------------------
 def test_errors():
     x = randn((2, 8, 64))
-    with pytest.raises(ValueError, match="activations: unknown activation 'gleu'"):
+    with pytest.raises(ValueError, match="unknown activation 'gleu'"):
         lf.LayerNormMLP(intermediate_dim=32, activations=("gleu",)).init(jax.random.PRNGKey(0), x)
-    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) must divide hidden_size \(64\)"):
+    with pytest.raises(
+        ValueError, match=r"hidden_size \(64\) must be a multiple of num_attention_heads \(6\)"
+    ):
         lf.TransformerLayer(hidden_size=64, mlp_hidden_size=32, num_attention_heads=6).init(
             jax.random.PRNGKey(0), x
         )
@@ -538,7 +551,7 @@ def test_errors():
         )
     with pytest.raises(ValueError, match="layernorm_type must be"):
         lf.LayerNorm(layernorm_type="batchnorm").init(jax.random.PRNGKey(0), x)
-    with pytest.raises(ValueError, match="layer_type must be one of"):
+    with pytest.raises(ValueError, match="layer_type must be TransformerLayerType"):
         lf.TransformerLayer(**LAYER, layer_type="encdec").init(jax.random.PRNGKey(0), x)
     with pytest.raises(ValueError, match="kernel axes"):
         lf.DenseGeneral(features=32, kernel_axes=("embed",)).init(jax.random.PRNGKey(0), x)

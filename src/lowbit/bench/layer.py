@@ -3,9 +3,12 @@ Flax layer (from :mod:`lowbit.bench.dense`), on the seed shapes (batch 4, seq 20
 ffn 16384, 32 heads, causal).
 
 Each case is one JIT-compiled value_and_grad over all variables and the input (bf16), timed
-after warm-up (median of repeats). lowbit's layer has bf16 parameters, a GELU MLP with biases
-and no dropout (so attention can take cuDNN's fused kernel); the seed layer keeps its attention
-dropout of 0.1, as the seed measures it. ``speedup`` is against plain Flax with bf16 params.
+after warm-up (median of repeats). lowbit's layer is configured as the seed layer: bf16
+parameters, a GELU MLP with biases, LayerNorm epsilon 1e-5, logits scaled by 1/sqrt(head_dim),
+no relative position bias, no hidden or MLP dropout. The plain cases have no attention dropout
+(so attention can take cuDNN's fused kernel); "lowbit delayed, attention dropout 0.1" is the seed
+layer as the seed measures it (attention dropout 0.1) through lowbit's modules. ``speedup`` is
+against plain Flax with bf16 params (which keeps the seed's attention dropout of 0.1).
 """
 
 from __future__ import annotations
@@ -24,25 +27,37 @@ from lowbit.bench.dense import TransformerLayer as SeedLayer
 def _cases():
     """(name, builder(cfg) -> module, params dtype, recipe, note)."""
     seed = lambda cfg: SeedLayer(cfg["hidden"], cfg["ffn"], cfg["heads"])
-    ours = lambda cfg: lowbit_flax.TransformerLayer(
-        hidden_size=cfg["hidden"],
-        mlp_hidden_size=cfg["ffn"],
-        num_attention_heads=cfg["heads"],
-        layernorm_epsilon=1e-5,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        intermediate_dropout=0.0,
-        mlp_activations=("gelu",),
-        use_bias=True,
-        self_attn_mask_type="causal",
-        dtype=jnp.bfloat16,
-    )
+
+    def ours(attention_dropout):
+        return lambda cfg: lowbit_flax.TransformerLayer(
+            hidden_size=cfg["hidden"],
+            mlp_hidden_size=cfg["ffn"],
+            num_attention_heads=cfg["heads"],
+            layernorm_epsilon=1e-5,
+            hidden_dropout=0.0,
+            attention_dropout=attention_dropout,
+            intermediate_dropout=0.0,
+            mlp_activations=("gelu",),
+            use_bias=True,
+            self_attn_mask_type="causal",
+            enable_relative_embedding=False,
+            scale_attn_logits=True,
+            dtype=jnp.bfloat16,
+        )
+
     return [
         ("flax f32 params", seed, jnp.float32, None, "the seed's setting"),
         ("flax bf16 params", seed, jnp.bfloat16, None, "baseline"),
-        ("lowbit bf16 (no recipe)", ours, jnp.bfloat16, None, "no attention dropout"),
-        ("lowbit delayed", ours, jnp.bfloat16, lowbit.DelayedScaling(), "no attention dropout"),
-        ("lowbit current", ours, jnp.bfloat16, lowbit.Float8CurrentScaling(), "no attention dropout"),
+        ("lowbit bf16 (no recipe)", ours(0.0), jnp.bfloat16, None, "no attention dropout"),
+        ("lowbit delayed", ours(0.0), jnp.bfloat16, lowbit.DelayedScaling(), "no attention dropout"),
+        ("lowbit current", ours(0.0), jnp.bfloat16, lowbit.Float8CurrentScaling(), "no attention dropout"),
+        (
+            "lowbit delayed, attention dropout 0.1",
+            ours(0.1),
+            jnp.bfloat16,
+            lowbit.DelayedScaling(),
+            "the seed layer's attention dropout",
+        ),
     ]
 
 
@@ -54,7 +69,10 @@ def build_case(name: str, cfg: dict, key, drop):
     dy = jax.random.normal(key, shape, jnp.float32)
     model = build(cfg)
     seed = isinstance(model, SeedLayer)
-    kwargs = {"attention_mask": None, "deterministic": False} if seed else {"deterministic": True}
+    if seed:
+        kwargs = {"attention_mask": None, "deterministic": False}
+    else:  # dropout only where the case has attention dropout (its other rates are 0)
+        kwargs = {"deterministic": model.attention_dropout == 0}
     rngs = {"dropout": drop}
     with lowbit.autocast(recipe):
         v = _cast_params(nn.unbox(model.init({"params": key, "dropout": drop}, x, **kwargs)), pdtype)

@@ -11,7 +11,7 @@ from lowbit.flax.state_module import (
     wrap_function_in_state_module,
     wrap_function_in_te_state_module,
 )
-from lowbit.flax.transformer import TransformerLayer
+from lowbit.flax.transformer import TransformerLayer, TransformerLayerType
 
 __all__ = [
     "make_ragged_dot_cls",
@@ -31,4 +31,5 @@ __all__ = [
     "MultiHeadAttention",
     "Softmax",
     "TransformerLayer",
+    "TransformerLayerType",
 ]

@@ -24,6 +24,7 @@ from lowbit.flax import (
     MultiHeadAttention,
     Softmax,
     TransformerLayer,
+    TransformerLayerType,
     make_dot_general_cls,
     make_ragged_dot_cls,
 )
@@ -123,6 +124,7 @@ __all__ = [
     "MultiHeadAttention",
     "RelativePositionBiases",
     "TransformerLayer",
+    "TransformerLayerType",
     "make_dot_general_cls",
     "make_ragged_dot_cls",
     "wrap_function_in_te_state_module",
