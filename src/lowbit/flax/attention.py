@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.sharding import tensor_parallel_layout
 from lowbit.flax.modules import (
     DEFAULT_KERNEL_INIT,
     DenseGeneral,
@@ -292,9 +293,10 @@ class MultiHeadAttention(nn.Module):
             name="attention",
         )(q, k, v, mask, bias, deterministic=deterministic)
         x = x.reshape(lead + (h * d,))
-        out = DenseGeneral(
-            features=hidden, kernel_axes=("joined_kv", "embed"), bias_axes=("embed",), name="out", **common
-        )(x)
+        with tensor_parallel_layout("row"):  # heads split over tp: the output projection is row-parallel
+            out = DenseGeneral(
+                features=hidden, kernel_axes=("joined_kv", "embed"), bias_axes=("embed",), name="out", **common
+            )(x)
         return out, (ln_out if self.return_layernorm_output else inputs_q)
 
 

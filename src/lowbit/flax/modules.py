@@ -27,6 +27,7 @@ from lowbit.ops.dense import dense as _dense
 from lowbit.ops.norm import NORM_TYPES
 from lowbit.ops.norm import layernorm as _layernorm
 from lowbit.ops.softmax import softmax as _softmax
+from lowbit.sharding import tensor_parallel_layout
 
 Initializer = Callable[..., Any]
 
@@ -375,7 +376,10 @@ class LayerNormMLP(nn.Module):
                 broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
                 rng_collection=self.intermediate_dropout_rng_name,
             )(h, deterministic=False)
-        out = DenseOp(name="wo_op")(h, wo, wo_b, ((h.ndim - 1,), (0,)))
+        # Under tensor parallelism wo is row-parallel (its input is wi's column-parallel output,
+        # split over tp on the last axis), as in TransformerEngine: no gather between the GEMMs.
+        with tensor_parallel_layout("row"):
+            out = DenseOp(name="wo_op")(h, wo, wo_b, ((h.ndim - 1,), (0,)))
         return out, (y if self.return_layernorm_output else None)
 
 

@@ -18,6 +18,7 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from lowbit import _native
@@ -35,6 +36,7 @@ from lowbit.ops.fused_quantize import (
 )
 from lowbit.ops.quantize import check_input
 from lowbit.quantization.tensor import ScaledTensor, prod
+from lowbit.sharding import plan_rows, shard_map
 
 NORM_TYPES = {"layernorm": 0, "rmsnorm": 1}
 
@@ -248,6 +250,12 @@ def layernorm(
         return dx, dg, db, (None if scale is None else jnp.zeros_like(scale))
 
     f.defvjp(f_fwd, f_bwd)
+    plan = None if spec is not None else plan_rows(x.shape)
+    if plan is not None:
+        # Under a MeshResource: per batch shard (the FFI call has no partitioning rule, so XLA
+        # would gather x). gamma/beta are replicated; their gradients are summed over the shards.
+        mesh, xs = plan
+        return shard_map(lambda x, g, b: f(x, g, b, None), mesh, (xs, P(), P()), xs)(x, gamma, beta_arg)
     return f(x, gamma, beta_arg, scale)
 
 
