@@ -252,11 +252,48 @@ def layernorm(
     f.defvjp(f_fwd, f_bwd)
     plan = None if spec is not None else plan_rows(x.shape)
     if plan is not None:
-        # Under a MeshResource: per batch shard (the FFI call has no partitioning rule, so XLA
-        # would gather x). gamma/beta are replicated; their gradients are summed over the shards.
-        mesh, xs = plan
-        return shard_map(lambda x, g, b: f(x, g, b, None), mesh, (xs, P(), P()), xs)(x, gamma, beta_arg)
+        return _sharded(plan, x, gamma, beta_arg, has_beta, norm_type, zero_centered_gamma, epsilon)
     return f(x, gamma, beta_arg, scale)
+
+
+def _sharded(plan, x, gamma, beta_arg, has_beta, norm_type, zc, eps):
+    """layernorm per batch shard under a MeshResource (the FFI call has no partitioning rule, so
+    XLA would gather x). gamma/beta stay replicated; their gradients are summed over the shards in
+    float32 and rounded once, as one device does."""
+    mesh, xs = plan
+    axes, rs = xs[0], P(*tuple(xs)[:-1])
+    ln = norm_type == "layernorm"
+
+    def fwd_body(x, g, b):
+        out, _, mean, rsigma = _fwd(x, g, b if has_beta else None, None, norm_type, zc, eps, False)
+        return out, (mean if ln else rsigma), rsigma
+
+    def bwd_body(dy, x, mean, rsigma, g):
+        dx, dg, db = layernorm_bwd(
+            dy, x, mean if ln else None, rsigma, g.astype(jnp.float32), norm_type=norm_type, zero_centered_gamma=zc
+        )
+        db = db if db is not None else jnp.zeros_like(dg)
+        return dx, jax.lax.psum(dg, axes), jax.lax.psum(db, axes)
+
+    fwd = shard_map(fwd_body, mesh, (xs, P(), P()), (xs, rs, rs))
+    bwd = shard_map(bwd_body, mesh, (xs, xs, rs, rs, P()), (xs, P(), P()))
+
+    @jax.custom_vjp
+    def f(x, gamma, beta_arg):
+        return fwd(x, gamma, beta_arg)[0]
+
+    def f_fwd(x, gamma, beta_arg):
+        out, mean, rsigma = fwd(x, gamma, beta_arg)
+        return out, (x, gamma, mean, rsigma)
+
+    def f_bwd(res, ct):
+        x, gamma, mean, rsigma = res
+        dx, dg, db = bwd(ct.astype(x.dtype), x, mean, rsigma, gamma)
+        db = db.astype(gamma.dtype) if has_beta else jnp.zeros((0,), gamma.dtype)
+        return dx, dg.astype(gamma.dtype), db
+
+    f.defvjp(f_fwd, f_bwd)
+    return f(x, gamma, beta_arg)
 
 
 __all__ = ["QuantizeSpec", "layernorm", "layernorm_bwd", "layernorm_fwd"]
