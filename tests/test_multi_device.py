@@ -119,18 +119,19 @@ def _rows(out, stage):
         return json.load(f)
 
 
-def _check_stage_results(out, processes=1):
+def _check_stage_results(out, processes=1, stages=("seed", "layer", "moe")):
     seed = _rows(out, "seed")
     assert seed["env"]["devices"] == N_DEV and seed["env"]["processes"] == processes
     by = {r["case"]: r for r in seed["rows"]}
     assert by["lowbit current"]["audit"] == "ok" and by["lowbit current"]["all_gather"] == 0
     assert by["lowbit current"]["bound"] <= 1.0
     assert by["lowbit current, no MeshResource"]["full_kernel_gathers"] > 0  # what the audit catches
-    for stage in ("layer", "moe"):
+    for stage in set(stages) & {"layer", "moe"}:
         rows = _rows(out, stage)["rows"]
         assert rows and all(r["bound"] <= 1.0 for r in rows), [(r.get("model"), r["bound"]) for r in rows]
-    layer = _rows(out, "layer")["rows"]
-    assert all(r["gathers"] == 0 for r in layer if r["parallel"] in ("dp", "dp_tp")), layer
+    if "layer" in stages:
+        layer = _rows(out, "layer")["rows"]
+        assert all(r["gathers"] == 0 for r in layer if r["parallel"] in ("dp", "dp_tp")), layer
 
 
 @pytest.mark.slow
@@ -145,28 +146,12 @@ def test_bench_stages_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_jax_distributed_two_processes(tmp_path):
-    """The launcher: 2 processes x 2 host devices joined by jax.distributed (gloo), the same stages."""
-    stdout = _run_bench(
-        [
-            "--stage",
-            "all",
-            "--small",
-            "--quick",
-            "--models",
-            "LayerNormMLP",
-            "--parallel",
-            "dp_tp",
-            "--processes",
-            "2",
-            "--local-devices",
-            "2",
-            "--timeout",
-            "280",
-        ],
-        tmp_path,
-    )
+    """The launcher: 2 processes x 2 host devices joined by jax.distributed (gloo): the seed stage
+    (audit, results against one device) on the 4 global devices."""
+    args = ["--stage", "seed", "--small", "--quick", "--processes", "2", "--local-devices", "2", "--timeout", "280"]
+    stdout = _run_bench(args, tmp_path)
     assert "in 2 process(es)" in stdout, stdout[-2000:]
-    _check_stage_results(tmp_path, processes=2)
+    _check_stage_results(tmp_path, processes=2, stages=("seed",))
 
 
 # ---------------------------------------------------------------------------------------------
