@@ -36,14 +36,20 @@ def _env(devices: int = N_DEV) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The audit on HLO text (no devices)
 # ---------------------------------------------------------------------------------------------
-HLO = """
-  %all-reduce.8 = (f32[], f32[2,64,256]{2,1,0}) all-reduce(%a, %b), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, to_apply=%add
-  %ag = bf16[256,512]{1,0} all-gather(bf16[256,256]{1,0} %k), channel_id=2, replica_groups={{0,1},{2,3}}, dimensions={1}
-  %ags = (bf16[64,256]{1,0}, bf16[128,256]{1,0}) all-gather-start(bf16[64,256]{1,0} %x), replica_groups=[2,2]<=[4]
-  %agd = bf16[128,256]{1,0} all-gather-done(%ags)
-  %rs = f32[32,256]{1,0} reduce-scatter(f32[128,256]{1,0} %y), replica_groups={{0,1,2,3}}, dimensions={0}
-  %fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%all-reduce-like
-"""
+HLO = "\n".join(  # compiled HLO lines as XLA prints them
+    [
+        "%all-reduce.8 = (f32[], f32[2,64,256]{2,1,0}) all-reduce(%a, %b), channel_id=1, "
+        "replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, to_apply=%add",
+        "%ag = bf16[256,512]{1,0} all-gather(bf16[256,256]{1,0} %k), channel_id=2, "
+        "replica_groups={{0,1},{2,3}}, dimensions={1}",
+        "%ags = (bf16[64,256]{1,0}, bf16[128,256]{1,0}) all-gather-start(bf16[64,256]{1,0} %x), "
+        "replica_groups=[2,2]<=[4]",
+        "%agd = bf16[128,256]{1,0} all-gather-done(%ags)",
+        "%rs = f32[32,256]{1,0} reduce-scatter(f32[128,256]{1,0} %y), replica_groups={{0,1,2,3}}, "
+        "dimensions={0}",
+        "%fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%all-reduce-like",
+    ]
+)
 
 
 def test_collectives_are_parsed_with_sizes_and_groups():
@@ -148,7 +154,18 @@ def test_bench_stages_end_to_end(tmp_path):
 def test_jax_distributed_two_processes(tmp_path):
     """The launcher: 2 processes x 2 host devices joined by jax.distributed (gloo): the seed stage
     (audit, results against one device) on the 4 global devices."""
-    args = ["--stage", "seed", "--small", "--quick", "--processes", "2", "--local-devices", "2", "--timeout", "280"]
+    args = [
+        "--stage",
+        "seed",
+        "--small",
+        "--quick",
+        "--processes",
+        "2",
+        "--local-devices",
+        "2",
+        "--timeout",
+        "280",
+    ]
     stdout = _run_bench(args, tmp_path)
     assert "in 2 process(es)" in stdout, stdout[-2000:]
     _check_stage_results(tmp_path, processes=2, stages=("seed",))
@@ -193,7 +210,10 @@ def _worker(case: str) -> None:
                 lambda p, a: NamedSharding(mesh, _seed_spec(jax.tree_util.keystr(p))),
                 v,
             )
-            args = md.put((v, x, dy), (vs, NamedSharding(mesh, P("dp", None, None)), NamedSharding(mesh, P("dp", None, "tp"))))
+            args = md.put(
+                (v, x, dy),
+                (vs, NamedSharding(mesh, P("dp", None, None)), NamedSharding(mesh, P("dp", None, "tp"))),
+            )
             ref = md._Ctx(None, None, recipe).wrap(step)(v, jnp.asarray(x), jnp.asarray(dy))
             for resource in (res, None):
                 ctx = md._Ctx(mesh, resource, recipe)
@@ -211,7 +231,10 @@ def _worker(case: str) -> None:
                 # DelayedScaling's new state: exact (amaxes are global maxima).
                 st_r = ref[1][0].get("_overwrite_with_gradient")
                 if st_r is not None:
-                    for a, b in zip(jax.tree_util.tree_leaves(st_r), jax.tree_util.tree_leaves(md.to_host(got[1][0]["_overwrite_with_gradient"]))):
+                    for a, b in zip(
+                        jax.tree_util.tree_leaves(st_r),
+                        jax.tree_util.tree_leaves(md.to_host(got[1][0]["_overwrite_with_gradient"])),
+                    ):
                         assert np.array_equal(np.asarray(a), np.asarray(b))
     elif case == "layers":
         cfg = dict(batch=4, seq=16, hidden=64, ffn=128, heads=4)
@@ -247,14 +270,20 @@ def _worker(case: str) -> None:
                 audit = md.audit_hlo(hlo)
                 if par == "dp_tp" and mname == "LayerNormMLP":
                     # Column-parallel wi, row-parallel wo, norm and activation per shard: no gathers.
-                    assert audit["counts"]["all-gather"] == 0 and audit["counts"]["all-to-all"] == 0, audit["counts"]
+                    assert audit["counts"]["all-gather"] == 0 and audit["counts"]["all-to-all"] == 0, audit[
+                        "counts"
+                    ]
     elif case == "moe":
         T, d, ff, E, k = 64, 32, 64, 8, 2
         p = md.moe_params(jax.random.PRNGKey(0), d, ff, E, k)
         weights = {kk: v for kk, v in p.items() if kk != "top_k"}
         x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (T, d)))
         mesh = md._mesh((N_DEV,), ("ep",))
-        sh = {"router": NamedSharding(mesh, P()), "w1": NamedSharding(mesh, P("ep")), "w2": NamedSharding(mesh, P("ep"))}
+        sh = {
+            "router": NamedSharding(mesh, P()),
+            "w1": NamedSharding(mesh, P("ep")),
+            "w2": NamedSharding(mesh, P("ep")),
+        }
         gemms = {
             "bf16": lambda a, b, s: lowbit.grouped_gemm(a, b, s, preferred_element_type=jnp.float32),
             "fp8": lambda a, b, s: lowbit.grouped_gemm(

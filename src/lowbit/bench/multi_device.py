@@ -33,7 +33,6 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Optional
 
 STAGES = ("seed", "layer", "moe")
 _ENV_ID, _ENV_NUM, _ENV_COORD = "LOWBIT_MP_PROCESS_ID", "LOWBIT_MP_NUM_PROCESSES", "LOWBIT_MP_COORDINATOR"
@@ -50,7 +49,9 @@ _LINE = re.compile(
     r"(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\("
 )
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-_GROUPS = re.compile(r"replica_groups=(mesh\[[^\]]*\]\s*\{[^}]*\}|\{(?:\{[\d,]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_GROUPS = re.compile(
+    r"replica_groups=(mesh\[[^\]]*\]\s*\{[^}]*\}|\{(?:\{[\d,]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)"
+)
 
 
 def collectives(hlo_text: str) -> list[dict]:
@@ -99,7 +100,9 @@ def audit_hlo(hlo_text: str, kernel_shapes=()) -> dict:
     counts = {op: sum(c["op"] == op for c in colls) for op in COLLECTIVES}
     nbytes = {op: sum(c["bytes"] for c in colls if c["op"] == op) for op in COLLECTIVES}
     full = {_squeeze(s) for s in kernel_shapes}
-    gathers = [c for c in colls if c["op"] == "all-gather" and any(_squeeze(s) in full for _, s in c["results"])]
+    gathers = [
+        c for c in colls if c["op"] == "all-gather" and any(_squeeze(s) in full for _, s in c["results"])
+    ]
     return dict(
         counts=counts,
         bytes=nbytes,
@@ -183,7 +186,9 @@ def launch(argv: list, processes: int, local_devices: int = 1, timeout: float = 
     devices and gloo collectives. Returns the first non-zero exit status (0 if all passed)."""
     gpus = gpu_count()
     if gpus and gpus < processes * local_devices:
-        raise SystemExit(f"{processes} processes x {local_devices} GPUs need {processes * local_devices}, found {gpus}")
+        raise SystemExit(
+            f"{processes} processes x {local_devices} GPUs need {processes * local_devices}, found {gpus}"
+        )
     coord = f"127.0.0.1:{_free_port()}"
     procs = []
     for i in range(processes):
@@ -192,8 +197,20 @@ def launch(argv: list, processes: int, local_devices: int = 1, timeout: float = 
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * local_devices + j) for j in range(local_devices))
         else:
             env["JAX_PLATFORMS"] = "cpu"
-        cmd = [sys.executable, "-m", "lowbit.bench", "multi_device", *argv, "--cpu-devices", str(local_devices)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=None if i == 0 else subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "lowbit.bench",
+            "multi_device",
+            *argv,
+            "--cpu-devices",
+            str(local_devices),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=None if i == 0 else subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     status, deadline = 0, time.time() + timeout
     for i, p in enumerate(procs):
         try:
@@ -397,7 +414,10 @@ def seed_rows(small: bool, recipes=("delayed", "current")) -> list[dict]:
 
         def spec(path, a):
             p = jax.tree_util.keystr(path)
-            return NamedSharding(mesh, P(None, "tp") if p.endswith("['kernel']") else P("tp") if p.endswith("['bias']") else P())
+            return NamedSharding(
+                mesh,
+                P(None, "tp") if p.endswith("['kernel']") else P("tp") if p.endswith("['bias']") else P(),
+            )
 
         vs = jax.tree_util.tree_map_with_path(spec, v)
         sh = (vs, NamedSharding(mesh, P("dp", None, None)), NamedSharding(mesh, P("dp", None, "tp")))
@@ -443,7 +463,16 @@ def seed_rows(small: bool, recipes=("delayed", "current")) -> list[dict]:
     return rows
 
 
-SEED_COLUMNS = ["case", "mesh", "ms", "speedup_vs_flax", "ms_one_device", "scaling_eff", "rel_diff_vs_one", "bound"]
+SEED_COLUMNS = [
+    "case",
+    "mesh",
+    "ms",
+    "speedup_vs_flax",
+    "ms_one_device",
+    "scaling_eff",
+    "rel_diff_vs_one",
+    "bound",
+]
 SEED_COLUMNS += ["all_gather", "all_reduce", "reduce_scatter", "coll_MB", "audit"]
 
 
@@ -460,7 +489,13 @@ PARALLEL = {
         (("mlp", "tp"), ("joined_kv", "tp")),
         ("dp", None, None),
     ),
-    "fsdp": (lambda n: (n,), ("fsdp",), dict(fsdp_resource="fsdp"), (("embed", "fsdp"),), ("fsdp", None, None)),
+    "fsdp": (
+        lambda n: (n,),
+        ("fsdp",),
+        dict(fsdp_resource="fsdp"),
+        (("embed", "fsdp"),),
+        ("fsdp", None, None),
+    ),
 }
 
 
@@ -514,7 +549,10 @@ def _lowbit_models(cfg):
         self_attn_mask_type="causal",
         dtype=jnp.bfloat16,
     )
-    return {"LayerNormMLP": (mlp, {"deterministic": True}, 0), "TransformerLayer": (layer, {"deterministic": True}, None)}
+    return {
+        "LayerNormMLP": (mlp, {"deterministic": True}, 0),
+        "TransformerLayer": (layer, {"deterministic": True}, None),
+    }
 
 
 def _flax_param_spec(path: str, ndim: int, par: str):
@@ -536,7 +574,9 @@ def _flax_param_spec(path: str, ndim: int, par: str):
     return P()
 
 
-def layer_rows(small: bool, models=("LayerNormMLP", "TransformerLayer"), pars=tuple(PARALLEL), recipe="current"):
+def layer_rows(
+    small: bool, models=("LayerNormMLP", "TransformerLayer"), pars=tuple(PARALLEL), recipe="current"
+):
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -573,7 +613,11 @@ def layer_rows(small: bool, models=("LayerNormMLP", "TransformerLayer"), pars=tu
         t1_lb = _timed(one_lb, (lb_v, *args1), small)
         t1_fx = _timed(one_fx, (fx_v, *args1), small)
         kernels = [tuple(a.shape) for a in jax.tree_util.tree_leaves(lb_v["params"]) if a.ndim >= 2]
-        kernels += [(a.shape[0], int(np.prod(a.shape[1:]))) for a in jax.tree_util.tree_leaves(lb_v["params"]) if a.ndim == 3]
+        kernels += [
+            (a.shape[0], int(np.prod(a.shape[1:])))
+            for a in jax.tree_util.tree_leaves(lb_v["params"])
+            if a.ndim == 3
+        ]
         for par in pars:
             mshape_fn, names, rkw, rules, xspec = PARALLEL[par]
             mshape = mshape_fn(n)
@@ -634,8 +678,26 @@ def layer_rows(small: bool, models=("LayerNormMLP", "TransformerLayer"), pars=tu
     return rows
 
 
-LAYER_COLUMNS = ["model", "parallel", "mesh", "ms", "ms_one_device", "scaling_eff", "flax_ms", "flax_scaling_eff"]
-LAYER_COLUMNS += ["speedup_vs_flax", "rel_diff_vs_one", "bound", "gathers", "full_kernel_gathers", "reduces", "coll_MB", "flax_coll_MB"]
+LAYER_COLUMNS = [
+    "model",
+    "parallel",
+    "mesh",
+    "ms",
+    "ms_one_device",
+    "scaling_eff",
+    "flax_ms",
+    "flax_scaling_eff",
+]
+LAYER_COLUMNS += [
+    "speedup_vs_flax",
+    "rel_diff_vs_one",
+    "bound",
+    "gathers",
+    "full_kernel_gathers",
+    "reduces",
+    "coll_MB",
+    "flax_coll_MB",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -700,7 +762,9 @@ def moe_ep(params, x, gemm, mesh=None, axis="ep"):
         return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
 
     spec = P(axis)
-    return _shard_map(body, mesh, (spec, spec, spec, spec, spec), spec)(x, weight, expert, params["w1"], params["w2"])
+    return _shard_map(body, mesh, (spec, spec, spec, spec, spec), spec)(
+        x, weight, expert, params["w1"], params["w2"]
+    )
 
 
 def moe_params(key, d, ff, E, top_k):
@@ -733,7 +797,9 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
     x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (T, d)))
     dy = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (T, d)))
     gemms = {
-        "xla ragged_dot bf16": lambda a, b, s: jax.lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32),
+        "xla ragged_dot bf16": lambda a, b, s: jax.lax.ragged_dot(
+            a, b, s, preferred_element_type=jnp.float32
+        ),
         "lowbit bf16": lambda a, b, s: lowbit.grouped_gemm(a, b, s, preferred_element_type=jnp.float32),
         "lowbit fp8 current": lambda a, b, s: lowbit.grouped_gemm(
             a, b, s, recipe=lowbit.Float8CurrentScaling(), preferred_element_type=jnp.float32
@@ -753,7 +819,11 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
 
         one = jax.jit(step)
         ref = one(weights, jnp.asarray(x), jnp.asarray(dy))
-        sh = {"router": NamedSharding(mesh, P()), "w1": NamedSharding(mesh, P("ep")), "w2": NamedSharding(mesh, P("ep"))}
+        sh = {
+            "router": NamedSharding(mesh, P()),
+            "w1": NamedSharding(mesh, P("ep")),
+            "w2": NamedSharding(mesh, P("ep")),
+        }
         tok = NamedSharding(mesh, P("ep"))
         args = put((weights, x, dy), (sh, tok, tok))
         ep = jax.jit(functools.partial(step, mesh=mesh))
@@ -790,23 +860,39 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
 
 
 MOE_COLUMNS = ["case", "mesh", "shape", "ms", "ms_one_device", "scaling_eff", "speedup_vs_ragged_dot"]
-MOE_COLUMNS += ["rel_diff_vs_one", "bound", "all_gather", "all_reduce", "reduce_scatter", "full_expert_gathers", "coll_MB"]
+MOE_COLUMNS += [
+    "rel_diff_vs_one",
+    "bound",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "full_expert_gathers",
+    "coll_MB",
+]
 
 
 # ---------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m lowbit.bench multi_device", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m lowbit.bench multi_device",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--stage", choices=("all", *STAGES), default="all")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--small", action="store_true", help="small shapes (default without a GPU)")
     size.add_argument("--full", action="store_true", help="the seed shapes (default on a GPU)")
     ap.add_argument("--out", default=None, help="default benchmarks/results/<device>/")
-    ap.add_argument("--cpu-devices", type=int, default=4, help="forced host devices per process without a GPU")
+    ap.add_argument(
+        "--cpu-devices", type=int, default=4, help="forced host devices per process without a GPU"
+    )
     ap.add_argument("--processes", type=int, default=0, help="launch this many processes (jax.distributed)")
     ap.add_argument("--local-devices", type=int, default=1, help="devices per launched process")
-    ap.add_argument("--timeout", type=float, default=590.0, help="launcher: seconds before the processes are killed")
+    ap.add_argument(
+        "--timeout", type=float, default=590.0, help="launcher: seconds before the processes are killed"
+    )
     ap.add_argument("--quick", action="store_true", help="fewest cases and one timed call each (tests)")
     ap.add_argument("--recipe", choices=("delayed", "current", "none"), default="current", help="layer stage")
     ap.add_argument("--models", default="LayerNormMLP,TransformerLayer", help="layer stage, comma-separated")
@@ -855,7 +941,10 @@ def main(argv=None) -> int:
     for stage in stages:
         t0 = time.perf_counter()
         if stage == "seed":
-            rows, cols = seed_rows(small, ("current",) if args.quick else ("delayed", "current")), SEED_COLUMNS
+            rows, cols = (
+                seed_rows(small, ("current",) if args.quick else ("delayed", "current")),
+                SEED_COLUMNS,
+            )
             bad = [r for r in rows if r["audit"] != "ok" and r["audit_expected"] and r["case"] != "flax bf16"]
         elif stage == "layer":
             models = tuple(m for m in args.models.split(",") if m)
@@ -864,7 +953,9 @@ def main(argv=None) -> int:
         else:
             rows, cols, bad = moe_rows(small, quick=args.quick), MOE_COLUMNS, []
         if main_proc:
-            suffix = ("small" if small else "full") + (f"-{jax.process_count()}proc" if jax.process_count() > 1 else "")
+            suffix = ("small" if small else "full") + (
+                f"-{jax.process_count()}proc" if jax.process_count() > 1 else ""
+            )
             print_table(f"multi_device {stage} ({len(jax.devices())} x {env['device']})", rows, cols)
             path = write_json(f"multi_device-{stage}-{suffix}", {"env": env, "rows": rows}, out)
             print(f"wrote {path} ({time.perf_counter() - t0:.1f} s)")

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.sharding import tensor_parallel_layout
 from lowbit.flax.modules import (
     DEFAULT_KERNEL_INIT,
     DenseGeneral,
@@ -28,6 +27,7 @@ from lowbit.flax.modules import (
     check_norm_type,
 )
 from lowbit.ops.softmax import softmax as _softmax
+from lowbit.sharding import tensor_parallel_layout
 
 _MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal")
 _LAYER_TYPES = ("encoder", "decoder")
@@ -295,7 +295,11 @@ class MultiHeadAttention(nn.Module):
         x = x.reshape(lead + (h * d,))
         with tensor_parallel_layout("row"):  # heads split over tp: the output projection is row-parallel
             out = DenseGeneral(
-                features=hidden, kernel_axes=("joined_kv", "embed"), bias_axes=("embed",), name="out", **common
+                features=hidden,
+                kernel_axes=("joined_kv", "embed"),
+                bias_axes=("embed",),
+                name="out",
+                **common,
             )(x)
         return out, (ln_out if self.return_layernorm_output else inputs_q)
 

@@ -23,7 +23,6 @@ from typing import Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from lowbit import _native

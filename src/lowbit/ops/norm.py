@@ -270,7 +270,13 @@ def _sharded(plan, x, gamma, beta_arg, has_beta, norm_type, zc, eps):
 
     def bwd_body(dy, x, mean, rsigma, g):
         dx, dg, db = layernorm_bwd(
-            dy, x, mean if ln else None, rsigma, g.astype(jnp.float32), norm_type=norm_type, zero_centered_gamma=zc
+            dy,
+            x,
+            mean if ln else None,
+            rsigma,
+            g.astype(jnp.float32),
+            norm_type=norm_type,
+            zero_centered_gamma=zc,
         )
         db = db if db is not None else jnp.zeros_like(dg)
         return dx, jax.lax.psum(dg, axes), jax.lax.psum(db, axes)
