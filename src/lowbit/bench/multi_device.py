@@ -956,7 +956,8 @@ def main(argv=None) -> int:
             suffix = ("small" if small else "full") + (
                 f"-{jax.process_count()}proc" if jax.process_count() > 1 else ""
             )
-            print_table(f"multi_device {stage} ({len(jax.devices())} x {env['device']})", rows, cols)
+            shown = [dict(r, rel_diff_vs_one=f"{r['rel_diff_vs_one']:.1e}") for r in rows]
+            print_table(f"multi_device {stage} ({len(jax.devices())} x {env['device']})", shown, cols)
             path = write_json(f"multi_device-{stage}-{suffix}", {"env": env, "rows": rows}, out)
             print(f"wrote {path} ({time.perf_counter() - t0:.1f} s)")
             for r in bad:
