@@ -32,6 +32,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 STAGES = ("seed", "layer", "moe")
@@ -190,7 +191,7 @@ def launch(argv: list, processes: int, local_devices: int = 1, timeout: float = 
             f"{processes} processes x {local_devices} GPUs need {processes * local_devices}, found {gpus}"
         )
     coord = f"127.0.0.1:{_free_port()}"
-    procs = []
+    procs, logs = [], []
     for i in range(processes):
         env = dict(os.environ, **{_ENV_ID: str(i), _ENV_NUM: str(processes), _ENV_COORD: coord})
         if gpus:
@@ -206,24 +207,31 @@ def launch(argv: list, processes: int, local_devices: int = 1, timeout: float = 
             "--cpu-devices",
             str(local_devices),
         ]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=None if i == 0 else subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
+        # Process 0 prints; the others write to files (a full pipe nobody reads would block a
+        # process inside a collective, and with it every other process).
+        log = None if i == 0 else tempfile.TemporaryFile("w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=None if i == 0 else subprocess.STDOUT))
     status, deadline = 0, time.time() + timeout
-    for i, p in enumerate(procs):
+    for i, (p, log) in enumerate(zip(procs, logs)):
         try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+            p.wait(timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
+            for q in procs:  # one stuck process holds the others in their collectives
+                q.kill()
+            p.wait()
             print(f"process {i}: timed out after {timeout:.0f} s")
             status = status or 124
-            continue
-        if p.returncode:
-            print(f"process {i} exited {p.returncode}" + (f":\n{out[-4000:]}" if out else ""))
+        if p.returncode and status != 124:
+            out = ""
+            if log is not None:
+                log.seek(0)
+                out = log.read()[-4000:]
+            print(f"process {i} exited {p.returncode}" + (f":\n{out}" if out else ""))
             status = status or p.returncode
+    for log in logs:
+        if log is not None:
+            log.close()
     return status
 
 
@@ -323,13 +331,12 @@ class _Ctx:
         import contextlib
 
         import flax.linen as nn
-        import jax
 
         import lowbit
 
         self._stack = contextlib.ExitStack()
         if self.mesh is not None:
-            self._stack.enter_context(jax.sharding.set_mesh(self.mesh))
+            self._stack.enter_context(_set_mesh(self.mesh))
         self._stack.enter_context(lowbit.autocast(self.recipe is not None, self.recipe, self.resource))
         if self.rules is not None:
             self._stack.enter_context(nn.logical_axis_rules(self.rules))
@@ -344,6 +351,13 @@ class _Ctx:
                 return fn(*a)
 
         return call
+
+
+def _set_mesh(mesh):
+    import jax
+
+    set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.set_mesh
+    return set_mesh(mesh)
 
 
 def _grad_step(apply, kwargs=None):
@@ -827,7 +841,7 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
         tok = NamedSharding(mesh, P("ep"))
         args = put((weights, x, dy), (sh, tok, tok))
         ep = jax.jit(functools.partial(step, mesh=mesh))
-        with jax.sharding.set_mesh(mesh):
+        with _set_mesh(mesh):
             ep = ep.lower(*args).compile()
         hlo = ep.as_text()
         got = ep(*args)
