@@ -17,6 +17,12 @@ default ``benchmarks/results/<device>/``):
   (:func:`moe_ep`): tokens gathered, each device runs the grouped GEMMs of its own experts,
   outputs reduce-scattered back to the token owners.
 
+Columns: ``ms`` the sharded fwd+bwd step, ``ms_one_device`` the same global batch on one device,
+``scaling_eff`` = ms_one_device / (devices x ms) (strong scaling; 1 is ideal), ``rel_diff_vs_one``
+the largest relative norm difference of the gradients against one device, ``bound`` the largest
+element difference in units of tests/test_sharding.py's tolerance (<= 1: within it), then the
+compiled step's collectives (counts, MB moved per device).
+
 Without a GPU the stages run on forced host devices (``--cpu-devices``, default 4) with small
 shapes. ``--processes N`` starts N processes on this host, each with ``--local-devices`` devices
 (one GPU each, or host devices with gloo collectives on CPU), joined by ``jax.distributed``: the
