@@ -109,6 +109,17 @@ def current_mesh():
     return None
 
 
+def shard_map(f, mesh, in_specs, out_specs):
+    """``jax.shard_map`` without the replication check: lowbit's FFI calls carry no
+    varying-axes rules, and the collectives inside make every replicated output truly
+    replicated. Inputs replicated over an axis get their cotangents summed over it."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as _legacy  # jax < 0.7
+
+    return _legacy(f, mesh, in_specs, out_specs, check_rep=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # The shard plan of a dense
 # ---------------------------------------------------------------------------------------------
@@ -133,9 +144,9 @@ def _axis_size(mesh, axes) -> int:
     return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
 
 
-def plan_dense(recipe, M: int, K: int, N: int) -> Optional[ShardPlan]:
-    """The shard plan for a (M, K) x (K, N) dense under ``recipe``, or None to run unsharded (no
-    MeshResource or mesh, already inside a shard_map over these axes, or uneven shards)."""
+def _mesh_axes():
+    """(mesh, batch axes, tp axes) of the MeshResource and mesh in context (axes of size 1
+    dropped), or None: no MeshResource or mesh, or already inside a shard_map over its axes."""
     res = global_mesh_resource()
     if res.dp_resource is None and res.fsdp_resource is None and res.tp_resource is None:
         return None
@@ -155,6 +166,34 @@ def plan_dense(recipe, M: int, K: int, N: int) -> Optional[ShardPlan]:
         return None  # already inside a shard_map over these axes: the caller handles them
     batch = tuple(a for a in (res.dp_resource, res.fsdp_resource) if a is not None and mesh.shape[a] > 1)
     tp = (res.tp_resource,) if res.tp_resource is not None and mesh.shape[res.tp_resource] > 1 else ()
+    return mesh, batch, tp
+
+
+def plan_rows(shape, split_last: bool = False):
+    """(mesh, PartitionSpec) for a row-wise op (norm, activation) on x of ``shape`` (..., C):
+    the first axis split over the batch axes (dp, fsdp), and with ``split_last`` (elementwise
+    ops) the last axis over tp, as a column-parallel dense leaves its output. None to run
+    unsharded (no MeshResource or mesh, nothing to split, or uneven shards)."""
+    found = _mesh_axes()
+    if found is None or len(shape) < 2:
+        return None
+    mesh, batch, tp = found
+    tp = tp if split_last else ()
+    if not batch and not tp:
+        return None
+    if shape[0] % _axis_size(mesh, batch) or shape[-1] % _axis_size(mesh, tp):
+        return None
+    entry = ShardPlan._entry
+    return mesh, P(entry(batch), *([None] * (len(shape) - 2)), entry(tp))
+
+
+def plan_dense(recipe, M: int, K: int, N: int) -> Optional[ShardPlan]:
+    """The shard plan for a (M, K) x (K, N) dense under ``recipe``, or None to run unsharded (no
+    MeshResource or mesh, already inside a shard_map over these axes, or uneven shards)."""
+    found = _mesh_axes()
+    if found is None:
+        return None
+    mesh, batch, tp = found
     row = tp_layout() == "row"
     plan = ShardPlan(mesh, batch, tp if row else (), () if row else tp)
     if not (plan.batch or plan.k_axes or plan.n_axes):

@@ -1,4 +1,5 @@
 """``python -m lowbit.bench [quantize|gemm|dense|grouped|layer|all] [--small|--full] [--out DIR]``
+``python -m lowbit.bench multi_device --stage {seed,layer,moe,all} ...`` (lowbit.bench.multi_device)
 
 Times lowbit next to plain Flax/XLA in one process, prints tables, writes JSON (with the device
 name and versions) and PNG charts under benchmarks/results/ (or --out). Small shapes on CPU.
@@ -24,6 +25,13 @@ SUITES = {
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["multi_device"]:
+        # Its own arguments, and its own set-up before any jax backend starts (host devices,
+        # jax.distributed): not one of the single-device suites.
+        from lowbit.bench import multi_device
+
+        return multi_device.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m lowbit.bench", description=__doc__)
     ap.add_argument("suite", nargs="?", default="all", choices=["all", *SUITES])
     size = ap.add_mutually_exclusive_group()

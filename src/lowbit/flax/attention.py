@@ -36,6 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lowbit.flax.modules import DenseGeneral, LayerNormDenseGeneral, check_norm_type
 from lowbit.flax.positions import canonical_group_method, check_rotary_windows, rotary_pos_emb
 from lowbit.ops.softmax import softmax as _softmax
+from lowbit.sharding import tensor_parallel_layout
 
 Initializer = Callable[..., Any]
 
@@ -709,15 +710,16 @@ class MultiHeadAttention(nn.Module):
             window_size=window,
         )(q, k, v, mask, bias, deterministic=deterministic)
         x = x.reshape(x.shape[:2] + (h * d,))
-        out = DenseGeneral(
-            features=inputs_q.shape[-1],
-            kernel_init=kinit,
-            kernel_axes=(W_TP_AXES, W_FSDP_AXES),
-            bias_axes=(W_NO_SHARD_AXES,),
-            enable_low_rank_adaptation=lora_out,
-            name="out",
-            **common,
-        )(x)
+        with tensor_parallel_layout("row"):  # heads split over tp: the output projection is row-parallel
+            out = DenseGeneral(
+                features=inputs_q.shape[-1],
+                kernel_init=kinit,
+                kernel_axes=(W_TP_AXES, W_FSDP_AXES),
+                bias_axes=(W_NO_SHARD_AXES,),
+                enable_low_rank_adaptation=lora_out,
+                name="out",
+                **common,
+            )(x)
         out = checkpoint_name(out, "out_proj")
         return out, ln_out
 

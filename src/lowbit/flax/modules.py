@@ -28,6 +28,7 @@ from lowbit.ops.dense import dense as _dense
 from lowbit.ops.norm import NORM_TYPES
 from lowbit.ops.norm import layernorm as _layernorm
 from lowbit.ops.softmax import softmax as _softmax
+from lowbit.sharding import tensor_parallel_layout
 
 Initializer = Callable[..., Any]
 
@@ -563,7 +564,10 @@ class LayerNormMLP(nn.Module):
                 rng_collection=self.intermediate_dropout_rng_name,
             )(z, deterministic=False)
         z = _constrain(z, self.dot_2_input_axes)
-        out = DenseOp(name="wo_op")(z, wo, wo_b, ((z.ndim - 1,), (0,)))
+        # Under tensor parallelism wo is row-parallel (its input is wi's column-parallel output,
+        # split over tp on the last axis), as in TransformerEngine: no gather between the GEMMs.
+        with tensor_parallel_layout("row"):
+            out = DenseOp(name="wo_op")(z, wo, wo_b, ((z.ndim - 1,), (0,)))
         if lora is not None:
             out = out + _lora_mlp(z, lora[2], lora[3], self.low_rank_adaptation_alpha)
         out = checkpoint_name(out, self.ffn2_ckpt_name)

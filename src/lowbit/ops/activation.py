@@ -41,6 +41,7 @@ from lowbit.ops.fused_quantize import (
 )
 from lowbit.ops.quantize import check_input
 from lowbit.quantization.tensor import ScaledTensor, prod
+from lowbit.sharding import plan_rows, shard_map
 
 # ActKind codes of csrc/include/lowbit/activation.h.
 _ACTS = {
@@ -227,6 +228,12 @@ def activation(
         return dx, (None if scale is None else jnp.zeros_like(scale))
 
     f.defvjp(f_fwd, f_bwd)
+    # Under a MeshResource: per batch shard, and per tp shard of the last axis when not gated
+    # (the FFI call has no partitioning rule, so XLA would gather x).
+    plan = None if spec is not None else plan_rows(x.shape, split_last=not gated)
+    if plan is not None:
+        mesh, xs = plan
+        return shard_map(lambda x: f(x, None), mesh, (xs,), xs)(x)
     return f(x, scale)
 
 

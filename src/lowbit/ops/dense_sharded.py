@@ -32,19 +32,10 @@ from lowbit.ops.quantize import quantize, quantize_dbias
 from lowbit.quantization.scaling_modes import ScalingMode
 from lowbit.quantization.tensor import ScaledTensor
 from lowbit.sharding import ShardPlan
+from lowbit.sharding import shard_map as _shard_map
 
 _F32 = np.dtype(jnp.float32)
 _FLT_MAX = float(np.finfo(np.float32).max)
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-    # Collectives inside make every replicated output truly replicated; the FFI calls carry no
-    # varying-axes rules, so the check is off.
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map  # jax < 0.7
-
-    return shard_map(f, mesh, in_specs, out_specs, check_rep=False)
 
 
 # ---------------------------------------------------------------------------------------------

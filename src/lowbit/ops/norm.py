@@ -18,6 +18,7 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from lowbit import _native
@@ -35,6 +36,7 @@ from lowbit.ops.fused_quantize import (
 )
 from lowbit.ops.quantize import check_input
 from lowbit.quantization.tensor import ScaledTensor, prod
+from lowbit.sharding import plan_rows, shard_map
 
 NORM_TYPES = {"layernorm": 0, "rmsnorm": 1}
 
@@ -248,7 +250,56 @@ def layernorm(
         return dx, dg, db, (None if scale is None else jnp.zeros_like(scale))
 
     f.defvjp(f_fwd, f_bwd)
+    plan = None if spec is not None else plan_rows(x.shape)
+    if plan is not None:
+        return _sharded(plan, x, gamma, beta_arg, has_beta, norm_type, zero_centered_gamma, epsilon)
     return f(x, gamma, beta_arg, scale)
+
+
+def _sharded(plan, x, gamma, beta_arg, has_beta, norm_type, zc, eps):
+    """layernorm per batch shard under a MeshResource (the FFI call has no partitioning rule, so
+    XLA would gather x). gamma/beta stay replicated; their gradients are summed over the shards in
+    float32 and rounded once, as one device does."""
+    mesh, xs = plan
+    axes, rs = xs[0], P(*tuple(xs)[:-1])
+    ln = norm_type == "layernorm"
+
+    def fwd_body(x, g, b):
+        out, _, mean, rsigma = _fwd(x, g, b if has_beta else None, None, norm_type, zc, eps, False)
+        return out, (mean if ln else rsigma), rsigma
+
+    def bwd_body(dy, x, mean, rsigma, g):
+        dx, dg, db = layernorm_bwd(
+            dy,
+            x,
+            mean if ln else None,
+            rsigma,
+            g.astype(jnp.float32),
+            norm_type=norm_type,
+            zero_centered_gamma=zc,
+        )
+        db = db if db is not None else jnp.zeros_like(dg)
+        return dx, jax.lax.psum(dg, axes), jax.lax.psum(db, axes)
+
+    fwd = shard_map(fwd_body, mesh, (xs, P(), P()), (xs, rs, rs))
+    bwd = shard_map(bwd_body, mesh, (xs, xs, rs, rs, P()), (xs, P(), P()))
+
+    @jax.custom_vjp
+    def f(x, gamma, beta_arg):
+        return fwd(x, gamma, beta_arg)[0]
+
+    def f_fwd(x, gamma, beta_arg):
+        out, mean, rsigma = fwd(x, gamma, beta_arg)
+        return out, (x, gamma, mean, rsigma)
+
+    def f_bwd(res, ct):
+        x, gamma, mean, rsigma = res
+        dx, dg, db = bwd(ct.astype(x.dtype), x, mean, rsigma, gamma)
+        db = db.astype(gamma.dtype) if has_beta else jnp.zeros((0,), gamma.dtype)
+        return dx, dg.astype(gamma.dtype), db
+
+    f.defvjp(f_fwd, f_bwd)
+    return f(x, gamma, beta_arg)
 
 
 __all__ = ["QuantizeSpec", "layernorm", "layernorm_bwd", "layernorm_fwd"]
