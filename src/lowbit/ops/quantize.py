@@ -514,10 +514,21 @@ def grouped_quantize(
     *,
     scale: Optional[ArrayLike] = None,
     layout: str = "rowwise",
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
 ) -> ScaledTensor:
     """Quantizes the row groups of ``x`` (M, K) as separate tensors; ``group_sizes`` int32 (G,)
     stays on the device. Returns a ScaledTensor whose scales and amax have one entry per group
-    (tensor modes) and whose colwise copy is the (K, M) transpose."""
+    (tensor modes) and whose colwise copy is the (K, M) transpose.
+
+    ``BLOCK_1D_SCALING`` (Float8BlockScaling's activations and gradients): 1x128 blocks along K
+    for the rowwise copy and, for the colwise copy, 1x128 blocks along the rows *inside each
+    group* (a block never straddles two groups). The scales are laid out as the grouped GEMM
+    reads them (csrc/include/lowbit/block_scaling.h): ``scale_inv`` (M * ceil(K/128),) float32,
+    per group an M-major (ceil(K/128), size_g) array at offset start_g * ceil(K/128);
+    ``colwise_scale_inv`` (M // 128 + G, K) float32, block j of group g in row
+    start_g // 128 + g + j (other rows 1.0). ``amax`` holds each group's amax.
+    ``power_2_scale`` / ``amax_epsilon``: as :func:`quantize` (BLOCK_1D only)."""
     x = check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
@@ -529,11 +540,12 @@ def grouped_quantize(
     if group_sizes.shape[0] < 1:
         raise ValueError("group_sizes must have shape (G,) with at least one group, got shape (0,)")
     mode = check_scaling_mode(scaling_mode)
-    if not (mode.is_tensor_scaling or mode == ScalingMode.MXFP8_1D_SCALING):
+    if not (mode.is_tensor_scaling or mode in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.BLOCK_1D_SCALING)):
         raise ValueError(
-            f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING or MXFP8_1D_SCALING for "
-            f"grouped_quantize, got {mode.name}"
+            f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING, MXFP8_1D_SCALING or "
+            f"BLOCK_1D_SCALING for grouped_quantize, got {mode.name}"
         )
+    eps = _check_block_options(mode, power_2_scale, amax_epsilon)
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
@@ -563,15 +575,21 @@ def grouped_quantize(
 
     f32, u8 = jnp.float32, jnp.uint8
     empty = jax.ShapeDtypeStruct((0,), u8)
+    col_s = jax.ShapeDtypeStruct((G,), f32)
     if mode == ScalingMode.MXFP8_1D_SCALING:
         row_s = jax.ShapeDtypeStruct((M, K // 32), jnp.float8_e8m0fnu)
+    elif mode == ScalingMode.BLOCK_1D_SCALING:
+        row_s = jax.ShapeDtypeStruct((M * (-(-K // 128)),), f32)
+        col_s = jax.ShapeDtypeStruct((M // 128 + G, K), f32)
+        if power_2_scale:
+            flags |= FLAG_POW2
     else:
         row_s = jax.ShapeDtypeStruct((G,), f32)
     out_types = (
         jax.ShapeDtypeStruct((M, K), q) if rowwise else empty,
         row_s if rowwise else jax.ShapeDtypeStruct((0,), f32),
         jax.ShapeDtypeStruct((K, M), q) if colwise else empty,
-        jax.ShapeDtypeStruct((G,), f32) if colwise else jax.ShapeDtypeStruct((0,), f32),
+        col_s if colwise else jax.ShapeDtypeStruct((0,), f32),
         jax.ShapeDtypeStruct((G,), f32),
     )
     data, s_inv, cw, cw_s, amax = _native.ffi_call(
@@ -584,6 +602,7 @@ def grouped_quantize(
         mode=np.int32(int(mode)),
         q_dtype=np.int32(dtype_code(q)),
         flags=np.int32(flags),
+        amax_epsilon=np.float32(eps),
     )
     return ScaledTensor(
         data=data if rowwise else None,
