@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import oracle as O
 import pytest
-from conftest import is_gpu, run_on, to_cpu
+from conftest import run_on, to_cpu
 from test_grouped_gemm import bf16_values, ranges, ref_forward, ref_grads, rel, vjp_outputs
 from test_quantize import assert_bits, make_x
 
@@ -96,7 +96,9 @@ def test_block_forward_and_grads_vs_float64(device, rng, recipe_name, name):
     G = len(sizes)
     lhs, rhs = bf16_values(rng, (M, K)), bf16_values(rng, (G, K, N), 0.1)
     dout = bf16_values(rng, (M, N))
-    f = lambda a, b, s, d: vjp_outputs(lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d)
+    f = lambda a, b, s, d: vjp_outputs(
+        lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d
+    )
     args = [jnp.asarray(a, BF16) for a in (lhs, rhs)] + [jnp.asarray(sizes), jnp.asarray(dout, BF16)]
     y, dl, dr = to_cpu(run_on(device, f, *args))
     assert y.shape == (M, N) and y.dtype == np.dtype(BF16) and dr.shape == (G, K, N)
@@ -126,7 +128,9 @@ def test_block_gemm_vs_decoded_operands(device, rng, name):
     G = len(sizes)
     lhs, rhs = bf16_values(rng, (M, K)), bf16_values(rng, (G, K, N), 0.1)
     dout = bf16_values(rng, (M, N))
-    f = lambda a, b, s, d: vjp_outputs(lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d)
+    f = lambda a, b, s, d: vjp_outputs(
+        lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d
+    )
     args = [jnp.asarray(a, BF16) for a in (lhs, rhs)] + [jnp.asarray(sizes), jnp.asarray(dout, BF16)]
     y, dl, dr = to_cpu(run_on(device, f, *args))
     fmt = O.E4M3
@@ -157,7 +161,9 @@ def test_block_inside_jit_and_ragged_dot_module(device, rng):
         return mod.apply(params, a, b, sizes), sizes
 
     counts = np.sort(rng.integers(0, G, size=M)).astype(np.int32)
-    y, sizes = to_cpu(run_on(device, jax.jit(f), jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16), jnp.asarray(counts)))
+    y, sizes = to_cpu(
+        run_on(device, jax.jit(f), jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16), jnp.asarray(counts))
+    )
     assert rel(y, ref_forward(lhs, rhs, np.asarray(sizes))) < 0.06
 
 
@@ -165,7 +171,9 @@ def test_block_errors(rng):
     x, w = jnp.zeros((8, 16), BF16), jnp.zeros((2, 16, 8), BF16)
     s = jnp.asarray([4, 4], jnp.int32)
     with pytest.raises(ValueError, match="x_block_scaling_dim=2"):
-        lowbit.grouped_gemm(x, w, s, recipe=lowbit.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1))
+        lowbit.grouped_gemm(
+            x, w, s, recipe=lowbit.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1)
+        )
     with pytest.raises(ValueError, match="state is only used with DelayedScaling"):
         lowbit.grouped_gemm(x, w, s, recipe=lowbit.Float8BlockScaling(), state={})
 
@@ -181,13 +189,19 @@ def test_gpu_block_medium_uneven(gpu_device, rng, recipe_name):
     sizes[3] = 0
     lhs, rhs = bf16_values(rng, (M, K)), bf16_values(rng, (G, K, N), 0.05)
     dout = bf16_values(rng, (M, N))
-    f = lambda a, b, s, d: vjp_outputs(lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d)
+    f = lambda a, b, s, d: vjp_outputs(
+        lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d
+    )
     args = [jnp.asarray(a, BF16) for a in (lhs, rhs)] + [jnp.asarray(sizes), jnp.asarray(dout, BF16)]
     y, dl, dr = to_cpu(run_on(gpu_device, f, *args))
     ref = ref_forward(lhs, rhs, sizes)
     rdl, rdr = ref_grads(lhs, rhs, sizes, dout)
     e5m2 = recipe.fp8_format == lowbit.Format.HYBRID
-    assert rel(y, ref) < 0.06 and rel(dl, rdl) < (0.12 if e5m2 else 0.06) and rel(dr, rdr) < (0.12 if e5m2 else 0.06)
+    assert (
+        rel(y, ref) < 0.06
+        and rel(dl, rdl) < (0.12 if e5m2 else 0.06)
+        and rel(dr, rdr) < (0.12 if e5m2 else 0.06)
+    )
     assert not np.any(np.asarray(y, np.float32)[int(sizes.sum()) :])
     assert not np.any(np.asarray(dr[3], np.float32))
     # The GPU kernels (CUTLASS) against the CPU reference kernel on the same inputs.

@@ -558,8 +558,8 @@ int main(int argc, char** argv) {
             false, seed++, bn);
       check(s.label, Op::kDgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE5M2, false,
             false, seed++, bn);
-      check(s.label + " e4m3", Op::kDgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3,
-            DType::kE4M3, false, false, seed++, bn);
+      check(s.label + " e4m3", Op::kDgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE4M3,
+            false, false, seed++, bn);
     }
     check(s.label, Op::kWgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE5M2, false,
           false, seed++, 1);

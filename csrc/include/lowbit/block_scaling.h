@@ -25,11 +25,10 @@ LOWBIT_HD int64_t fp8_block_scale_cols(ScalingMode m, int64_t rows, int64_t cols
 }
 // Index of the scale of element (r, c).
 LOWBIT_HD int64_t fp8_block_scale_index(ScalingMode m, int64_t rows, int64_t cols, int64_t r,
-                                     int64_t c) {
+                                        int64_t c) {
   const int64_t ld = fp8_block_scale_cols(m, rows, cols);
   return m == ScalingMode::kBlock1d ? (c / 128) * ld + r : (r / 128) * ld + c / 128;
 }
-
 
 // FP8 block scaling (1x128 / 128x128): encode scale of a block with amax `a` (NaN ignored):
 // a' = max(a, eps); s = scale_from_amax(a', fmax) (fmax / a', 1 for a' zero or not finite, the

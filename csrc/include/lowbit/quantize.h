@@ -85,8 +85,8 @@ struct GroupedQuantizeParams {
   void* colwise_data = nullptr;  // (cols, rows)
   // tensor: (num_groups,) f32; kBlock1d: (rows / 128 + num_groups, cols) f32
   void* colwise_scale_inv = nullptr;
-  float* amax = nullptr;              // (num_groups,)
-  void* workspace = nullptr;          // CUDA scratch
+  float* amax = nullptr;      // (num_groups,)
+  void* workspace = nullptr;  // CUDA scratch
 };
 
 // Validation shared by both backends (shape multiples, supported combinations).

@@ -40,12 +40,11 @@ Status check_buffer_sizes(const DequantizeParams& p) {
     return Status::Invalid("dequantize: data has " + std::to_string(p.data_elems) +
                            " elements, the (" + std::to_string(p.rows) + ", " +
                            std::to_string(p.cols) + ") output needs " + std::to_string(codes));
-  const int64_t scales =
-      is_tensor_scaling(p.mode) ? 1
-      : is_fp8_block(p.mode)
-          ? fp8_block_scale_rows(p.mode, p.rows, p.cols) *
-                fp8_block_scale_cols(p.mode, p.rows, p.cols)
-          : p.rows * (p.cols / std::max(1, block_size(p.mode)));
+  const int64_t scales = is_tensor_scaling(p.mode) ? 1
+                         : is_fp8_block(p.mode)
+                             ? fp8_block_scale_rows(p.mode, p.rows, p.cols) *
+                                   fp8_block_scale_cols(p.mode, p.rows, p.cols)
+                             : p.rows * (p.cols / std::max(1, block_size(p.mode)));
   if (p.scale_inv_elems >= 0 && p.scale_inv_elems < scales)
     return Status::Invalid("dequantize: scale_inv has " + std::to_string(p.scale_inv_elems) +
                            " elements, the mode needs " + std::to_string(scales));
@@ -112,7 +111,8 @@ Status validate(const GroupedQuantizeParams& p) {
   if (p.num_groups < 1) return Status::Invalid("at least one group is needed");
   if (!(is_tensor_scaling(p.mode) || p.mode == ScalingMode::kMxfp8_1d ||
         p.mode == ScalingMode::kBlock1d))
-    return Status::Invalid("grouped quantize supports delayed, current, MXFP8 and BLOCK_1D scaling");
+    return Status::Invalid(
+        "grouped quantize supports delayed, current, MXFP8 and BLOCK_1D scaling");
   if (p.mode == ScalingMode::kBlock1d && !(p.amax_epsilon >= 0.0f && p.amax_epsilon < 3.4e38f))
     return Status::Invalid("amax_epsilon must be finite and >= 0");
   if (auto s = check_q_dtype(p.mode, p.q_dtype, p.x_dtype); !s.ok()) return s;

@@ -149,8 +149,8 @@ void ragged_k(const GroupedGemmParams& p) {
                    for (int64_t i = lo; i < hi; ++i) {
                      std::fill(acc.begin(), acc.end(), 0.0f);
                      for (int64_t c = c0; c < c1; ++c) {
-                       const float av = da(p.a, p.a_kmajor ? i * p.lda + c : c * p.lda + i) *
-                                        bs.a(i, c - c0);
+                       const float av =
+                           da(p.a, p.a_kmajor ? i * p.lda + c : c * p.lda + i) * bs.a(i, c - c0);
                        const float* brow = bg.data() + (c - c0) * p.n;
                        for (int64_t j = 0; j < p.n; ++j) acc[j] += av * brow[j];
                      }

@@ -205,10 +205,9 @@ __device__ void fallback_tile(const Problem& p, const GroupView& v, float alpha,
       const int ii = v.a_sc == 1 ? e / kChunk : e % kTile;
       const int cc = v.a_sc == 1 ? e % kChunk : e / kTile;
       const int64_t i = i0 + ii, c = c0 + cc;
-      As[cc][ii] = (i < v.rows && c < v.kc)
-                       ? load_elem(v.A, p.a_dtype, i * v.a_si + c * v.a_sc) *
-                             (v.SA ? v.SA[(c / 128) * v.sa_ld + i] : 1.f)
-                       : 0.f;
+      As[cc][ii] = (i < v.rows && c < v.kc) ? load_elem(v.A, p.a_dtype, i * v.a_si + c * v.a_sc) *
+                                                  (v.SA ? v.SA[(c / 128) * v.sa_ld + i] : 1.f)
+                                            : 0.f;
       const int jj = v.b_sc == 1 ? e / kChunk : e % kTile;
       const int cb = v.b_sc == 1 ? e % kChunk : e / kTile;
       const int64_t j = j0 + jj, cj = c0 + cb;

@@ -8,8 +8,8 @@ namespace lowbit {
 namespace gg {
 
 const Config& config_block_e4m3_e4m3_n1() {
-  return make_config<GroupedKernel<cutlass::float_e4m3_t, cutlass::float_e4m3_t, true, true,
-                                   BlockTiles<1>>>();
+  return make_config<
+      GroupedKernel<cutlass::float_e4m3_t, cutlass::float_e4m3_t, true, true, BlockTiles<1>>>();
 }
 
 }  // namespace gg

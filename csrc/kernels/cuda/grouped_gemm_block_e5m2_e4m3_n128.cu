@@ -8,8 +8,8 @@ namespace lowbit {
 namespace gg {
 
 const Config& config_block_e5m2_e4m3_n128() {
-  return make_config<GroupedKernel<cutlass::float_e5m2_t, cutlass::float_e4m3_t, true, true,
-                                   BlockTiles<128>>>();
+  return make_config<
+      GroupedKernel<cutlass::float_e5m2_t, cutlass::float_e4m3_t, true, true, BlockTiles<128>>>();
 }
 
 }  // namespace gg

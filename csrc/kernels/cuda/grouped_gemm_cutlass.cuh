@@ -84,7 +84,7 @@ struct Problem {
   const float* b_scale_inv;
   bool block_scaled;  // FP8 block scales (lowbit/grouped_gemm.h), alpha 1
   int32_t b_block_n;  // 1 or 128
-  bool cutlass_ok;  // a CUTLASS kernel is there and every stride is 16-byte aligned
+  bool cutlass_ok;    // a CUTLASS kernel is there and every stride is 16-byte aligned
   GroupInfo* info;
   int64_t* flags;   // [0]: ragged M, rows covered by the groups; [1]: some group is realigned
   char* realign_a;  // ragged K, K-major A: (m, realign_ld) scratch, or null
@@ -140,9 +140,8 @@ __host__ __device__ inline GroupView group_view(const Problem& p, int64_t g, int
   v.SA = v.SB = nullptr;
   v.sa_ld = v.sb_ld = 0;
   if (p.block_scaled) {
-    const BlockScaleOffsets o =
-        grouped_block_scale_offsets(p.mode == int32_t(GroupedGemmMode::kRaggedM), p.m, p.n, p.k,
-                                    p.b_block_n, g, start, size);
+    const BlockScaleOffsets o = grouped_block_scale_offsets(
+        p.mode == int32_t(GroupedGemmMode::kRaggedM), p.m, p.n, p.k, p.b_block_n, g, start, size);
     v.SA = p.a_scale_inv + o.a_off;
     v.SB = p.b_scale_inv + o.b_off;
     v.sa_ld = o.a_ld;
@@ -305,6 +304,7 @@ Status cuda_status(cudaError_t e, const char* what);
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -312,7 +312,6 @@ Status cuda_status(cudaError_t e, const char* what);
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.hpp"
-#include "cutlass/detail/blockwise_scale_layout.hpp"
 
 namespace lowbit {
 namespace gg {

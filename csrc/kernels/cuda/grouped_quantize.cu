@@ -236,7 +236,8 @@ template <int IN, int FMT>
 Status run_grouped_block1d(const GroupedQuantizeParams& p, cudaStream_t st, const int64_t* starts,
                            const int64_t* ends) {
   const int64_t M = p.rows, K = p.cols, G = p.num_groups;
-  if ((p.rowwise && !(p.data && p.scale_inv)) || (p.colwise && !(p.colwise_data && p.colwise_scale_inv)))
+  if ((p.rowwise && !(p.data && p.scale_inv)) ||
+      (p.colwise && !(p.colwise_data && p.colwise_scale_inv)))
     return Status::Invalid("grouped_quantize: output missing");
   if (p.colwise) {
     // Colwise data outside every group is zero; scale rows of no block hold 1.0.
