@@ -19,6 +19,8 @@ RECIPES = {
     "current_e4m3": lowbit.Float8CurrentScaling(fp8_format=lowbit.Format.E4M3),
     "delayed": lowbit.DelayedScaling(amax_history_len=4),
     "mxfp8": lowbit.MXFP8BlockScaling(),
+    "block": lowbit.Float8BlockScaling(),
+    "block_f32_hybrid": lowbit.Float8BlockScaling(use_f32_scales=True, fp8_format=lowbit.Format.HYBRID),
     "nvfp4": lowbit.NVFP4BlockScaling(),
     "nvfp4_plain": lowbit.NVFP4BlockScaling(
         disable_rht=True, disable_stochastic_rounding=True, disable_2d_quantization=True
@@ -31,6 +33,8 @@ BOUNDS = {
     "current_e4m3": (0.04, 0.06),
     "delayed": (0.04, 0.1),
     "mxfp8": (0.04, 0.07),
+    "block": (0.04, 0.07),
+    "block_f32_hybrid": (0.04, 0.1),
     "nvfp4": (0.15, 0.3),
     "nvfp4_plain": (0.15, 0.25),
 }
@@ -156,7 +160,7 @@ def test_dense_general_dimension_numbers(rng, dims, kshape, spec):
     assert rel(dw, np.einsum(f"{xs},{out}->{ws}", x64, dy64)) < 0.1
 
 
-@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "block"])
 def test_block_recipes_pad_tokens(rng, name):
     """10 tokens are not whole 32/16-row blocks for the colwise copies: padded with zero rows."""
     x, w, b, dy = inputs(rng, lead=(10,), K=64, N=32)

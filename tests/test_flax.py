@@ -18,6 +18,7 @@ RECIPES = {
     "delayed": lowbit.DelayedScaling(),
     "current": lowbit.Float8CurrentScaling(),
     "mxfp8": lowbit.MXFP8BlockScaling(),
+    "block": lowbit.Float8BlockScaling(),
     "nvfp4": lowbit.NVFP4BlockScaling(),
 }
 

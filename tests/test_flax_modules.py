@@ -21,6 +21,7 @@ RECIPES = {
     "delayed": lowbit.DelayedScaling(amax_history_len=4),
     "current": lowbit.Float8CurrentScaling(),
     "mxfp8": lowbit.MXFP8BlockScaling(),
+    "block": lowbit.Float8BlockScaling(),
     "nvfp4": lowbit.NVFP4BlockScaling(),
 }
 # (name, recipe, input dtype, relative-error bound of outputs, of gradients). Measured errors
@@ -32,6 +33,7 @@ CASES = [
     ("delayed", RECIPES["delayed"], jnp.float32, 8e-2, 2e-1),
     ("current", RECIPES["current"], jnp.float32, 8e-2, 2e-1),
     ("mxfp8", RECIPES["mxfp8"], jnp.float32, 8e-2, 2e-1),
+    ("block", RECIPES["block"], jnp.float32, 8e-2, 2e-1),
     ("nvfp4", RECIPES["nvfp4"], jnp.float32, 3e-1, 4e-1),
 ]
 CASE_IDS = [c[0] for c in CASES]

@@ -3,6 +3,10 @@
 // liblowbit_cuda (cuBLASLt). The handler only decodes buffers and attributes.
 #include "lowbit/gemm.h"
 
+#include <string>
+
+#include "lowbit/block_scaling.h"
+
 #include "ffi_common.h"
 
 namespace ffi = xla::ffi;
@@ -13,6 +17,25 @@ namespace {
 
 // Bits of the `flags` attribute (src/lowbit/ops/gemm.py mirrors them).
 constexpr int32_t kFastAccum = 1;
+// FP8 block scaling of each operand (GemmParams::a_block / b_block): bits 1-2 for a, 3-4 for b.
+constexpr int kABlockShift = 1, kBBlockShift = 3;
+
+// Checks an FP8 operand's decode scales: (1,) float32, or the block-scale array of its
+// (rows, k) copy.
+Status check_scales(const ffi::AnyBuffer& s, int block, int64_t rows, int64_t k, const char* name) {
+  if (s.element_type() != ffi::DataType::F32)
+    return Status::Invalid(std::string("gemm: ") + name + " must be float32");
+  int64_t want = 1;
+  if (block) {
+    const ScalingMode m = gemm_block_mode(block);
+    want = fp8_block_scale_rows(m, rows, k) * fp8_block_scale_cols(m, rows, k);
+  }
+  if (static_cast<int64_t>(s.element_count()) != want)
+    return Status::Invalid(std::string("gemm: ") + name + " has " +
+                           std::to_string(s.element_count()) + " elements, the operand needs " +
+                           std::to_string(want));
+  return Status::Ok();
+}
 
 ffi::Error Gemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, Buf a_scale_inv, Buf b_scale_inv, Buf bias,
                 Ret out, Ret workspace, int32_t flags) {
@@ -30,11 +53,13 @@ ffi::Error Gemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, Buf a_scale_inv, Buf b_scale_i
   p.m = m;
   p.n = n;
   p.k = ka;
+  p.a_block = (flags >> kABlockShift) & 3;
+  p.b_block = (flags >> kBBlockShift) & 3;
   if (is_fp8(p.a_dtype)) {
-    if (a_scale_inv.element_count() != 1 || b_scale_inv.element_count() != 1 ||
-        a_scale_inv.element_type() != ffi::DataType::F32 ||
-        b_scale_inv.element_type() != ffi::DataType::F32)
-      return to_error(Status::Invalid("gemm: FP8 scale_inv must be float32 of shape (1,)"));
+    if (auto st = check_scales(a_scale_inv, p.a_block, m, ka, "a_scale_inv"); !st.ok())
+      return to_error(st);
+    if (auto st = check_scales(b_scale_inv, p.b_block, n, ka, "b_scale_inv"); !st.ok())
+      return to_error(st);
     p.a_scale_inv = static_cast<const float*>(a_scale_inv.untyped_data());
     p.b_scale_inv = static_cast<const float*>(b_scale_inv.untyped_data());
   }

@@ -4,7 +4,10 @@
 //
 // Both operands are K-major (row-major, contraction axis last), the layout Hopper's FP8 tensor
 // cores need. Operands are E4M3/E5M2 with float32 per-tensor decode scales, or BF16 without
-// scales. Products accumulate in float32; the output is rounded once to BF16 or F32.
+// scales. FP8 operands may instead carry FP8 block scales (a_block / b_block: float32 scale per
+// 1x128 block along K, or per 128x128 tile, in the layout of lowbit/block_scaling.h's
+// fp8_block_scale_index for the operand's (rows, K) copy); then
+//   out(m, n) = sum over K blocks kb of (sum_{k in kb} a(m,k) b(n,k)) * sa(m,kb) * sb(n,kb). Products accumulate in float32; the output is rounded once to BF16 or F32.
 // Pointers are host pointers for the CPU kernel and device pointers for the CUDA one.
 #pragma once
 
@@ -27,9 +30,13 @@ struct GemmParams {
   DType b_dtype = DType::kE4M3;
   int64_t m = 0, n = 0, k = 0;
 
-  // FP8 only: (1,) float32 decode scales (device pointers on CUDA: no host sync to read them).
+  // FP8 only: (1,) float32 decode scales (device pointers on CUDA: no host sync to read them),
+  // or the block-scale arrays when a_block / b_block is set.
   const float* a_scale_inv = nullptr;
   const float* b_scale_inv = nullptr;
+  // FP8 block scaling of each operand: 0 per-tensor, 1 = 1x128 blocks (cuBLASLt VEC128_32F),
+  // 2 = 128x128 tiles (BLK128x128_32F). Both set or neither; never both 2.
+  int a_block = 0, b_block = 0;
 
   const void* bias = nullptr;  // optional (n,), BF16 or F32
   DType bias_dtype = DType::kBF16;
@@ -45,6 +52,11 @@ struct GemmParams {
 
 inline bool is_fp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
 
+// The ScalingMode of a GEMM block flag (1 -> kBlock1d, 2 -> kBlock2d).
+inline ScalingMode gemm_block_mode(int block) {
+  return block == 2 ? ScalingMode::kBlock2d : ScalingMode::kBlock1d;
+}
+
 // Checks shared by both backends; the Python side checks the same things first with clearer
 // messages, so this only guards against misuse of the FFI target.
 inline Status validate(const GemmParams& p) {
@@ -57,6 +69,13 @@ inline Status validate(const GemmParams& p) {
     return Status::Invalid("gemm: E5M2 x E5M2 is not supported (use E4M3 for one operand)");
   if (fp8 && (p.a_scale_inv == nullptr || p.b_scale_inv == nullptr))
     return Status::Invalid("gemm: FP8 operands need a_scale_inv and b_scale_inv");
+  if (p.a_block < 0 || p.a_block > 2 || p.b_block < 0 || p.b_block > 2)
+    return Status::Invalid("gemm: block mode must be 0, 1 or 2");
+  if ((p.a_block == 0) != (p.b_block == 0))
+    return Status::Invalid("gemm: both operands must be block-scaled, or neither");
+  if (p.a_block == 2 && p.b_block == 2)
+    return Status::Invalid("gemm: 128x128 x 128x128 block scaling is not supported");
+  if (p.a_block && !fp8) return Status::Invalid("gemm: block scaling needs FP8 operands");
   if (p.out_dtype != DType::kBF16 && p.out_dtype != DType::kF32)
     return Status::Invalid("gemm: output must be BF16 or F32");
   if (p.bias && p.bias_dtype != DType::kBF16 && p.bias_dtype != DType::kF32)

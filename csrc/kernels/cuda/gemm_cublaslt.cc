@@ -6,6 +6,13 @@
 // layout Hopper FP8 kernels require. The bias epilogue adds a vector over cuBLASLt's rows, i.e.
 // over our N.
 //
+// FP8 block scaling (Float8BlockScaling, Hopper, cuBLAS >= 12.9): each operand's scale mode is
+// CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F (1x128 blocks along K) or BLK128x128_32F (128x128
+// tiles); 1Dx1D, 1Dx2D and 2Dx1D, TN only (both operands K-major, as here), split accumulation
+// (no FAST_ACCUM), no epilogue (Python adds the bias). The scale arrays are in the layout cuBLASLt
+// reads (lowbit/block_scaling.h, docs/numerics.md), so they are passed as they are: cuBLASLt's
+// A (our B) takes b's scales, its B (our A) a's.
+//
 // Nothing here synchronizes or allocates device memory: the workspace is a caller buffer and the
 // scales stay on the device (passed as pointers), so the call is safe inside CUDA graphs.
 #include <cublasLt.h>
@@ -69,7 +76,7 @@ Status handle_for(int device, cublasLtHandle_t* out) {
 
 // Everything the heuristic's choice depends on.
 using AlgoKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, size_t,
-                           uint32_t, uint32_t, uint32_t, uint32_t>;
+                           uint32_t, uint32_t, uint32_t, uint32_t, int, int>;
 
 struct AlgoCache {
   std::mutex mu;
@@ -154,10 +161,29 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
     LOWBIT_LT_CHECK(
         cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)),
         "set B_SCALE_POINTER");
-    const int8_t fast = p.fast_accum ? 1 : 0;
+    const bool block = p.a_block != 0;
+    const int8_t fast = p.fast_accum && !block ? 1 : 0;
     LOWBIT_LT_CHECK(
         cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
         "set FAST_ACCUM");
+    if (block) {
+#if CUBLAS_VERSION >= 120900
+      if (p.bias) return Status::Invalid("gemm: no bias epilogue with FP8 block scaling");
+      auto lt_mode = [](int b) -> int32_t {
+        return b == 2 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                      : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      };
+      const int32_t mode_a = lt_mode(p.b_block), mode_b = lt_mode(p.a_block);
+      LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                                     &mode_a, sizeof(mode_a)),
+                      "set A_SCALE_MODE");
+      LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                                     &mode_b, sizeof(mode_b)),
+                      "set B_SCALE_MODE");
+#else
+      return Status::Invalid("gemm: FP8 block scaling needs cuBLAS 12.9 or newer at build time");
+#endif
+    }
   }
   if (p.bias) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
@@ -196,7 +222,9 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
                     al_a,
                     al_b,
                     al_d,
-                    al_bias};
+                    al_bias,
+                    p.a_block,
+                    p.b_block};
 
   cublasLtMatmulAlgo_t algo;
   bool cached = false;
@@ -233,7 +261,11 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
       return Status::Invalid(
           "gemm: cuBLASLt has no algorithm for M=" + std::to_string(p.m) +
           " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
-          (fp8 ? " (FP8 needs K and N multiples of 16 and 16-byte aligned operands)" : ""));
+          (p.a_block ? " (FP8 block scaling: a_block=" + std::to_string(p.a_block) +
+                           " b_block=" + std::to_string(p.b_block) +
+                           "; cuBLASLt >= 12.9 on sm_90 offers 1Dx1D, 1Dx2D and 2Dx1D)"
+           : fp8      ? std::string(" (FP8 needs K and N multiples of 16 and 16-byte aligned operands)")
+                      : std::string()));
     algo = result.algo;
     AlgoCache& c = algo_cache();
     std::lock_guard<std::mutex> lock(c.mu);

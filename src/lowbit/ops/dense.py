@@ -31,7 +31,7 @@ from lowbit.ops.quantize import check_input, quantize, quantize_dbias
 from lowbit.quantization.checks import as_dtype
 from lowbit.quantization.scaling_modes import INPUT_DTYPES, ScalingMode
 from lowbit.quantization.tensor import prod
-from lowbit.recipe import DelayedScaling, NVFP4BlockScaling, Recipe
+from lowbit.recipe import DelayedScaling, Float8BlockScaling, NVFP4BlockScaling, Recipe
 from lowbit.sharding import plan_dense
 
 
@@ -56,6 +56,10 @@ class _Config:
         return isinstance(self.recipe, NVFP4BlockScaling)
 
     @property
+    def fp8_block(self) -> bool:
+        return isinstance(self.recipe, Float8BlockScaling)
+
+    @property
     def rht(self) -> bool:
         return self.nvfp4 and not self.recipe.disable_rht
 
@@ -66,6 +70,9 @@ class _Config:
 
 def _quantize_role(cfg: _Config, role: str, state, **kw):
     r = cfg.recipe
+    if cfg.fp8_block:  # per-role QParams: power-of-two scales, amax floor
+        qp = r.qparams(role)
+        kw = dict(kw, power_2_scale=bool(qp.power_2_scale), amax_epsilon=float(qp.amax_epsilon))
     return dict(
         scaling_mode=r.scaling_mode(role),
         q_dtype=r.q_dtype(role),
@@ -257,7 +264,7 @@ def dense(
     if not isinstance(recipe, Recipe):
         raise TypeError(
             f"dense: recipe must be a lowbit recipe (DelayedScaling, Float8CurrentScaling, "
-            f"MXFP8BlockScaling, NVFP4BlockScaling), got {type(recipe).__name__}"
+            f"MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling), got {type(recipe).__name__}"
         )
 
     b = _block_multiple(recipe)
@@ -286,7 +293,8 @@ def dense(
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
     k2 = kernel.reshape(K, N)
     # Under a MeshResource and a mesh in context, per shard with global scales (NVFP4 excepted).
-    plan = None if cfg.nvfp4 else plan_dense(recipe, M + pad, K, N)
+    # FP8 block scaling runs unsharded for now (per-shard blocks would need 128-aligned shards).
+    plan = None if cfg.nvfp4 or cfg.fp8_block else plan_dense(recipe, M + pad, K, N)
     if plan is None:
         y2 = _dense_2d(cfg, x2, k2, bias, state, rng)
     else:

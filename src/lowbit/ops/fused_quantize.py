@@ -29,12 +29,15 @@ class QuantizeSpec(NamedTuple):
 
     ``scale`` is the float32 encode scale for DELAYED_TENSOR_SCALING and None otherwise;
     ``layout`` is "rowwise", "colwise" or "both" (default: both, the copies a GEMM's forward and
-    backward need)."""
+    backward need); ``power_2_scale`` / ``amax_epsilon``: FP8 block scaling's options (the kernel
+    writes its output unquantized and lowbit.quantize quantizes it: not fused yet)."""
 
     scaling_mode: Any
     q_dtype: Any = None
     scale: Any = None
     layout: str = "both"
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
 
 
 #: What a ``quantize`` argument may be: a spec tuple, or a bare ScalingMode (no scale needed).
@@ -49,16 +52,19 @@ def parse_quantize_spec(
         return None
     if isinstance(quantize, ScalingMode):
         quantize = (quantize,)
-    if not isinstance(quantize, (tuple, list)) or not 1 <= len(quantize) <= 4:
+    if not isinstance(quantize, (tuple, list)) or not 1 <= len(quantize) <= 6:
         raise TypeError(
-            f"{name} must be None or a (scaling_mode, q_dtype, scale[, layout]) tuple, got {quantize!r}"
+            f"{name} must be None or a (scaling_mode, q_dtype, scale[, layout[, power_2_scale[, "
+            f"amax_epsilon]]]) tuple, got {quantize!r}"
         )
     spec = QuantizeSpec(*quantize)
     mode = check_scaling_mode(spec.scaling_mode)
     q = check_q_dtype(mode, spec.q_dtype, x_dtype)
     check_layout(spec.layout, f"{name}: ")
     scale = check_tensor_scale(mode, spec.scale, f"{name}: ")
-    return QuantizeSpec(mode, q, scale, spec.layout)
+    if not mode.is_fp8_block and (spec.power_2_scale or spec.amax_epsilon):
+        raise ValueError(f"{name}: power_2_scale and amax_epsilon are only used with BLOCK_1D/2D_SCALING")
+    return QuantizeSpec(mode, q, scale, spec.layout, bool(spec.power_2_scale), float(spec.amax_epsilon))
 
 
 def is_fused(spec: Optional[QuantizeSpec]) -> bool:
@@ -97,7 +103,10 @@ def fused_operands(spec: Optional[QuantizeSpec]) -> tuple[Any, dict]:
 def quantize_output(spec: QuantizeSpec, y: jax.Array, dbias: bool = False):
     """``lowbit.quantize`` (``quantize_dbias``) of an unfused kernel's output, as ``spec`` says."""
     fn = quantize_dbias if dbias else quantize
-    return fn(y, spec.scaling_mode, spec.q_dtype, scale=spec.scale, layout=spec.layout)
+    kw = {}
+    if spec.scaling_mode.is_fp8_block:
+        kw = dict(power_2_scale=spec.power_2_scale, amax_epsilon=spec.amax_epsilon)
+    return fn(y, spec.scaling_mode, spec.q_dtype, scale=spec.scale, layout=spec.layout, **kw)
 
 
 def finish_output(spec: Optional[QuantizeSpec], y, fp8: tuple, shape, dq_dtype):

@@ -4,6 +4,8 @@ Per-tensor FP8 operands (E4M3/E5M2 with float32 decode scales) and BF16 operands
 FFI call (cuBLASLt on the GPU, a C++ loop on the CPU). MXFP8 and NVFP4 operands take the study
 path: they are decoded exactly to BF16 and multiplied by the same BF16 GEMM, which reproduces a
 block-scaled GEMM's numerics on GPUs without block-scaled tensor cores (Hopper); it is not fast.
+FP8 block-scaled operands (BLOCK_1D/2D_SCALING, Float8BlockScaling) go to cuBLASLt's
+block-scaled FP8 GEMM (VEC128_32F / BLK128x128_32F scales, Hopper) as they are.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from lowbit.quantization.tensor import ScaledTensor, prod
 # Name given to every GEMM output, so remat policies can save it (lowbit.checkpoint_policies).
 GEMM_CHECKPOINT_NAME = "lowbit_gemm"
 FLAG_FAST_ACCUM = 1
+_A_BLOCK_SHIFT, _B_BLOCK_SHIFT = 1, 3  # GemmParams::a_block / b_block in the flags (csrc/ffi/gemm.cc)
+_BLOCK_FLAG = {ScalingMode.BLOCK_1D_SCALING: 1, ScalingMode.BLOCK_2D_SCALING: 2}
+_BLOCK_K_ALIGN = 128  # block-scaled GEMMs get K in whole 128-blocks (zero padding: same result)
 
 _BF16 = np.dtype(jnp.bfloat16)
 _F32 = np.dtype(jnp.float32)
@@ -38,11 +43,11 @@ _FP8_ALIGN = 16  # cuBLASLt FP8: K (leading dimension) and N in multiples of 16 
 class _Operand:
     """One GEMM operand as a K-major 2-D matrix, plus how to decode it."""
 
-    kind: str  # "bf16", "fp8" (per-tensor scale) or "block" (MXFP8/NVFP4)
+    kind: str  # "bf16", "fp8" (per-tensor scale), "fp8block" (FP8 block scaling), "block" (MX/NV)
     lead: tuple  # the non-contracted dims, in the copy's order
     k: int  # contraction size
-    data: Optional[jax.Array] = None  # (rows, k) for bf16/fp8
-    scale_inv: Optional[jax.Array] = None  # (1,) float32 for fp8
+    data: Optional[jax.Array] = None  # (rows, k) for bf16/fp8/fp8block
+    scale_inv: Optional[jax.Array] = None  # (1,) float32 for fp8; the block-scale array for fp8block
     qt: Optional[ScaledTensor] = None  # block-scaled source tensor
     layout: str = "rowwise"
     mode: Optional[ScalingMode] = None
@@ -93,10 +98,11 @@ def _scaled_operand(qt: ScaledTensor, name: str, layout: Optional[str]) -> _Oper
                 f"gemm: {name} holds {np.dtype(data.dtype).name} data; only bfloat16 is supported"
             )
         return _Operand("bf16", lead, k, data=data.reshape(prod(lead), k))
-    if mode.is_tensor_scaling:
+    if mode.is_tensor_scaling or mode.is_fp8_block:
         s_inv = qt.colwise_scale_inv if colwise else qt.scale_inv
+        kind = "fp8" if mode.is_tensor_scaling else "fp8block"
         return _Operand(
-            "fp8", lead, k, data=data.reshape(prod(lead), k), scale_inv=s_inv, qt=qt, layout=layout, mode=mode
+            kind, lead, k, data=data.reshape(prod(lead), k), scale_inv=s_inv, qt=qt, layout=layout, mode=mode
         )
     return _Operand("block", lead, k, qt=qt, layout=layout, mode=mode)
 
@@ -112,11 +118,21 @@ def _check_pair(a: _Operand, b: _Operand) -> None:
             f"b has K={b.k} (non-contracted dims {b.lead})"
         )
     if a.kind != b.kind:
-        desc = {"bf16": "BF16", "fp8": "per-tensor FP8", "block": "block-scaled"}
+        desc = {
+            "bf16": "BF16",
+            "fp8": "per-tensor FP8",
+            "fp8block": "FP8 block-scaled (BLOCK_1D/2D_SCALING)",
+            "block": "block-scaled (MXFP8/NVFP4)",
+        }
         raise TypeError(
             f"gemm: operands must both be {desc[a.kind]}; a is {desc[a.kind]}, b is {desc[b.kind]}"
         )
-    if a.kind == "fp8":
+    if a.kind == "fp8block" and a.mode == b.mode == ScalingMode.BLOCK_2D_SCALING:
+        raise TypeError(
+            "gemm: a and b are both BLOCK_2D_SCALING (128x128 tiles): cuBLASLt's block-scaled FP8 "
+            "GEMM takes 1Dx1D, 1Dx2D or 2Dx1D; quantize one operand with BLOCK_1D_SCALING"
+        )
+    if a.kind in ("fp8", "fp8block"):
         qa, qb = np.dtype(a.qt.q_dtype), np.dtype(b.qt.q_dtype)
         for q, n in ((qa, "a"), (qb, "b")):
             if q not in FP8_DTYPES:
@@ -174,9 +190,11 @@ def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum):
-    """One FFI call: a2 (M, K), b2 (N, K) -> (M, N). bias is (N,) or None."""
+def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, blocks=(0, 0)):
+    """One FFI call: a2 (M, K), b2 (N, K) -> (M, N). bias is (N,) or None. ``blocks``: the
+    operands' FP8 block scaling (0 per-tensor, 1 = 1x128, 2 = 128x128)."""
     M, N = a2.shape[0], b2.shape[0]
+    flags = (FLAG_FAST_ACCUM if fast_accum else 0) | (blocks[0] << _A_BLOCK_SHIFT) | (blocks[1] << _B_BLOCK_SHIFT)
     return _native.ffi_call(
         "gemm",
         jax.ShapeDtypeStruct((M, N), out_dtype),
@@ -186,7 +204,7 @@ def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum):
         EMPTY_F32 if b_s is None else b_s,
         EMPTY_F32 if bias is None else bias,
         workspace=(),
-        flags=np.int32(FLAG_FAST_ACCUM if fast_accum else 0),
+        flags=np.int32(flags),
     )
 
 
@@ -215,6 +233,28 @@ def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8):
         out = out[:, :N]
     if outer_bias is not None:
         out = (out + outer_bias.astype(jnp.float32)).astype(out_dtype)
+    return out
+
+
+def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
+    """FP8 block scaling: the block-scale arrays go to the GEMM as they are (cuBLASLt's layout).
+
+    K is zero-padded to whole 128-blocks and N to cuBLASLt's FP8 alignment (16); zeros add
+    nothing and leave the number of K blocks (hence the scale arrays) unchanged, except that a
+    1x128 operand's scale array gains columns for the padded rows (filled with 1). The bias is
+    added in float32 after the GEMM (no epilogue with block scales)."""
+    a2, b2, sa, sb = a.data, b.data, a.scale_inv, b.scale_inv
+    N = b2.shape[0]
+    a2 = pad_to(a2, 1, _BLOCK_K_ALIGN)
+    b2 = pad_to(pad_to(b2, 1, _BLOCK_K_ALIGN), 0, _FP8_ALIGN)
+    if b.mode == ScalingMode.BLOCK_1D_SCALING and sb.shape[1] < b2.shape[0]:
+        sb = jnp.pad(sb, ((0, 0), (0, b2.shape[0] - sb.shape[1])), constant_values=1.0)
+    ffi_out = out_dtype if bias is None else _F32
+    out = _ffi_gemm(a2, b2, sa, sb, None, ffi_out, False, blocks=(_BLOCK_FLAG[a.mode], _BLOCK_FLAG[b.mode]))
+    if b2.shape[0] != N:
+        out = out[:, :N]
+    if bias is not None:
+        out = (out + bias.astype(jnp.float32)).astype(out_dtype)
     return out
 
 
@@ -328,8 +368,9 @@ def gemm(
       an array of shape ``a_lead + b_lead`` (the non-contracted dims of a, then of b).
 
     Both operands must be of one kind: BF16, per-tensor FP8 (E4M3 x E4M3, E4M3 x E5M2 or
-    E5M2 x E4M3; delayed and current scaling mix freely), or block-scaled of one format (MXFP8,
-    or NVFP4 with the same Hadamard transform on both or neither).
+    E5M2 x E4M3; delayed and current scaling mix freely), FP8 block-scaled (BLOCK_1D/2D_SCALING,
+    not both 2D; same FP8 pairs; split accumulation always), or block-scaled of one format
+    (MXFP8, or NVFP4 with the same Hadamard transform on both or neither).
     """
     out_dtype = _check_out_dtype(out_dtype)
     pa = _operand(a, "a", a_layout)
@@ -355,6 +396,8 @@ def gemm(
         return out.astype(out_dtype).reshape(shape)
     if pa.kind == "block":
         out = _block_gemm(pa, pb, bias, out_dtype)
+    elif pa.kind == "fp8block":
+        out = _fp8_block_gemm(pa, pb, bias, out_dtype)
     else:
         fp8 = pa.kind == "fp8"
         out = _gemm_2d(pa.data, pb.data, pa.scale_inv, pb.scale_inv, bias, out_dtype, fast_accum and fp8, fp8)
