@@ -631,8 +631,8 @@ def grouped_quantize_block1d(x, group_sizes, q_dtype=None, *, eps: float = 0.0, 
     csi = np.ones((M // 128 + G, K), np.float32)
     am = np.array([amax(v[s:e]) if e > s else 0.0 for s, e in bounds], np.float32)
     covered = bounds[-1][1]
-    runs = bounds + [(covered, M)]  # the rows in no group: one more rowwise run
-    for s, e in runs:
+    si[covered * nkb :] = 1.0  # rows in no group: zero data, scale_inv 1.0
+    for s, e in bounds:
         if e == s:
             continue
         q, sc = quantize_copy_fp8_block(v[s:e], BLOCK_1D, fmt, eps, pow2)
@@ -649,8 +649,7 @@ def grouped_quantize_block1d(x, group_sizes, q_dtype=None, *, eps: float = 0.0, 
 
 
 def grouped_block1d_decode(d, K: int, fmt: Fmt, layout: str = "rowwise") -> np.ndarray:
-    """(M, K) float64 of a grouped_quantize_block1d result (rows in no group: rowwise decodes
-    them, colwise gives 0)."""
+    """(M, K) float64 of a grouped_quantize_block1d result (rows in no group: 0)."""
     bounds = d["bounds"]
     nkb = -(-K // 128)
     if layout == "rowwise":

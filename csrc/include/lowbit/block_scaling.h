@@ -48,7 +48,7 @@ LOWBIT_HD float fp8_block_scale(float a, float fmax, float eps, bool pow2) {
 // group's rows), concatenated:
 //  * rowwise copy (M, K), 1x128 blocks along K: (M * ceil(K/128),) float32; block kb of row
 //    r = start_g + i sits at start_g * nkb + kb * size_g + i. The rows in no group form one
-//    more run after the last group.
+//    more run after the last group (zero data, scale_inv 1.0).
 //  * colwise copy (K, M), 1x128 blocks along M *inside each group* (block j of group g holds the
 //    group's tokens start_g + 128 j ..): (M / 128 + G, K) float32, block j of group g in row
 //    start_g / 128 + g + j, element column c at [row][c]. The rows never overlap (each group

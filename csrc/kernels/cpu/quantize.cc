@@ -209,7 +209,8 @@ Status dequantize_cpu(const DequantizeParams& p) {
 namespace {
 
 // Grouped BLOCK_1D (lowbit/block_scaling.h's grouped layouts): rowwise 1x128 blocks along K in
-// the per-group M-major scale layout; colwise 1x128 blocks along the rows of each group.
+// the per-group M-major scale layout; colwise 1x128 blocks along the rows of each group. Rows in
+// no group: zero data and scale_inv 1.0 in both copies.
 void grouped_quantize_block1d(const GroupedQuantizeParams& p) {
   const int64_t M = p.rows, K = p.cols, G = p.num_groups, nkb = ceil_div(K, 128);
   const SmallFloat& f = fp8_format(p.q_dtype);
@@ -228,24 +229,21 @@ void grouped_quantize_block1d(const GroupedQuantizeParams& p) {
     *scale_inv_out = 1.0f / scale;
     for (int64_t j = 0; j < n; ++j) v[j] = float(uint8_t(encode_rne(v[j] * scale, f)));
   };
+  if (p.rowwise) {
+    // Rows in no group: zero data, scale_inv 1.0 (written below for the groups' rows).
+    std::memset(q, 0, size_t(M * K));
+    for (int64_t i = 0; i < M * nkb; ++i) s[i] = 1.0f;
+  }
   int64_t start = 0;
   std::vector<float> blk(128);
-  // g == G: the rows in no group (rowwise copy only; their data is quantized like a group's).
-  for (int64_t g = 0; g <= G; ++g) {
-    int64_t begin, size;
-    if (g < G) {
-      const int64_t sz = std::max<int64_t>(0, p.group_sizes[g]);
-      begin = std::min(start, M);
-      size = std::min(start + sz, M) - begin;
-      start = std::min(start + sz, M);
-    } else {
-      begin = start;
-      size = M - start;
-    }
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t sz = std::max<int64_t>(0, p.group_sizes[g]);
+    const int64_t begin = std::min(start, M), size = std::min(start + sz, M) - begin;
+    start = std::min(start + sz, M);
     float amax = 0.0f;
     for (int64_t i = begin * K; i < (begin + size) * K; ++i)
       amax = std::max(amax, abs_ignore_nan(load_value(p.x, p.x_dtype, i)));
-    if (g < G) p.amax[g] = amax;
+    p.amax[g] = amax;
     if (p.rowwise)
       for (int64_t i = 0; i < size; ++i)
         for (int64_t kb = 0; kb < nkb; ++kb) {
@@ -254,7 +252,7 @@ void grouped_quantize_block1d(const GroupedQuantizeParams& p) {
           encode_block(blk.data(), n, &s[begin * nkb + kb * size + i]);
           for (int64_t j = 0; j < n; ++j) q[r * K + c0 + j] = uint8_t(blk[j]);
         }
-    if (p.colwise && g < G)
+    if (p.colwise)
       for (int64_t jb = 0; jb * 128 < size; ++jb) {
         const int64_t r0 = begin + jb * 128, n = std::min<int64_t>(128, size - jb * 128);
         const int64_t row = grouped_block_colwise_first(begin, g) + jb;

@@ -129,8 +129,8 @@ __global__ void grouped_finalize_kernel(int64_t G, const float* delayed, const f
 // by row and the colwise copy (1x128 along the group's rows) column by column. Tile rows are
 // numbered as the colwise scale rows: b in [0, M/128 + G) is block b - first_g of the group g
 // with first_g = start_g / 128 + g <= b (first_g strictly increases with g); the ceil(M/128)
-// tile rows after those cover the rows in no group (rowwise copy only). Tiles past a group's
-// end exit at once.
+// tile rows after those cover the rows in no group (rowwise copy: zero data, scale_inv 1.0).
+// Tiles past a group's end exit at once.
 constexpr int kGb = 128, kGbLd = kGb + 1, kGbThreads = 256;
 constexpr size_t kGbSmem = size_t(kGb) * kGbLd * sizeof(float);
 
@@ -181,6 +181,17 @@ __global__ void __launch_bounds__(kGbThreads) grouped_block1d_kernel(const Group
   const int64_t c0 = tc * kGb;
   const int nr = int(run_end - r0 < kGb ? run_end - r0 : kGb);
   const int nc = int(a.K - c0 < kGb ? a.K - c0 : kGb);
+  if (!in_group) {  // rows in no group: zero data, scale_inv 1.0 (rowwise; colwise is preset)
+    if (a.q_row)
+      for (int i = threadIdx.x; i < kGb * kGb; i += kGbThreads) {
+        const int rr = i / kGb, cc = i - rr * kGb;
+        if (rr < nr && cc < nc) a.q_row[(r0 + rr) * a.K + c0 + cc] = 0;
+      }
+    if (a.s_row)
+      for (int rr = threadIdx.x; rr < nr; rr += kGbThreads)
+        a.s_row[run_start * a.nkb + tc * run_size + (r0 - run_start) + rr] = 1.0f;
+    return;
+  }
   for (int i = threadIdx.x; i < kGb * kGb; i += kGbThreads) {
     const int rr = i / kGb, cc = i - rr * kGb;
     tile[rr * kGbLd + cc] = (rr < nr && cc < nc) ? In<IN>::f(x[(r0 + rr) * a.K + c0 + cc]) : 0.0f;
@@ -206,7 +217,7 @@ __global__ void __launch_bounds__(kGbThreads) grouped_block1d_kernel(const Group
       }
       if (lane == 0) a.s_row[run_start * a.nkb + tc * run_size + (r0 - run_start) + rr] = 1.0f / s;
     }
-  if (a.q_col && in_group)
+  if (a.q_col)
     for (int cc = warp; cc < nc; cc += kGbThreads / 32) {
       float v[4], bm = 0.0f;
 #pragma unroll
