@@ -63,6 +63,23 @@ def test_grouped_quantize_block1d_oracle(device, rng, name, q, opts):
         assert np.allclose(dec[:covered], xf[:covered], rtol=0.13, atol=float(np.abs(xf).max()) * 2**-6)
 
 
+@pytest.mark.parametrize("name", ["uneven_empty", "long_groups", "sum_below"])
+def test_grouped_dequantize_block1d(device, rng, name):
+    M, K, sizes = GQ_CASES[name]
+    x = make_x(rng, (M, K), BF16, spread=2.0)
+    sizes = np.asarray(sizes, np.int32)
+
+    def f(x, s):
+        qt = lowbit.grouped_quantize(x, s, SM.BLOCK_1D_SCALING, E4M3, layout="both")
+        return tuple(lowbit.grouped_dequantize(qt, s, layout, dtype=F32) for layout in ("rowwise", "colwise"))
+
+    got = to_cpu(run_on(device, f, jnp.asarray(x), jnp.asarray(sizes)))
+    want = O.grouped_quantize_block1d(x, sizes, E4M3)
+    for g, layout in zip(got, ("rowwise", "colwise")):
+        ref = O.grouped_block1d_decode(want, K, O.E4M3, layout).astype(np.float32)
+        assert_bits(np.asarray(g), ref, layout)
+
+
 def test_grouped_quantize_block1d_rowwise_only_and_errors(rng):
     x = jnp.asarray(make_x(rng, (20, 40), BF16))
     s = jnp.asarray([5, 15], jnp.int32)

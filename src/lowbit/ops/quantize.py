@@ -439,10 +439,13 @@ def grouped_dequantize(
     if qt.scaling_mode == ScalingMode.MXFP8_1D_SCALING:
         validate(qt, layout, op)
         return dequantize(qt, layout, dtype=out_dtype)
+    if qt.scaling_mode == ScalingMode.BLOCK_1D_SCALING:
+        validate(qt, layout, op, num_groups=G)
+        return _grouped_dequantize_block1d(qt, group_sizes, layout, out_dtype)
     if not ScalingMode(qt.scaling_mode).is_tensor_scaling:
         raise ValueError(
             f"{op}: qt.scaling_mode must be one grouped_quantize makes (DELAYED/CURRENT_TENSOR_"
-            f"SCALING or MXFP8_1D_SCALING), got {ScalingMode(qt.scaling_mode).name}"
+            f"SCALING, MXFP8_1D_SCALING or BLOCK_1D_SCALING), got {ScalingMode(qt.scaling_mode).name}"
         )
     s_field = "colwise_scale_inv" if layout == "colwise" else "scale_inv"
     s_inv = getattr(qt, s_field)
@@ -483,6 +486,31 @@ def grouped_dequantize(
     # decode(q) * scale_inv is a normal float32 or 0 whenever every scale_inv >= 2^-110 (the
     # smallest nonzero FP8 magnitude is 2^-16); only then is the plain XLA product exact.
     return jax.lax.cond(jnp.all(s_inv >= np.float32(2.0**-110)), fast, exact, data, s_inv)
+
+
+def _grouped_dequantize_block1d(qt, group_sizes, layout, out_dtype):
+    """decode(q) * scale_inv of every element, the scale gathered from the grouped layouts
+    (rows in no group: 0). float32 products in XLA (a subnormal product may flush to zero on
+    the CPU, unlike the kernels)."""
+    M, K = qt.shape
+    G = group_sizes.shape[0]
+    ends = group_ends(group_sizes.astype(jnp.int32), M)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    gid = group_ids(group_sizes, M)  # G: in no group
+    r = jnp.arange(M, dtype=jnp.int32)
+    start = jnp.concatenate([starts, ends[-1:]])[gid]
+    if layout == "rowwise":
+        nkb = -(-K // 128)
+        size = jnp.concatenate([ends - starts, jnp.int32(M) - ends[-1:]])[gid]
+        kb = jnp.arange(K, dtype=jnp.int32) // 128
+        idx = start[:, None] * nkb + kb[None, :] * size[:, None] + (r - start)[:, None]
+        out = qt.data.astype(jnp.float32) * qt.scale_inv[idx]
+    else:
+        row = start // 128 + gid + (r - start) // 128
+        row = jnp.where(gid < G, row, 0)
+        out = qt.colwise_data.T.astype(jnp.float32) * qt.colwise_scale_inv[row]
+        out = jnp.where((gid < G)[:, None], out, 0.0)
+    return out.astype(out_dtype)
 
 
 def group_ends(group_sizes: jax.Array, extent: int) -> jax.Array:
