@@ -13,6 +13,11 @@ of dout is quantized as its own tensor by :func:`lowbit.grouped_quantize` (both 
 pass), and the product of the two groups' decode scales is applied per group in the GEMM's
 epilogue. Hopper's FP8 tensor cores read K-major operands, so the forward reads rhs's colwise
 copy, dgrad rhs's rowwise copy and wgrad the colwise copies of lhs and dout.
+
+Float8BlockScaling: lhs and dout take 1x128 block scales along the contraction (the colwise
+copies for the weight gradient: 1x128 along each group's tokens, restarting at every group),
+rhs 128x128 tiles (or 1x128 with ``w_block_scaling_dim=1``); on the GPU, CUTLASS's sm90 grouped
+blockwise-scaled kernel applies them per 128-deep k-block (see _BlockConfig below).
 """
 
 from __future__ import annotations
@@ -475,7 +480,8 @@ def grouped_gemm(
         type. The GEMM rounds its output to bfloat16 once; a float32 output is that value.
       state: DelayedScaling only: :func:`init_grouped_delayed_state`-shaped dict; its gradient is
         the updated state (what Flax's ``_overwrite_with_gradient`` collection expects).
-      fast_accum: FP8 on the GPU: fast accumulation in the forward GEMM (not the gradients).
+      fast_accum: FP8 on the GPU: fast accumulation in the forward GEMM (not the gradients);
+        ignored by Float8BlockScaling, whose GEMMs always promote each 128-deep block.
 
     Returns:
       (M, N) in ``preferred_element_type``.
