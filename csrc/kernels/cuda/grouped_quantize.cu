@@ -4,6 +4,8 @@
 //   (binary search per row) -> per-group amax (atomicMax per row; delayed scaling: fused into the
 //   cast) -> per-group scale_inv -> fused cast (the tile kernel of cast_kernels.cuh with per-row
 //   scales; rows in no group are zeros).
+// BLOCK_1D: offsets -> one kernel over 128x128 tiles of each group (grouped_block1d_kernel: the
+//   block casts of both copies and the per-group amax from one read of x).
 #include "cast_kernels.cuh"
 #include "lowbit/block_scaling.h"
 
@@ -130,7 +132,8 @@ __global__ void grouped_finalize_kernel(int64_t G, const float* delayed, const f
 // numbered as the colwise scale rows: b in [0, M/128 + G) is block b - first_g of the group g
 // with first_g = start_g / 128 + g <= b (first_g strictly increases with g); the ceil(M/128)
 // tile rows after those cover the rows in no group (rowwise copy: zero data, scale_inv 1.0).
-// Tiles past a group's end exit at once.
+// Tiles past a group's end exit at once. Each tile of a group also adds its amax to the group's
+// (the only read of x).
 constexpr int kGb = 128, kGbLd = kGb + 1, kGbThreads = 256;
 constexpr size_t kGbSmem = size_t(kGb) * kGbLd * sizeof(float);
 
@@ -143,6 +146,7 @@ struct GroupedBlockArgs {
   float* s_row;    // (M * nkb,)
   uint8_t* q_col;  // (K, M) or null
   float* s_col;    // (M / 128 + G, K)
+  float* amax;     // (G,), zeroed: each tile of a group adds its max (one read of x in all)
   float eps;
   bool pow2;
 };
@@ -154,7 +158,7 @@ __global__ void __launch_bounds__(kGbThreads) grouped_block1d_kernel(const Group
   const T* x = static_cast<const T*>(a.x);
   const int64_t b = int64_t(blockIdx.x) / a.tiles_c, tc = int64_t(blockIdx.x) - b * a.tiles_c;
   const int64_t grouped_rows = a.M / 128 + a.G;
-  int64_t run_start, run_size, r0;
+  int64_t run_start, run_size, r0, g = -1;
   bool in_group;
   if (b < grouped_rows) {
     int64_t lo = 0, hi = a.G;  // first g with first_g > b
@@ -165,7 +169,7 @@ __global__ void __launch_bounds__(kGbThreads) grouped_block1d_kernel(const Group
       else
         hi = mid;
     }
-    const int64_t g = lo - 1;  // >= 0: first_0 = 0
+    g = lo - 1;  // >= 0: first_0 = 0
     run_start = a.starts[g];
     run_size = a.ends[g] - run_start;
     r0 = run_start + (b - grouped_block_colwise_first(run_start, g)) * kGb;
@@ -192,11 +196,17 @@ __global__ void __launch_bounds__(kGbThreads) grouped_block1d_kernel(const Group
         a.s_row[run_start * a.nkb + tc * run_size + (r0 - run_start) + rr] = 1.0f;
     return;
   }
+  float tmax = 0.0f;
   for (int i = threadIdx.x; i < kGb * kGb; i += kGbThreads) {
     const int rr = i / kGb, cc = i - rr * kGb;
-    tile[rr * kGbLd + cc] = (rr < nr && cc < nc) ? In<IN>::f(x[(r0 + rr) * a.K + c0 + cc]) : 0.0f;
+    const float v = (rr < nr && cc < nc) ? In<IN>::f(x[(r0 + rr) * a.K + c0 + cc]) : 0.0f;
+    tile[rr * kGbLd + cc] = v;
+    tmax = fmaxf(tmax, fabsf(v));  // NaN ignored, as every amax
   }
-  __syncthreads();
+  {
+    __shared__ float red[kGbThreads / 32];
+    block_amax_to(tmax, red, a.amax + g);  // its barrier also completes the tile
+  }
   const float fmax = fmt_max<FMT>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (a.q_row)
@@ -276,6 +286,7 @@ Status run_grouped_block1d(const GroupedQuantizeParams& p, cudaStream_t st, cons
   a.s_row = p.rowwise ? static_cast<float*>(p.scale_inv) : nullptr;
   a.q_col = p.colwise ? static_cast<uint8_t*>(p.colwise_data) : nullptr;
   a.s_col = p.colwise ? static_cast<float*>(p.colwise_scale_inv) : nullptr;
+  a.amax = p.amax;
   a.eps = p.amax_epsilon;
   a.pow2 = p.power_2_scale;
   const int64_t tile_rows = grouped_block_colwise_rows(M, G) + (M + kGb - 1) / kGb;
@@ -312,7 +323,8 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
         !s.ok())
       return s;
   }
-  if (M > 0) {
+  const bool block = p.mode == ScalingMode::kBlock1d;  // its cast takes the per-group amax
+  if (M > 0 && !block) {
     row_group_kernel<<<grid_for(M, 256, 8192), 256, 0, st>>>(starts, ends, G, M, row_group);
     if (auto s = launch_status("row_group_kernel"); !s.ok()) return s;
   }
@@ -321,7 +333,7 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
                     (!(p.colwise && tensor) || aligned16(p.colwise_data));
   // Delayed scaling needs no amax before the cast: the tile kernel accumulates it in the same read.
   const bool fused_amax = fast && tensor && p.mode == ScalingMode::kDelayedTensor;
-  if (n > 0 && G > 0 && !fused_amax) {
+  if (n > 0 && G > 0 && !fused_amax && !block) {
     constexpr int CH = 16 / int(sizeof(typename In<IN>::T));
     const bool vec = K % CH == 0 && aligned16(p.x);
     grouped_amax_kernel<IN>
@@ -329,6 +341,7 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
     if (auto s = launch_status("grouped_amax_kernel"); !s.ok()) return s;
   }
   if (p.mode == ScalingMode::kBlock1d) return run_grouped_block1d<IN, FMT>(p, st, starts, ends);
+
   if (tensor && G > 0) {
     grouped_finalize_kernel<<<grid_for(G, 256), 256, 0, st>>>(
         G, p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr, p.amax, fmt_max<FMT>(),
