@@ -7,8 +7,9 @@ optimizer stay as they were.
     python examples/dense.py --recipe delayed            # seed shapes on a GPU, small on CPU
     python examples/dense.py --recipe nvfp4 --small
 
-Recipes: delayed, current (FP8, per-tensor scales; Hopper and later), mxfp8, nvfp4 (block
-scaled; on Hopper they run lowbit's numerically faithful study path, not fast), none (plain Flax).
+Recipes: delayed, current (FP8, per-tensor scales; Hopper and later), block (FP8 with 1x128 /
+128x128 block scales, cuBLASLt's block-scaled GEMM on Hopper), mxfp8, nvfp4 (block scaled; on
+Hopper they run lowbit's numerically faithful study path, not fast), none (plain Flax).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ RECIPES = {
     "delayed": lowbit.DelayedScaling,
     "current": lowbit.Float8CurrentScaling,
     "mxfp8": lowbit.MXFP8BlockScaling,
+    "block": lowbit.Float8BlockScaling,
     "nvfp4": lowbit.NVFP4BlockScaling,
     "none": None,
 }

@@ -58,7 +58,7 @@ def test_ragged_forward_and_grads(device, rng, recipe, shape):
     assert rel(db, dy64.sum(0)) < 1e-5
 
 
-def test_dense_uses_the_block_modes(rng):
+def test_dense_uses_the_block_modes(device, rng):
     """x and dy 1x128, the kernel 128x128; three FP8 GEMMs in the jaxpr."""
     x = jnp.asarray(rng.standard_normal((32, 256)), BF16)
     w = jnp.asarray(rng.standard_normal((256, 128)) * 0.05, BF16)
@@ -77,25 +77,30 @@ def test_dense_uses_the_block_modes(rng):
     assert (SM.BLOCK_1D_SCALING, True) in seen and (SM.BLOCK_2D_SCALING, True) in seen
 
 
-def test_norm_and_activation_outputs(rng):
+def test_norm_and_activation_outputs(device, rng):
     """The fused ops' outputs for this recipe: the op, then lowbit.quantize (same bits)."""
     h = jnp.asarray(rng.standard_normal((8, 16, 256)), BF16)
     g, be = jnp.ones((256,), BF16), jnp.zeros((256,), BF16)
     spec = (SM.BLOCK_1D_SCALING, jnp.float8_e4m3fn, None, "both", True)
     qn = lowbit.layernorm(h, g, be, norm_type="layernorm", quantize=spec)
     ref = lowbit.quantize(
-        lowbit.layernorm(h, g, be, norm_type="layernorm"), SM.BLOCK_1D_SCALING, layout="both", power_2_scale=True
+        lowbit.layernorm(h, g, be, norm_type="layernorm"),
+        SM.BLOCK_1D_SCALING,
+        layout="both",
+        power_2_scale=True,
     )
     for f in ("data", "scale_inv", "colwise_data", "colwise_scale_inv"):
         np.testing.assert_array_equal(np.asarray(getattr(qn, f)), np.asarray(getattr(ref, f)))
     qa = lowbit.activation(h, ("gelu",), quantize=spec)
-    ref = lowbit.quantize(lowbit.activation(h, ("gelu",)), SM.BLOCK_1D_SCALING, layout="both", power_2_scale=True)
+    ref = lowbit.quantize(
+        lowbit.activation(h, ("gelu",)), SM.BLOCK_1D_SCALING, layout="both", power_2_scale=True
+    )
     np.testing.assert_array_equal(np.asarray(qa.scale_inv), np.asarray(ref.scale_inv))
     with pytest.raises(ValueError, match="power_2_scale"):
         lowbit.layernorm(h, g, be, quantize=(SM.CURRENT_TENSOR_SCALING, None, None, "both", True))
 
 
-def test_flax_dot_general_and_modules(rng):
+def test_flax_dot_general_and_modules(device, rng):
     x = jnp.asarray(rng.standard_normal((4, 24, 160)), BF16)
     key = jax.random.PRNGKey(0)
     layer = nn.Dense(136, dot_general=lf.make_dot_general_cls(BLOCK)(), dtype=BF16)
@@ -118,10 +123,12 @@ def test_flax_dot_general_and_modules(rng):
             out = first(variables)
             grads = jax.grad(lambda v: jnp.sum(jnp.square(first(v).astype(F32))))(variables)
             assert np.all(np.isfinite(np.asarray(out, np.float32)))
-            assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in jax.tree_util.tree_leaves(grads))
+            assert all(
+                np.all(np.isfinite(np.asarray(g, np.float32))) for g in jax.tree_util.tree_leaves(grads)
+            )
 
 
-def test_training_step_loss_decreases(rng):
+def test_training_step_loss_decreases(device, rng):
     """A two-layer MLP regression with Flax + optax under autocast(Float8BlockScaling())."""
 
     class MLP(nn.Module):

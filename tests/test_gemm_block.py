@@ -92,7 +92,11 @@ def test_dense_copies_and_bias(device, rng, gemm_name):
 
     def f(x, w, dy, bias):
         qa, qb = make(x, w, dy)
-        return qa, qb, lowbit.gemm(qa, qb, bias if use_bias else None, a_layout=la, b_layout=lb, out_dtype=F32)
+        return (
+            qa,
+            qb,
+            lowbit.gemm(qa, qb, bias if use_bias else None, a_layout=la, b_layout=lb, out_dtype=F32),
+        )
 
     qa, qb, out = to_cpu(run_on(device, f, x, w, dy, bias))
     ref = decoded64(qa, la) @ decoded64(qb, lb).T
@@ -134,7 +138,9 @@ def test_refusals():
     with pytest.raises(TypeError, match="both BLOCK_2D_SCALING"):
         lowbit.gemm(a, a)
     with pytest.raises(TypeError, match="FP8 block-scaled"):
-        lowbit.gemm(_q(jnp.ones((4, 128), F32), B1), lowbit.quantize(jnp.ones((4, 128), F32),
-                                                                     SM.CURRENT_TENSOR_SCALING))
+        lowbit.gemm(
+            _q(jnp.ones((4, 128), F32), B1),
+            lowbit.quantize(jnp.ones((4, 128), F32), SM.CURRENT_TENSOR_SCALING),
+        )
     with pytest.raises(TypeError, match="E5M2"):
         lowbit.gemm(_q(jnp.ones((4, 128), F32), B1, E5M2), _q(jnp.ones((4, 128), F32), B1, E5M2))

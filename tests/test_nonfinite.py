@@ -11,7 +11,13 @@ import pytest
 
 import lowbit
 import lowbit.flax as lf
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from lowbit.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 
 OWG = lf.OVERWRITE_WITH_GRADIENT
 RNG = np.random.default_rng(0)
@@ -22,6 +28,7 @@ RECIPES = {
     "delayed": DelayedScaling(amax_history_len=4),
     "current": Float8CurrentScaling(),
     "mxfp8": MXFP8BlockScaling(),
+    "block": Float8BlockScaling(),
     "nvfp4": NVFP4BlockScaling(disable_stochastic_rounding=True),
 }
 

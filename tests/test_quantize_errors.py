@@ -65,7 +65,7 @@ def test_flatten_axis_out_of_range(axis):
 
 
 # --- scaling_mode / q_dtype ------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", [7, -1, "MXFP8", None, 3.5])
+@pytest.mark.parametrize("mode", [8, -1, "MXFP8", None, 3.5])
 def test_bad_scaling_mode(x, mode):
     with _raises(ValueError, "scaling_mode", "MXFP8_1D_SCALING"):
         lowbit.quantize(x, mode)

@@ -587,10 +587,10 @@ int run_checks(bool quick) {
   struct Shape {
     int64_t R, C;
   };
-  const std::vector<Shape> shapes_full = {
-      {64, 64}, {48, 96}, {128, 256}, {96, 160}, {16, 16}, {32, 32}, {256, 512}, {192, 320},
-      {7, 13},  {33, 50}, {1, 1},     {100, 48}, {0, 64},  {64, 0},  {1024, 64}, {32, 2048},
-      {130, 300}, {257, 129}};
+  const std::vector<Shape> shapes_full = {{64, 64},   {48, 96},   {128, 256}, {96, 160}, {16, 16},
+                                          {32, 32},   {256, 512}, {192, 320}, {7, 13},   {33, 50},
+                                          {1, 1},     {100, 48},  {0, 64},    {64, 0},   {1024, 64},
+                                          {32, 2048}, {130, 300}, {257, 129}};
   const std::vector<Shape> shapes_quick = {{64, 64}, {48, 96}, {7, 13}, {32, 32}, {96, 160}};
   const auto& shapes = quick ? shapes_quick : shapes_full;
   const std::vector<DType> xdts = quick
@@ -707,6 +707,9 @@ int run_checks(bool quick) {
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kMxfp8_1d, DType::kE4M3, false, false);
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kNvfp4_1d, DType::kE2M1, true, true);
   run_graph_case(DType::kF32, 96, 160, ScalingMode::kNvfp4_2d, DType::kE2M1, true, false);
+  // FP8 block scaling: cudaFuncSetAttribute (66 KB dynamic shared memory) inside the capture.
+  run_graph_case(DType::kBF16, 256, 512, ScalingMode::kBlock1d, DType::kE4M3, false, false);
+  run_graph_case(DType::kF32, 130, 300, ScalingMode::kBlock2d, DType::kE5M2, false, false);
   std::printf("%s cuda graph capture: %d cases, %d failures\n", g_failures > f1 ? "FAIL" : "PASS",
               g_cases - c1, g_failures - f1);
 

@@ -465,8 +465,10 @@ class Float8BlockScaling(_FP8FormatRecipe):
                 )
         for f in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
             if not getattr(self, f).use_split_accumulator:
-                raise ValueError(f"Float8BlockScaling: {f}.use_split_accumulator must be True (FP8 block "
-                                 "scaling needs split accumulation)")
+                raise ValueError(
+                    f"Float8BlockScaling: {f}.use_split_accumulator must be True (FP8 block "
+                    "scaling needs split accumulation)"
+                )
         if self.fp8_dpa or self.fp8_mha:
             raise NotImplementedError(
                 "Float8BlockScaling(fp8_dpa/fp8_mha=True): FP8 attention is not supported for "

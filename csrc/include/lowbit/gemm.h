@@ -7,7 +7,8 @@
 // scales. FP8 operands may instead carry FP8 block scales (a_block / b_block: float32 scale per
 // 1x128 block along K, or per 128x128 tile, in the layout of lowbit/block_scaling.h's
 // fp8_block_scale_index for the operand's (rows, K) copy); then
-//   out(m, n) = sum over K blocks kb of (sum_{k in kb} a(m,k) b(n,k)) * sa(m,kb) * sb(n,kb). Products accumulate in float32; the output is rounded once to BF16 or F32.
+//   out(m, n) = sum over K blocks kb of (sum_{k in kb} a(m,k) b(n,k)) * sa(m,kb) * sb(n,kb).
+//   Products accumulate in float32; the output is rounded once to BF16 or F32.
 // Pointers are host pointers for the CPU kernel and device pointers for the CUDA one.
 #pragma once
 

@@ -264,8 +264,8 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
           (p.a_block ? " (FP8 block scaling: a_block=" + std::to_string(p.a_block) +
                            " b_block=" + std::to_string(p.b_block) +
                            "; cuBLASLt >= 12.9 on sm_90 offers 1Dx1D, 1Dx2D and 2Dx1D)"
-           : fp8      ? std::string(" (FP8 needs K and N multiples of 16 and 16-byte aligned operands)")
-                      : std::string()));
+           : fp8 ? std::string(" (FP8 needs K and N multiples of 16 and 16-byte aligned operands)")
+                 : std::string()));
     algo = result.algo;
     AlgoCache& c = algo_cache();
     std::lock_guard<std::mutex> lock(c.mu);

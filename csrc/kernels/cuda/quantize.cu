@@ -330,7 +330,8 @@ __global__ void __launch_bounds__(kBlkThreads) fp8_block_cast_kernel(const Block
   const T* x = static_cast<const T*>(a.x);
   const int64_t tr = int64_t(blockIdx.x) / a.tiles_c, tc = int64_t(blockIdx.x) - tr * a.tiles_c;
   const int64_t r0 = tr * kBlk, c0 = tc * kBlk;
-  const int nr = int(a.R - r0 < kBlk ? a.R - r0 : kBlk), nc = int(a.C - c0 < kBlk ? a.C - c0 : kBlk);
+  const int nr = int(a.R - r0 < kBlk ? a.R - r0 : kBlk),
+            nc = int(a.C - c0 < kBlk ? a.C - c0 : kBlk);
   const float fmax = fmt_max<FMT>();
   float m = 0.0f;
   for (int i = threadIdx.x; i < kBlk * kBlk; i += kBlkThreads) {
@@ -385,7 +386,8 @@ __global__ void __launch_bounds__(kBlkThreads) fp8_block_cast_kernel(const Block
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int cc = lane + 32 * k;
-          if (cc < nc) a.q_row[(r0 + rr) * a.C + c0 + cc] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
+          if (cc < nc)
+            a.q_row[(r0 + rr) * a.C + c0 + cc] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
         }
         if (lane == 0) a.s_row[tc * round_up4(a.R) + r0 + rr] = 1.0f / s;
       }
@@ -403,7 +405,8 @@ __global__ void __launch_bounds__(kBlkThreads) fp8_block_cast_kernel(const Block
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int rr = lane + 32 * k;
-          if (rr < nr) a.q_col[(c0 + cc) * a.R + r0 + rr] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
+          if (rr < nr)
+            a.q_col[(c0 + cc) * a.R + r0 + rr] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
         }
         if (lane == 0) a.s_col[tr * round_up4(a.C) + c0 + cc] = 1.0f / s;
       }
@@ -431,8 +434,7 @@ Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
     return s;
   if (auto s = launch_amax<IN>(p, p.amax, st); !s.ok()) return s;
   if (p.rowwise)
-    if (auto s = fill_scales(static_cast<float*>(p.scale_inv), p.mode, R, C, st); !s.ok())
-      return s;
+    if (auto s = fill_scales(static_cast<float*>(p.scale_inv), p.mode, R, C, st); !s.ok()) return s;
   if (p.colwise)
     if (auto s = fill_scales(static_cast<float*>(p.colwise_scale_inv), p.mode, C, R, st); !s.ok())
       return s;
@@ -452,8 +454,8 @@ Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
     if (tiles > INT32_MAX) return Status::Invalid("quantize: tensor too large");
     auto kernel = p.mode == ScalingMode::kBlock2d ? fp8_block_cast_kernel<IN, FMT, true>
                                                   : fp8_block_cast_kernel<IN, FMT, false>;
-    if (auto s = api_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 int(kBlkSmem)),
+    if (auto s = api_status(cudaFuncSetAttribute(
+                                kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBlkSmem)),
                             "cudaFuncSetAttribute");
         !s.ok())
       return s;

@@ -56,6 +56,16 @@ def _cases(x):
             4 * n + 2 * c,
         ),
         ("lowbit mxfp8 both", q(m.MXFP8_1D_SCALING), 4 * n + 2 * (n // 32)),
+        (
+            "lowbit fp8 block 1x128 both",
+            jax.jit(lambda x: lowbit.quantize(x, m.BLOCK_1D_SCALING, layout="both", power_2_scale=True)),
+            4 * n + 8 * (n // 128),
+        ),
+        (
+            "lowbit fp8 block 128x128 both",
+            jax.jit(lambda x: lowbit.quantize(x, m.BLOCK_2D_SCALING, layout="both", power_2_scale=True)),
+            4 * n,
+        ),
         ("lowbit nvfp4 1d both", q(m.NVFP4_1D_SCALING), 3 * n + 2 * (n // 16)),
     ]
 

@@ -194,7 +194,9 @@ def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, blocks=(0, 0)):
     """One FFI call: a2 (M, K), b2 (N, K) -> (M, N). bias is (N,) or None. ``blocks``: the
     operands' FP8 block scaling (0 per-tensor, 1 = 1x128, 2 = 128x128)."""
     M, N = a2.shape[0], b2.shape[0]
-    flags = (FLAG_FAST_ACCUM if fast_accum else 0) | (blocks[0] << _A_BLOCK_SHIFT) | (blocks[1] << _B_BLOCK_SHIFT)
+    flags = (
+        (FLAG_FAST_ACCUM if fast_accum else 0) | (blocks[0] << _A_BLOCK_SHIFT) | (blocks[1] << _B_BLOCK_SHIFT)
+    )
     return _native.ffi_call(
         "gemm",
         jax.ShapeDtypeStruct((M, N), out_dtype),
@@ -239,20 +241,25 @@ def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8):
 def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
     """FP8 block scaling: the block-scale arrays go to the GEMM as they are (cuBLASLt's layout).
 
-    K is zero-padded to whole 128-blocks and N to cuBLASLt's FP8 alignment (16); zeros add
-    nothing and leave the number of K blocks (hence the scale arrays) unchanged, except that a
-    1x128 operand's scale array gains columns for the padded rows (filled with 1). The bias is
+    K is zero-padded to whole 128-blocks and M and N to cuBLASLt's FP8 alignment (16); zeros
+    add nothing and leave the number of K blocks (hence the scale arrays) unchanged, except that
+    a 1x128 operand's scale array gains columns for the padded rows (filled with 1). The bias is
     added in float32 after the GEMM (no epilogue with block scales)."""
     a2, b2, sa, sb = a.data, b.data, a.scale_inv, b.scale_inv
-    N = b2.shape[0]
-    a2 = pad_to(a2, 1, _BLOCK_K_ALIGN)
+    M, N = a2.shape[0], b2.shape[0]
+    a2 = pad_to(pad_to(a2, 1, _BLOCK_K_ALIGN), 0, _FP8_ALIGN)
     b2 = pad_to(pad_to(b2, 1, _BLOCK_K_ALIGN), 0, _FP8_ALIGN)
-    if b.mode == ScalingMode.BLOCK_1D_SCALING and sb.shape[1] < b2.shape[0]:
-        sb = jnp.pad(sb, ((0, 0), (0, b2.shape[0] - sb.shape[1])), constant_values=1.0)
+
+    def pad_rows_of_1d(s, op, rows):  # a 1x128 scale array has a column per operand row
+        if op.mode == ScalingMode.BLOCK_1D_SCALING and s.shape[1] < rows:
+            return jnp.pad(s, ((0, 0), (0, rows - s.shape[1])), constant_values=1.0)
+        return s
+
+    sa, sb = pad_rows_of_1d(sa, a, a2.shape[0]), pad_rows_of_1d(sb, b, b2.shape[0])
     ffi_out = out_dtype if bias is None else _F32
     out = _ffi_gemm(a2, b2, sa, sb, None, ffi_out, False, blocks=(_BLOCK_FLAG[a.mode], _BLOCK_FLAG[b.mode]))
-    if b2.shape[0] != N:
-        out = out[:, :N]
+    if out.shape != (M, N):
+        out = out[:M, :N]
     if bias is not None:
         out = (out + bias.astype(jnp.float32)).astype(out_dtype)
     return out

@@ -556,7 +556,9 @@ def grouped_quantize(
     per group an M-major (ceil(K/128), size_g) array at offset start_g * ceil(K/128);
     ``colwise_scale_inv`` (M // 128 + G, K) float32, block j of group g in row
     start_g // 128 + g + j (other rows 1.0). ``amax`` holds each group's amax.
-    ``power_2_scale`` / ``amax_epsilon``: as :func:`quantize` (BLOCK_1D only)."""
+    ``power_2_scale`` / ``amax_epsilon``: as :func:`quantize` (BLOCK_1D only). MXFP8 is
+    rowwise only (its colwise blocks would straddle groups); BLOCK_2D_SCALING is refused (its
+    128x128 tiles would)."""
     x = check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
@@ -570,8 +572,9 @@ def grouped_quantize(
     mode = check_scaling_mode(scaling_mode)
     if not (mode.is_tensor_scaling or mode in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.BLOCK_1D_SCALING)):
         raise ValueError(
-            f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING, MXFP8_1D_SCALING or "
-            f"BLOCK_1D_SCALING for grouped_quantize, got {mode.name}"
+            f"scaling_mode must be DELAYED/CURRENT_TENSOR_SCALING, MXFP8_1D_SCALING or BLOCK_1D_SCALING "
+            f"for grouped_quantize, got {mode.name}"
+            + (" (128x128 tiles would straddle groups)" if mode == ScalingMode.BLOCK_2D_SCALING else "")
         )
     eps = _check_block_options(mode, power_2_scale, amax_epsilon)
     q = check_q_dtype(mode, q_dtype, x.dtype)

@@ -29,6 +29,7 @@ from lowbit.flax import OVERWRITE_WITH_GRADIENT
 from lowbit.quantization.scaling_modes import ScalingMode
 from lowbit.recipe import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Format,
     MXFP8BlockScaling,
@@ -105,13 +106,15 @@ def _recipe_for_mode(mode: ScalingMode, fwd_dtype, bwd_dtype, history_len: int) 
     if mode.is_nvfp4:
         return NVFP4BlockScaling()
     fwd = fwd_dtype if fwd_dtype is not None else jnp.float8_e4m3fn
-    mx = mode == ScalingMode.MXFP8_1D_SCALING
+    mx = mode == ScalingMode.MXFP8_1D_SCALING or mode.is_fp8_block
     bwd = bwd_dtype if bwd_dtype is not None else (jnp.float8_e4m3fn if mx else jnp.float8_e5m2)
     fmt = _format_of(fwd, bwd)  # E5M2/E5M2 per-tensor: the recipe refuses it (no GEMM runs it)
     if mode == ScalingMode.DELAYED_TENSOR_SCALING:
         return DelayedScaling(fp8_format=fmt, amax_history_len=history_len)
     if mode == ScalingMode.CURRENT_TENSOR_SCALING:
         return Float8CurrentScaling(fp8_format=fmt)
+    if mode.is_fp8_block:
+        return Float8BlockScaling(fp8_format=fmt)
     return MXFP8BlockScaling(fp8_format=fmt)
 
 
