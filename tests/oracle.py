@@ -616,6 +616,66 @@ def grouped_quantize(x, group_sizes, mode: int, q_dtype=None, *, scale=None, lay
     return out
 
 
+def grouped_quantize_block1d(x, group_sizes, q_dtype=None, *, eps: float = 0.0, pow2: bool = False):
+    """Grouped BLOCK_1D (csrc/include/lowbit/block_scaling.h): dict(data (M, K), scale_inv
+    (M * ceil(K/128),) per-group M-major, colwise_data (K, M), colwise_scale_inv (M//128 + G, K),
+    amax (G,)). Every block is quantize_copy_fp8_block's 1x128 block of the same values."""
+    v = to_f32(x)
+    M, K = v.shape
+    fmt = fmt_of(q_dtype) if q_dtype is not None else E4M3
+    bounds = group_bounds(group_sizes, M)
+    G, nkb = len(bounds), -(-K // 128)
+    data = np.zeros((M, K), np.uint8)
+    si = np.zeros(M * nkb, np.float32)
+    cw = np.zeros((K, M), np.uint8)
+    csi = np.ones((M // 128 + G, K), np.float32)
+    am = np.array([amax(v[s:e]) if e > s else 0.0 for s, e in bounds], np.float32)
+    covered = bounds[-1][1]
+    si[covered * nkb :] = 1.0  # rows in no group: zero data, scale_inv 1.0
+    for s, e in bounds:
+        if e == s:
+            continue
+        q, sc = quantize_copy_fp8_block(v[s:e], BLOCK_1D, fmt, eps, pow2)
+        data[s:e] = q
+        si[s * nkb : e * nkb] = sc[:, : e - s].reshape(-1)
+    for g, (s, e) in enumerate(bounds):
+        if e == s:
+            continue
+        q, sc = quantize_copy_fp8_block(np.ascontiguousarray(v[s:e].T), BLOCK_1D, fmt, eps, pow2)
+        cw[:, s:e] = q
+        first = s // 128 + g
+        csi[first : first + sc.shape[0]] = sc[:, :K]
+    return dict(data=data, scale_inv=si, colwise_data=cw, colwise_scale_inv=csi, amax=am, bounds=bounds)
+
+
+def grouped_block1d_decode(d, K: int, fmt: Fmt, layout: str = "rowwise") -> np.ndarray:
+    """(M, K) float64 of a grouped_quantize_block1d result (rows in no group: 0)."""
+    bounds = d["bounds"]
+    nkb = -(-K // 128)
+    if layout == "rowwise":
+        q = decode(d["data"], fmt).astype(np.float64)
+        M = q.shape[0]
+        out = np.zeros((M, K))
+        runs = bounds + [(bounds[-1][1], M)]
+        for s, e in runs:
+            n = e - s
+            if n == 0:
+                continue
+            sc = d["scale_inv"][s * nkb : e * nkb].reshape(nkb, n).astype(np.float64)
+            out[s:e] = q[s:e] * np.repeat(sc.T, 128, axis=1)[:, :K]
+        return out
+    q = decode(d["colwise_data"], fmt).astype(np.float64).T
+    out = np.zeros_like(q)
+    for g, (s, e) in enumerate(bounds):
+        n = e - s
+        if n == 0:
+            continue
+        first = s // 128 + g
+        sc = d["colwise_scale_inv"][first : first + -(-n // 128)].astype(np.float64)
+        out[s:e] = q[s:e] * np.repeat(sc, 128, axis=0)[:n]
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 def _self_check():
     # float32 arithmetic must honor subnormals (no FTZ/DAZ in this process).

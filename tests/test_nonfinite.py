@@ -59,7 +59,7 @@ def test_dense_inf_gives_nonfinite_output_and_gradients(name):
     assert _finite(y) and not _finite(dx) and not _finite(dw)
 
 
-@pytest.mark.parametrize("name", ["delayed", "current"])
+@pytest.mark.parametrize("name", ["delayed", "current", "block"])
 def test_grouped_gemm_inf_gives_nonfinite_output_and_gradients(name):
     r = RECIPES[name]
     gs = jnp.array([12, 20], jnp.int32)

@@ -13,12 +13,15 @@ using namespace lowbit::ffi_util;
 namespace {
 
 // Bits of the `flags` attribute (src/lowbit/ops/grouped_gemm.py mirrors them).
-constexpr int32_t kAKMajor = 1, kBKMajor = 2, kFastAccum = 4;
+// kBlockScaled: FP8 block scales (Float8BlockScaling); kBlockN128: B's blocks are 128x128.
+constexpr int32_t kAKMajor = 1, kBKMajor = 2, kFastAccum = 4, kBlockScaled = 8, kBlockN128 = 16;
 
 void set_flags(GroupedGemmParams* p, int32_t flags) {
   p->a_kmajor = flags & kAKMajor;
   p->b_kmajor = flags & kBKMajor;
   p->fast_accum = flags & kFastAccum;
+  p->block_scaled = flags & kBlockScaled;
+  p->b_block_n = (flags & kBlockN128) ? 128 : 1;
 }
 
 ffi::Error GroupedGemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, ffi::Buffer<ffi::S32> group_sizes,
@@ -42,7 +45,15 @@ ffi::Error GroupedGemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, ffi::Buffer<ffi::S32> g
   p.ldb = ldb;
   p.b_group_stride = b_group_stride;
   const bool fp8 = grouped_is_fp8(p.a_dtype) || grouped_is_fp8(p.b_dtype);
-  if (fp8) {
+  if (fp8 && p.block_scaled) {
+    if (a_scale_inv.element_type() != ffi::DataType::F32 ||
+        b_scale_inv.element_type() != ffi::DataType::F32)
+      return to_error(Status::Invalid("grouped_gemm: FP8 block scales must be float32"));
+    p.a_scale_inv = static_cast<const float*>(a_scale_inv.untyped_data());
+    p.b_scale_inv = static_cast<const float*>(b_scale_inv.untyped_data());
+    p.a_scale_elements = static_cast<int64_t>(a_scale_inv.element_count());
+    p.b_scale_elements = static_cast<int64_t>(b_scale_inv.element_count());
+  } else if (fp8) {
     if (a_scale_inv.element_type() != ffi::DataType::F32 ||
         b_scale_inv.element_type() != ffi::DataType::F32 ||
         static_cast<int64_t>(a_scale_inv.element_count()) != p.num_groups ||
@@ -70,8 +81,8 @@ LOWBIT_HANDLER(lowbit_grouped_gemm, GroupedGemm,
                    .Arg<Buf>()                    // a
                    .Arg<Buf>()                    // b
                    .Arg<ffi::Buffer<ffi::S32>>()  // group sizes (G,)
-                   .Arg<Buf>()                    // a scale_inv (G,) f32 or (0,)
-                   .Arg<Buf>()                    // b scale_inv (G,) f32 or (0,)
+                   .Arg<Buf>()                    // a scale_inv (G,) or block scales f32, or (0,)
+                   .Arg<Buf>()                    // b scale_inv (G,) or block scales f32, or (0,)
                    .Ret<Buf>()                    // out
                    .Ret<Buf>()                    // workspace (bytes)
                    .Attr<int32_t>("mode")

@@ -73,7 +73,8 @@ ffi::Error Dequantize(LOWBIT_PLATFORM_CTX Buf data, Buf scale_inv, Buf global_sc
 
 ffi::Error GroupedQuantize(LOWBIT_PLATFORM_CTX Buf x, ffi::Buffer<ffi::S32> group_sizes, Buf scale,
                            Ret data, Ret scale_inv, Ret cw_data, Ret cw_scale_inv, Ret amax,
-                           Ret workspace, int32_t mode, int32_t q_dtype, int32_t flags) {
+                           Ret workspace, int32_t mode, int32_t q_dtype, int32_t flags,
+                           float amax_epsilon) {
   GroupedQuantizeParams p;
   if (!dims_2d(x, &p.rows, &p.cols))
     return to_error(Status::Invalid("grouped_quantize: x must be 2-D"));
@@ -86,6 +87,8 @@ ffi::Error GroupedQuantize(LOWBIT_PLATFORM_CTX Buf x, ffi::Buffer<ffi::S32> grou
   p.q_dtype = static_cast<DType>(q_dtype);
   p.rowwise = flags & kRowwise;
   p.colwise = flags & kColwise;
+  p.power_2_scale = flags & kPow2;
+  p.amax_epsilon = amax_epsilon;
   p.scale = in_or_null<float>(scale);
   p.data = ptr_or_null<void>(data);
   p.scale_inv = ptr_or_null<void>(scale_inv);
@@ -146,7 +149,8 @@ LOWBIT_HANDLER(lowbit_grouped_quantize, GroupedQuantize,
                    .Ret<Buf>()                    // workspace
                    .Attr<int32_t>("mode")
                    .Attr<int32_t>("q_dtype")
-                   .Attr<int32_t>("flags"));
+                   .Attr<int32_t>("flags")
+                   .Attr<float>("amax_epsilon"));
 
 #pragma GCC visibility pop
 

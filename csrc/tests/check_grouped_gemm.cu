@@ -133,6 +133,24 @@ int64_t out_count(const GroupedGemmParams& p) {
 }
 int esize(DType t) { return t == DType::kBF16 ? 2 : 1; }
 
+// FP8 block scaling (Float8BlockScaling): `block_n` 0 = per-group tensor scales; 1 / 128 = block
+// scales, B's blocks 1x128 / 128x128 (fwd and dgrad; the wgrad takes 1x128 for both).
+void set_block(GroupedGemmParams* p, int block_n) {
+  if (block_n == 0) return;
+  p->block_scaled = true;
+  p->b_block_n = block_n;
+  p->fast_accum = false;
+}
+// Element counts of the block-scale arrays (the grouped layouts of lowbit/grouped_gemm.h).
+int64_t scale_count(const GroupedGemmParams& p, bool a) {
+  if (!p.block_scaled) return p.num_groups;
+  if (p.mode == GroupedGemmMode::kRaggedM) {
+    const int64_t nkb = (p.k + 127) / 128;
+    return a ? p.m * nkb : p.num_groups * nkb * ((p.n + p.b_block_n - 1) / p.b_block_n);
+  }
+  return grouped_block_colwise_rows(p.k, p.num_groups) * (a ? p.m : p.n);
+}
+
 // Random operand codes: N(0, 1) values encoded in the operand's format (never NaN).
 std::vector<uint8_t> random_operand(DType t, int64_t count, std::mt19937_64& rng) {
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -175,16 +193,19 @@ void ranges(const std::vector<int32_t>& sizes, int64_t extent, std::vector<int64
 // and launch the graph instead (what XLA's command buffers do).
 void check(const std::string& label, Op op, int64_t rows, int64_t K, int64_t N,
            const std::vector<int32_t>& sizes, DType e_fwd, DType e_bwd, bool fast, bool graph,
-           uint64_t seed) {
+           uint64_t seed, int block_n = 0) {
   ++g_cases;
   const int64_t G = int64_t(sizes.size());
   GroupedGemmParams p = view(op, rows, K, N, G, e_fwd, e_bwd, fast);
+  set_block(&p, block_n);
   std::mt19937_64 rng(seed);
   const auto ha = random_operand(p.a_dtype, a_count(p), rng);
   const auto hb = random_operand(p.b_dtype, b_count(p), rng);
-  std::vector<float> sa(G), sb(G);
+  // Scales 2^U(-2, 2) (not powers of two): per group, or per block with block scaling.
+  std::vector<float> sa(scale_count(p, true)), sb(scale_count(p, false));
   std::uniform_real_distribution<float> ud(-2.f, 2.f);
-  for (int64_t g = 0; g < G; ++g) sa[g] = std::exp2(ud(rng)), sb[g] = std::exp2(ud(rng));
+  for (auto& v : sa) v = std::exp2(ud(rng));
+  for (auto& v : sb) v = std::exp2(ud(rng));
   const bool fp8 = p.a_dtype != DType::kBF16;
   const int64_t oc = out_count(p);
 
@@ -216,6 +237,7 @@ void check(const std::string& label, Op op, int64_t rows, int64_t K, int64_t N,
   pg.group_sizes = dg, pg.a = da, pg.b = db, pg.out = dout;
   if (fp8) pg.a_scale_inv = dsa, pg.b_scale_inv = dsb;
   pg.a_elements = a_count(p), pg.b_elements = b_count(p), pg.out_elements = oc;
+  pg.a_scale_elements = int64_t(sa.size()), pg.b_scale_elements = int64_t(sb.size());
   pg.workspace_bytes = grouped_gemm_workspace_bytes(pg);
   void* ws = nullptr;
   if (pg.workspace_bytes) {
@@ -283,8 +305,10 @@ void check(const std::string& label, Op op, int64_t rows, int64_t K, int64_t N,
   const double tol = !fp8 ? 8e-3 : (p.fast_accum ? 2e-2 : 8e-3);
   const bool ok = bad == 0 && nonzero == 0 && rel <= tol;
   if (!ok) ++g_failures;
-  std::printf("%s %-34s %-10s rows=%-6lld K=%-5lld N=%-5lld G=%-4lld rel=%.2e%s%s%s\n",
-              ok ? "PASS" : "FAIL", label.c_str(), op_name(op), (long long)rows, (long long)K,
+  const std::string name =
+      std::string(op_name(op)) + (block_n ? (block_n == 128 ? " blk128" : " blk1") : "");
+  std::printf("%s %-34s %-16s rows=%-6lld K=%-5lld N=%-5lld G=%-4lld rel=%.2e%s%s%s\n",
+              ok ? "PASS" : "FAIL", label.c_str(), name.c_str(), (long long)rows, (long long)K,
               (long long)N, (long long)G, rel, bad ? " (non-finite/unwritten)" : "",
               nonzero ? " (rows in no group / empty groups not zero)" : "",
               graph ? " [graph]" : "");
@@ -396,12 +420,13 @@ double time_ms(F fn, int iters) {
 }
 
 double bench_grouped(Op op, int64_t rows, int64_t K, int64_t N, const std::vector<int32_t>& sizes,
-                     bool fast) {
+                     bool fast, int block_n = 0) {
   const int64_t G = int64_t(sizes.size());
   GroupedGemmParams p = view(op, rows, K, N, G, DType::kE4M3, DType::kE5M2, fast);
+  set_block(&p, block_n);
   uint8_t* da = device_random(a_count(p), p.a_dtype, 1);
   uint8_t* db = device_random(b_count(p), p.b_dtype, 2);
-  std::vector<float> ones(G, 1.f);
+  std::vector<float> ones(std::max(scale_count(p, true), scale_count(p, false)), 1.f);
   float* ds = to_device(ones);
   int32_t* dg = to_device(sizes);
   void* out = nullptr;
@@ -469,6 +494,15 @@ void bench() {
                     d == 0 ? "balanced" : "dirichlet", op_name(op), ms,
                     ms > 0 ? flops / ms / 1e9 : 0.0);
       }
+      // Float8BlockScaling: fwd / dgrad with 128x128 weight blocks, wgrad 1x128 x 1x128.
+      for (Op op : {Op::kFwdFp8, Op::kDgradFp8, Op::kWgradFp8}) {
+        const int bn = op == Op::kWgradFp8 ? 1 : 128;
+        const double ms = bench_grouped(op, c.rows, c.K, c.N, sizes, false, bn);
+        std::printf("| %lld | %lldx%lldx%lld | %s | %s block | %.3f | %.0f |\n", (long long)c.G,
+                    (long long)c.rows, (long long)c.K, (long long)c.N,
+                    d == 0 ? "balanced" : "dirichlet", op_name(op), ms,
+                    ms > 0 ? flops / ms / 1e9 : 0.0);
+      }
     }
     for (int f = 0; f < 2; ++f) {
       const double ms = bench_dense(f == 1, c.rows, c.K, c.N);
@@ -518,12 +552,29 @@ int main(int argc, char** argv) {
           false, false, seed++);
     check(s.label + " no fast accum", Op::kFwdFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3,
           DType::kE5M2, false, false, seed++);
+    // Float8BlockScaling: 128x128 and 1x128 weight blocks (E4M3, and HYBRID's E5M2 gradients).
+    for (int bn : {128, 1}) {
+      check(s.label, Op::kFwdFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE5M2, false,
+            false, seed++, bn);
+      check(s.label, Op::kDgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE5M2, false,
+            false, seed++, bn);
+      check(s.label + " e4m3", Op::kDgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE4M3,
+            false, false, seed++, bn);
+    }
+    check(s.label, Op::kWgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE5M2, false,
+          false, seed++, 1);
+    check(s.label + " e4m3", Op::kWgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE4M3,
+          false, false, seed++, 1);
   }
   // Captured in a CUDA graph and replayed (XLA command buffers).
   const auto s0 = shapes(true)[0];
   for (Op op : {Op::kFwdBf16, Op::kWgradBf16, Op::kFwdFp8, Op::kWgradFp8})
     check(s0.label, op, s0.rows, s0.K, s0.N, s0.sizes, DType::kE4M3, DType::kE5M2,
           op == Op::kFwdFp8, true, seed++);
+  check(s0.label, Op::kFwdFp8, s0.rows, s0.K, s0.N, s0.sizes, DType::kE4M3, DType::kE5M2, false,
+        true, seed++, 128);
+  check(s0.label, Op::kWgradFp8, s0.rows, s0.K, s0.N, s0.sizes, DType::kE4M3, DType::kE5M2, false,
+        true, seed++, 1);
   std::printf("%d/%d cases passed\n%s\n", g_cases - g_failures, g_cases,
               g_failures ? "FAIL" : "PASS");
   return g_failures ? 1 : 0;

@@ -430,8 +430,13 @@ void run_grouped_case(const GCase& q, uint64_t seed, cudaStream_t st) {
   Rng rng(seed ^ 0x6006);
   std::vector<float> scales(size_t(std::max<int64_t>(G, 1)));
   for (auto& s : scales) s = float(std::ldexp(1.0, rng.range(-8, 8)) * (1.0 + rng.uniform()));
-  const bool mx = q.mode == ScalingMode::kMxfp8_1d;
-  const size_t db = size_t(n), sb = mx ? size_t(n / 32) : size_t(G) * 4, csb = size_t(G) * 4;
+  const bool mx = q.mode == ScalingMode::kMxfp8_1d, blk = q.mode == ScalingMode::kBlock1d;
+  // BLOCK_1D: the grouped layouts of lowbit/block_scaling.h (float32).
+  const size_t db = size_t(n),
+               sb = mx    ? size_t(n / 32)
+                    : blk ? size_t(M * ((K + 127) / 128)) * 4
+                          : size_t(G) * 4,
+               csb = blk ? size_t(grouped_block_colwise_rows(M, G) * K) * 4 : size_t(G) * 4;
 
   std::vector<uint8_t> h_data(db, 0xA5), h_sinv(sb, 0xA5), h_cdata(db, 0xA5), h_csinv(csb, 0xA5);
   std::vector<float> h_amax(size_t(G), -1.0f);
@@ -447,6 +452,8 @@ void run_grouped_case(const GCase& q, uint64_t seed, cudaStream_t st) {
   pc.rowwise = q.row;
   pc.colwise = q.col;
   pc.scale = scales.data();
+  pc.power_2_scale = blk && (seed & 1);
+  pc.amax_epsilon = blk && (seed & 2) ? 1e-3f : 0.0f;
   pc.data = q.row ? h_data.data() : nullptr;
   pc.scale_inv = q.row ? h_sinv.data() : nullptr;
   pc.colwise_data = q.col ? h_cdata.data() : nullptr;
@@ -679,8 +686,8 @@ int run_checks(bool quick) {
         for (auto& s : many) s = int32_t(r.next() % 3) - (r.next() % 7 == 0 ? 1 : 0);
         size_sets.push_back(many);
       }
-      for (ScalingMode mode :
-           {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor, ScalingMode::kMxfp8_1d})
+      for (ScalingMode mode : {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor,
+                               ScalingMode::kMxfp8_1d, ScalingMode::kBlock1d})
         for (DType qdt : {DType::kE4M3, DType::kE5M2})
           for (const Layout& lay : layouts) {
             if (mode == ScalingMode::kMxfp8_1d && lay.col) continue;  // rowwise only

@@ -41,6 +41,22 @@ LOWBIT_HD float fp8_block_scale(float a, float fmax, float eps, bool pow2) {
   return s;
 }
 
+// Grouped FP8 block scaling (BLOCK_1D, grouped_quantize and the grouped GEMM). Groups are runs
+// of rows [start_g, start_g + size_g) of an (M, K) tensor (clamped as lowbit/grouped_gemm.h
+// says). The scale layouts are the per-group, M-major arrays CUTLASS's sm90 grouped blockwise
+// GEMM reads (its per-group layout is derived from the group's extents: k-block stride = the
+// group's rows), concatenated:
+//  * rowwise copy (M, K), 1x128 blocks along K: (M * ceil(K/128),) float32; block kb of row
+//    r = start_g + i sits at start_g * nkb + kb * size_g + i. The rows in no group form one
+//    more run after the last group (zero data, scale_inv 1.0).
+//  * colwise copy (K, M), 1x128 blocks along M *inside each group* (block j of group g holds the
+//    group's tokens start_g + 128 j ..): (M / 128 + G, K) float32, block j of group g in row
+//    start_g / 128 + g + j, element column c at [row][c]. The rows never overlap (each group
+//    takes at most one more row than the 128-token boundaries it spans) and M / 128 + G rows
+//    hold them all; rows of no block are 1.0.
+LOWBIT_HD int64_t grouped_block_colwise_rows(int64_t m, int64_t groups) { return m / 128 + groups; }
+LOWBIT_HD int64_t grouped_block_colwise_first(int64_t start, int64_t g) { return start / 128 + g; }
+
 // NVFP4 tensor scale S = scale_from_amax(A, 448 * 6).
 LOWBIT_HD float nvfp4_tensor_scale(float amax) {
   return scale_from_amax(amax, kE4M3Max * kE2M1Max);

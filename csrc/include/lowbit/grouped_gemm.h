@@ -11,7 +11,11 @@
 // or writes past R. Ragged-K groups with no rows get zero output.
 //
 // Operands are BF16, or FP8 (E4M3/E5M2, not both E5M2) with one float32 decode scale per group
-// for each operand, multiplied into the result: out = (sum of products) * (a_s[g] * b_s[g]).
+// for each operand, multiplied into the result: out = (sum of products) * (a_s[g] * b_s[g]);
+// or FP8 with block scales (block_scaled, Float8BlockScaling): one float32 decode scale per
+// 1x128 block of A along the contraction, and per 1x128 or 128x128 block of B (b_block_n = 1 or
+// 128 along n), each product being A(i, c) s_A(i, c) . B(c, j) s_B(c, j) (the CUDA kernel
+// scales the float32 partial sum of each 128-deep block instead; the same up to rounding).
 // Products accumulate in float32; out is BF16. Group sizes and scales stay on the device for
 // CUDA: the kernels derive everything from them there (no host copy, no synchronisation).
 #pragma once
@@ -19,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "lowbit/block_scaling.h"
 #include "lowbit/error.h"
 #include "lowbit/tensor.h"
 
@@ -48,9 +53,19 @@ struct GroupedGemmParams {
   int64_t ldb = 0;
   int64_t b_group_stride = 0;
 
-  // FP8 only: (num_groups,) float32 decode scales of A and B.
+  // FP8 only: (num_groups,) float32 decode scales of A and B; with block_scaled, the block
+  // scales in the per-group, M-major layouts CUTLASS's grouped blockwise GEMM reads (see
+  // grouped_block_scale_offsets):
+  //   ragged M: A: the grouped rowwise layout of lowbit/block_scaling.h for the (m, k) operand
+  //             (group g at start_g * ceil(k/128), (ceil(k/128), size_g) M-major);
+  //             B: (num_groups, ceil(k/128), ceil(n/b_block_n)) row-major.
+  //   ragged K: A / B: the grouped colwise layouts of lowbit/block_scaling.h of the token-major
+  //             (m, k) / (n, k) operands: (k/128 + G, m) and (k/128 + G, n); b_block_n = 1.
   const float* a_scale_inv = nullptr;
   const float* b_scale_inv = nullptr;
+  bool block_scaled = false;
+  int32_t b_block_n = 1;
+  int64_t a_scale_elements = -1, b_scale_elements = -1;  // -1: unchecked
 
   void* out = nullptr;  // row-major, ld = n
   DType out_dtype = DType::kBF16;
@@ -66,6 +81,33 @@ struct GroupedGemmParams {
 
 inline bool grouped_is_fp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
 
+// Block scales of group g (rows [start, start + size) of the grouped axis): the decode scale of
+// A(i, c) is a_s[a_off + (c / 128) * a_ld + i] and that of B(c, j) is
+// b_s[b_off + (c / 128) * b_ld + j / b_block_n], c counted from the group's first row (ragged
+// K) or from 0 (ragged M).
+struct BlockScaleOffsets {
+  int64_t a_off, a_ld, b_off, b_ld;
+};
+LOWBIT_HD BlockScaleOffsets grouped_block_scale_offsets(bool ragged_m, int64_t m, int64_t n,
+                                                        int64_t k, int32_t b_block_n, int64_t g,
+                                                        int64_t start, int64_t size) {
+  BlockScaleOffsets o;
+  if (ragged_m) {
+    const int64_t nkb = (k + 127) / 128, nbn = (n + b_block_n - 1) / b_block_n;
+    o.a_off = start * nkb;
+    o.a_ld = size;
+    o.b_off = g * nkb * nbn;
+    o.b_ld = nbn;
+  } else {
+    const int64_t first = grouped_block_colwise_first(start, g);
+    o.a_off = first * m;
+    o.a_ld = m;
+    o.b_off = first * n;
+    o.b_ld = n;
+  }
+  return o;
+}
+
 // Checks shared by both backends (the Python side checks first, with clearer messages).
 inline Status validate(const GroupedGemmParams& p) {
   const char* w = "grouped_gemm: ";
@@ -80,6 +122,24 @@ inline Status validate(const GroupedGemmParams& p) {
   if (fp8 && p.a_dtype == DType::kE5M2 && p.b_dtype == DType::kE5M2)
     return bad("E5M2 x E5M2 is not supported (one operand must be E4M3)");
   if (fp8 && (!p.a_scale_inv || !p.b_scale_inv)) return bad("FP8 operands need per-group scales");
+  if (p.block_scaled) {
+    if (!fp8) return bad("block scaling needs FP8 operands");
+    if (p.b_block_n != 1 && p.b_block_n != 128) return bad("b_block_n must be 1 or 128");
+    if (p.mode == GroupedGemmMode::kRaggedK && p.b_block_n != 1)
+      return bad("ragged K takes 1x128 block scales for B (b_block_n = 1)");
+    int64_t a_need, b_need;
+    if (p.mode == GroupedGemmMode::kRaggedM) {
+      const int64_t nkb = (p.k + 127) / 128;
+      a_need = p.m * nkb;
+      b_need = p.num_groups * nkb * ((p.n + p.b_block_n - 1) / p.b_block_n);
+    } else {
+      a_need = grouped_block_colwise_rows(p.k, p.num_groups) * p.m;
+      b_need = grouped_block_colwise_rows(p.k, p.num_groups) * p.n;
+    }
+    if ((p.a_scale_elements >= 0 && p.a_scale_elements < a_need) ||
+        (p.b_scale_elements >= 0 && p.b_scale_elements < b_need))
+      return bad("block scales smaller than the grouped layouts need");
+  }
   if (p.out_dtype != DType::kBF16) return bad("the output must be BF16");
   if (p.mode == GroupedGemmMode::kRaggedM && !p.a_kmajor)
     return bad("ragged M needs a K-major A (its rows are the groups)");

@@ -70,17 +70,23 @@ struct GroupedQuantizeParams {
   int64_t rows = 0, cols = 0;
   const int32_t* group_sizes = nullptr;  // (num_groups,), on the device for CUDA
   int64_t num_groups = 0;
-  ScalingMode mode = ScalingMode::kCurrentTensor;  // delayed, current, or MXFP8 (rowwise only)
+  // Delayed, current, MXFP8 (rowwise only) or FP8 block 1x128 (kBlock1d: the grouped layouts
+  // of lowbit/block_scaling.h; the colwise blocks run along the rows inside each group).
+  ScalingMode mode = ScalingMode::kCurrentTensor;
   DType q_dtype = DType::kE4M3;
   bool rowwise = true;
   bool colwise = false;
-  const float* scale = nullptr;       // delayed: (num_groups,)
-  void* data = nullptr;               // (rows, cols)
-  void* scale_inv = nullptr;          // tensor: (num_groups,) f32; MXFP8: (rows, cols/32)
-  void* colwise_data = nullptr;       // (cols, rows)
-  void* colwise_scale_inv = nullptr;  // (num_groups,) f32
-  float* amax = nullptr;              // (num_groups,)
-  void* workspace = nullptr;          // CUDA scratch
+  const float* scale = nullptr;  // delayed: (num_groups,)
+  bool power_2_scale = false;    // kBlock1d: scales rounded down to powers of two
+  float amax_epsilon = 0.0f;     // kBlock1d: amax floor of each block
+  void* data = nullptr;          // (rows, cols)
+  // tensor: (num_groups,) f32; MXFP8: (rows, cols/32); kBlock1d: (rows * ceil(cols/128),) f32
+  void* scale_inv = nullptr;
+  void* colwise_data = nullptr;  // (cols, rows)
+  // tensor: (num_groups,) f32; kBlock1d: (rows / 128 + num_groups, cols) f32
+  void* colwise_scale_inv = nullptr;
+  float* amax = nullptr;      // (num_groups,)
+  void* workspace = nullptr;  // CUDA scratch
 };
 
 // Validation shared by both backends (shape multiples, supported combinations).

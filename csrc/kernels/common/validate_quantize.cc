@@ -109,8 +109,12 @@ Status validate(const DequantizeParams& p) {
 Status validate(const GroupedQuantizeParams& p) {
   if (!is_input_dtype(p.x_dtype)) return Status::Invalid("x must be float32, bfloat16 or float16");
   if (p.num_groups < 1) return Status::Invalid("at least one group is needed");
-  if (!(is_tensor_scaling(p.mode) || p.mode == ScalingMode::kMxfp8_1d))
-    return Status::Invalid("grouped quantize supports delayed, current and MXFP8 scaling");
+  if (!(is_tensor_scaling(p.mode) || p.mode == ScalingMode::kMxfp8_1d ||
+        p.mode == ScalingMode::kBlock1d))
+    return Status::Invalid(
+        "grouped quantize supports delayed, current, MXFP8 and BLOCK_1D scaling");
+  if (p.mode == ScalingMode::kBlock1d && !(p.amax_epsilon >= 0.0f && p.amax_epsilon < 3.4e38f))
+    return Status::Invalid("amax_epsilon must be finite and >= 0");
   if (auto s = check_q_dtype(p.mode, p.q_dtype, p.x_dtype); !s.ok()) return s;
   if (!p.rowwise && !p.colwise) return Status::Invalid("no layout requested");
   if (p.mode == ScalingMode::kMxfp8_1d) {

@@ -66,9 +66,26 @@ void group_ranges(const GroupedGemmParams& p, int64_t rows, std::vector<int64_t>
 }
 
 float group_alpha(const GroupedGemmParams& p, int64_t g) {
-  if (!grouped_is_fp8(p.a_dtype)) return 1.0f;
+  if (!grouped_is_fp8(p.a_dtype) || p.block_scaled) return 1.0f;
   return p.a_scale_inv[g] * p.b_scale_inv[g];
 }
+
+// Block scaling: the decode scales of A(i, c) and B(c, j) in group g (1 without block scales);
+// operands are decoded as value * scale in float32 before the products (dequantize-then-multiply).
+struct BlockScales {
+  const GroupedGemmParams& p;
+  BlockScaleOffsets o;
+  BlockScales(const GroupedGemmParams& q, int64_t g, int64_t start, int64_t size)
+      : p(q),
+        o(grouped_block_scale_offsets(q.mode == GroupedGemmMode::kRaggedM, q.m, q.n, q.k,
+                                      q.b_block_n, g, start, size)) {}
+  float a(int64_t i, int64_t c) const {
+    return p.block_scaled ? p.a_scale_inv[o.a_off + (c / 128) * o.a_ld + i] : 1.0f;
+  }
+  float b(int64_t c, int64_t j) const {
+    return p.block_scaled ? p.b_scale_inv[o.b_off + (c / 128) * o.b_ld + j / p.b_block_n] : 1.0f;
+  }
+};
 
 // Ragged M: out rows of group g = A rows . B_g (decoded once per group into (k, n) float32).
 void ragged_m(const GroupedGemmParams& p) {
@@ -81,15 +98,17 @@ void ragged_m(const GroupedGemmParams& p) {
     if (size[g] == 0) continue;
     const char* b =
         static_cast<const char*>(p.b) + g * p.b_group_stride * (p.b_dtype == DType::kBF16 ? 2 : 1);
+    const BlockScales bs(p, g, start[g], size[g]);
     for (int64_t c = 0; c < p.k; ++c)
       for (int64_t j = 0; j < p.n; ++j)
-        bg[c * p.n + j] = db(b, p.b_kmajor ? j * p.ldb + c : c * p.ldb + j);
+        bg[c * p.n + j] = db(b, p.b_kmajor ? j * p.ldb + c : c * p.ldb + j) * bs.b(c, j);
     const float alpha = group_alpha(p, g);
     parallel_for(size[g], std::max<int64_t>(1, 65536 / std::max<int64_t>(1, p.k * p.n)),
                  [&](int64_t lo, int64_t hi) {
                    std::vector<float> acc(p.n), arow(p.k);
                    for (int64_t r = start[g] + lo; r < start[g] + hi; ++r) {
-                     for (int64_t c = 0; c < p.k; ++c) arow[c] = da(p.a, r * p.lda + c);
+                     for (int64_t c = 0; c < p.k; ++c)
+                       arow[c] = da(p.a, r * p.lda + c) * bs.a(r - start[g], c);
                      std::fill(acc.begin(), acc.end(), 0.0f);
                      for (int64_t c = 0; c < p.k; ++c) {
                        const float av = arow[c];
@@ -118,9 +137,11 @@ void ragged_k(const GroupedGemmParams& p) {
     const int64_t c0 = start[g], c1 = start[g] + size[g];
     // B rows of the group, decoded once: (size, n).
     std::vector<float> bg(static_cast<size_t>(size[g] * p.n));
+    const BlockScales bs(p, g, start[g], size[g]);
     for (int64_t c = c0; c < c1; ++c)
       for (int64_t j = 0; j < p.n; ++j)
-        bg[(c - c0) * p.n + j] = db(p.b, p.b_kmajor ? j * p.ldb + c : c * p.ldb + j);
+        bg[(c - c0) * p.n + j] =
+            db(p.b, p.b_kmajor ? j * p.ldb + c : c * p.ldb + j) * bs.b(c - c0, j);
     const float alpha = group_alpha(p, g);
     parallel_for(p.m, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, size[g] * p.n + 1)),
                  [&](int64_t lo, int64_t hi) {
@@ -128,7 +149,8 @@ void ragged_k(const GroupedGemmParams& p) {
                    for (int64_t i = lo; i < hi; ++i) {
                      std::fill(acc.begin(), acc.end(), 0.0f);
                      for (int64_t c = c0; c < c1; ++c) {
-                       const float av = da(p.a, p.a_kmajor ? i * p.lda + c : c * p.lda + i);
+                       const float av =
+                           da(p.a, p.a_kmajor ? i * p.lda + c : c * p.lda + i) * bs.a(i, c - c0);
                        const float* brow = bg.data() + (c - c0) * p.n;
                        for (int64_t j = 0; j < p.n; ++j) acc[j] += av * brow[j];
                      }

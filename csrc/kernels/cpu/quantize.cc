@@ -206,9 +206,74 @@ Status dequantize_cpu(const DequantizeParams& p) {
   return Status::Ok();
 }
 
+namespace {
+
+// Grouped BLOCK_1D (lowbit/block_scaling.h's grouped layouts): rowwise 1x128 blocks along K in
+// the per-group M-major scale layout; colwise 1x128 blocks along the rows of each group. Rows in
+// no group: zero data and scale_inv 1.0 in both copies.
+void grouped_quantize_block1d(const GroupedQuantizeParams& p) {
+  const int64_t M = p.rows, K = p.cols, G = p.num_groups, nkb = ceil_div(K, 128);
+  const SmallFloat& f = fp8_format(p.q_dtype);
+  const float fmax = fp8_max(p.q_dtype);
+  auto* q = static_cast<uint8_t*>(p.data);
+  auto* s = static_cast<float*>(p.scale_inv);
+  auto* qc = static_cast<uint8_t*>(p.colwise_data);
+  auto* sc = static_cast<float*>(p.colwise_scale_inv);
+  if (p.colwise) {
+    std::memset(qc, 0, size_t(M * K));
+    for (int64_t i = 0; i < grouped_block_colwise_rows(M, G) * K; ++i) sc[i] = 1.0f;
+  }
+  auto encode_block = [&](float* v, int64_t n, float* scale_inv_out) {
+    float a = amax_of(v, n);
+    const float scale = fp8_block_scale(a, fmax, p.amax_epsilon, p.power_2_scale);
+    *scale_inv_out = 1.0f / scale;
+    for (int64_t j = 0; j < n; ++j) v[j] = float(uint8_t(encode_rne(v[j] * scale, f)));
+  };
+  if (p.rowwise) {
+    // Rows in no group: zero data, scale_inv 1.0 (written below for the groups' rows).
+    std::memset(q, 0, size_t(M * K));
+    for (int64_t i = 0; i < M * nkb; ++i) s[i] = 1.0f;
+  }
+  int64_t start = 0;
+  std::vector<float> blk(128);
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t sz = std::max<int64_t>(0, p.group_sizes[g]);
+    const int64_t begin = std::min(start, M), size = std::min(start + sz, M) - begin;
+    start = std::min(start + sz, M);
+    float amax = 0.0f;
+    for (int64_t i = begin * K; i < (begin + size) * K; ++i)
+      amax = std::max(amax, abs_ignore_nan(load_value(p.x, p.x_dtype, i)));
+    p.amax[g] = amax;
+    if (p.rowwise)
+      for (int64_t i = 0; i < size; ++i)
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+          const int64_t r = begin + i, c0 = kb * 128, n = std::min<int64_t>(128, K - c0);
+          for (int64_t j = 0; j < n; ++j) blk[j] = load_value(p.x, p.x_dtype, r * K + c0 + j);
+          encode_block(blk.data(), n, &s[begin * nkb + kb * size + i]);
+          for (int64_t j = 0; j < n; ++j) q[r * K + c0 + j] = uint8_t(blk[j]);
+        }
+    if (p.colwise)
+      for (int64_t jb = 0; jb * 128 < size; ++jb) {
+        const int64_t r0 = begin + jb * 128, n = std::min<int64_t>(128, size - jb * 128);
+        const int64_t row = grouped_block_colwise_first(begin, g) + jb;
+        for (int64_t c = 0; c < K; ++c) {
+          for (int64_t j = 0; j < n; ++j) blk[j] = load_value(p.x, p.x_dtype, (r0 + j) * K + c);
+          encode_block(blk.data(), n, &sc[row * K + c]);
+          for (int64_t j = 0; j < n; ++j) qc[c * M + r0 + j] = uint8_t(blk[j]);
+        }
+      }
+  }
+}
+
+}  // namespace
+
 Status grouped_quantize_cpu(const GroupedQuantizeParams& p) {
   if (auto s = validate(p); !s.ok()) return s;
   FpuExactGuard guard;
+  if (p.mode == ScalingMode::kBlock1d) {
+    grouped_quantize_block1d(p);
+    return Status::Ok();
+  }
   const int64_t M = p.rows, K = p.cols, G = p.num_groups;
   const SmallFloat& f = fp8_format(p.q_dtype);
   const float fmax = fp8_max(p.q_dtype);

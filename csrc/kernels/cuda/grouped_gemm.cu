@@ -52,6 +52,8 @@ Problem make_problem(const GroupedGemmParams& p, void* info_area, void* realign_
   q.b_group_stride = p.b_group_stride;
   q.a_scale_inv = p.a_scale_inv;
   q.b_scale_inv = p.b_scale_inv;
+  q.block_scaled = p.block_scaled;
+  q.b_block_n = p.b_block_n;
   q.cutlass_ok = cutlass_ok;
   q.info = static_cast<GroupInfo*>(info_area);
   q.flags = reinterpret_cast<int64_t*>(static_cast<char*>(info_area) +
@@ -81,6 +83,17 @@ const Config* pick_config(const GroupedGemmParams& p) {
   }
   if (!p.a_kmajor || !p.b_kmajor) return nullptr;  // FP8 tensor cores read K-major operands only
   const bool a4 = p.a_dtype == DType::kE4M3, b4 = p.b_dtype == DType::kE4M3;
+  if (p.block_scaled) {
+    if (p.b_block_n == 128) {
+      if (a4 && b4) return &config_block_e4m3_e4m3_n128();
+      if (b4) return &config_block_e5m2_e4m3_n128();
+      return nullptr;  // E4M3 x E5M2 with 128x128 B: no GEMM of the recipe needs it
+    }
+    if (a4 && b4) return &config_block_e4m3_e4m3_n1();
+    if (b4) return &config_block_e5m2_e4m3_n1();
+    if (a4) return &config_block_e4m3_e5m2_n1();
+    return nullptr;
+  }
   if (a4 && b4) return p.fast_accum ? &config_fp8_e4m3_e4m3_fast() : &config_fp8_e4m3_e4m3();
   if (b4) return &config_fp8_e5m2_e4m3();
   if (a4) return &config_fp8_e4m3_e5m2();
@@ -192,13 +205,16 @@ __device__ void fallback_tile(const Problem& p, const GroupView& v, float alpha,
       const int ii = v.a_sc == 1 ? e / kChunk : e % kTile;
       const int cc = v.a_sc == 1 ? e % kChunk : e / kTile;
       const int64_t i = i0 + ii, c = c0 + cc;
-      As[cc][ii] =
-          (i < v.rows && c < v.kc) ? load_elem(v.A, p.a_dtype, i * v.a_si + c * v.a_sc) : 0.f;
+      As[cc][ii] = (i < v.rows && c < v.kc) ? load_elem(v.A, p.a_dtype, i * v.a_si + c * v.a_sc) *
+                                                  (v.SA ? v.SA[(c / 128) * v.sa_ld + i] : 1.f)
+                                            : 0.f;
       const int jj = v.b_sc == 1 ? e / kChunk : e % kTile;
       const int cb = v.b_sc == 1 ? e % kChunk : e / kTile;
       const int64_t j = j0 + jj, cj = c0 + cb;
-      Bs[cb][jj] =
-          (j < p.n && cj < v.kc) ? load_elem(v.B, p.b_dtype, cj * v.b_sc + j * v.b_sj) : 0.f;
+      Bs[cb][jj] = (j < p.n && cj < v.kc)
+                       ? load_elem(v.B, p.b_dtype, cj * v.b_sc + j * v.b_sj) *
+                             (v.SB ? v.SB[(cj / 128) * v.sb_ld + j / p.b_block_n] : 1.f)
+                       : 0.f;
     }
     __syncthreads();
 #pragma unroll

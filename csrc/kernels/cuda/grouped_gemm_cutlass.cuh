@@ -82,7 +82,9 @@ struct Problem {
   int64_t lda, ldb, b_group_stride;
   const float* a_scale_inv;
   const float* b_scale_inv;
-  bool cutlass_ok;  // a CUTLASS kernel is there and every stride is 16-byte aligned
+  bool block_scaled;  // FP8 block scales (lowbit/grouped_gemm.h), alpha 1
+  int32_t b_block_n;  // 1 or 128
+  bool cutlass_ok;    // a CUTLASS kernel is there and every stride is 16-byte aligned
   GroupInfo* info;
   int64_t* flags;   // [0]: ragged M, rows covered by the groups; [1]: some group is realigned
   char* realign_a;  // ragged K, K-major A: (m, realign_ld) scratch, or null
@@ -97,12 +99,18 @@ Problem make_problem(const GroupedGemmParams& p, void* info_area, void* realign_
 // One group's operands as (pointer, element strides): A(i, c) = A[i * a_si + c * a_sc],
 // B(c, j) = B[c * b_sc + j * b_sj], D(i, j) = D[i * n + j]; out extent rows x n, contraction
 // kc. a_ld / b_ld: the strides that are not 1, as CUTLASS's stride arrays take them.
+// Block scaling: the decode scale of A(i, c) is SA[(c / 128) * sa_ld + i], that of B(c, j)
+// SB[(c / 128) * sb_ld + j / b_block_n] (c counted from the group's first contraction index);
+// SA / SB are null otherwise.
 struct GroupView {
   const char* A;
   const char* B;
   char* D;
   int64_t a_si, a_sc, b_sc, b_sj, a_ld, b_ld;
   int64_t rows, kc;
+  const float* SA;
+  const float* SB;
+  int64_t sa_ld, sb_ld;
 };
 
 __host__ __device__ inline GroupView group_view(const Problem& p, int64_t g, int64_t start,
@@ -129,6 +137,16 @@ __host__ __device__ inline GroupView group_view(const Problem& p, int64_t g, int
   v.b_sj = p.b_kmajor ? p.ldb : 1;
   v.a_ld = p.lda;
   v.b_ld = p.ldb;
+  v.SA = v.SB = nullptr;
+  v.sa_ld = v.sb_ld = 0;
+  if (p.block_scaled) {
+    const BlockScaleOffsets o = grouped_block_scale_offsets(
+        p.mode == int32_t(GroupedGemmMode::kRaggedM), p.m, p.n, p.k, p.b_block_n, g, start, size);
+    v.SA = p.a_scale_inv + o.a_off;
+    v.SB = p.b_scale_inv + o.b_off;
+    v.sa_ld = o.a_ld;
+    v.sb_ld = o.b_ld;
+  }
   return v;
 }
 
@@ -236,7 +254,7 @@ __global__ void __launch_bounds__(kSetupThreads) setup_kernel(Problem p, Arrays 
       gi.size = size;
       gi.slot = realigned;
       gi.path = path;
-      gi.alpha = fp8 ? p.a_scale_inv[g] * p.b_scale_inv[g] : 1.0f;
+      gi.alpha = fp8 && !p.block_scaled ? p.a_scale_inv[g] * p.b_scale_inv[g] : 1.0f;
       arrays.write(g, view, path == kPathCutlass, &gi);
     }
     __syncthreads();  // carries updated before the next chunk
@@ -264,6 +282,12 @@ const Config& config_fp8_e4m3_e4m3_fast();
 const Config& config_fp8_e4m3_e4m3();
 const Config& config_fp8_e5m2_e4m3();
 const Config& config_fp8_e4m3_e5m2();
+// FP8 block scaling: A 1x128; B 128x128 (n128) or 1x128 (n1).
+const Config& config_block_e4m3_e4m3_n128();
+const Config& config_block_e5m2_e4m3_n128();
+const Config& config_block_e4m3_e4m3_n1();
+const Config& config_block_e5m2_e4m3_n1();
+const Config& config_block_e4m3_e5m2_n1();
 #endif
 
 // SM count of the current device (cached per device).
@@ -280,6 +304,7 @@ Status cuda_status(cudaError_t e, const char* what);
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -317,8 +342,46 @@ struct Fp8FastTiles {
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
+// Blockwise-scaled FP8 (CUTLASS's sm90 ptr-array blockwise collective): the scale loads go
+// through cp.async in a producer warp, the partial sums of each 128-deep k-block are scaled and
+// promoted in float32 registers (split accumulation), so the tile is 128x128.
+template <int GranN>
+struct BlockTiles {
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_1, _2, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  // Scales: A per (1 row, 128 k), B per (GranN columns, 128 k), both M/N-major (CUTLASS sm90
+  // reads only MN-major scale layouts).
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, GranN, 128>;
+};
+
+template <class Tiles, class = void>
+struct ScaleTypes {
+  static constexpr bool kBlockwise = false;
+  using LayoutSFA = int;
+  using LayoutSFB = int;
+  template <class L>
+  using PairA = L*;
+  template <class L>
+  using PairB = L*;
+};
+template <class Tiles>
+struct ScaleTypes<Tiles, std::void_t<typename Tiles::ScaleConfig>> {
+  static constexpr bool kBlockwise = true;
+  using LayoutSFA = decltype(Tiles::ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(Tiles::ScaleConfig::deduce_layoutSFB());
+  template <class L>
+  using PairA = cute::tuple<L*, LayoutSFA*>;
+  template <class L>
+  using PairB = cute::tuple<L*, LayoutSFB*>;
+};
+
 template <class EA, class EB, bool AKMajor, bool BKMajor, class Tiles>
 struct GroupedKernel {
+  using TilesT = Tiles;
+  using Scales = ScaleTypes<Tiles>;
+  static constexpr bool kBlockwise = Scales::kBlockwise;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementD = cutlass::bfloat16_t;
   using LayoutA =
@@ -337,8 +400,10 @@ struct GroupedKernel {
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, EA, LayoutA*, kAlignA, EB, LayoutB*,
-      kAlignB, float, typename Tiles::Tile, typename Tiles::Cluster,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, EA,
+      typename Scales::template PairA<LayoutA>, kAlignA, EB,
+      typename Scales::template PairB<LayoutB>, kAlignB, float, typename Tiles::Tile,
+      typename Tiles::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       typename Tiles::Schedule>::CollectiveOp;
@@ -374,6 +439,11 @@ struct Arrays {
   typename K::StrideB* sb;
   typename K::StrideD* sd;
   const float** alpha;
+  // Block scaling only (else unused, null): per-group scale pointers and layouts.
+  const float** sfa;
+  const float** sfb;
+  typename K::Scales::LayoutSFA* lsfa;
+  typename K::Scales::LayoutSFB* lsfb;
   int64_t n;  // N of every group (the row stride of D)
 
   static size_t carve(char* base, int64_t groups, Arrays* out) {
@@ -392,7 +462,18 @@ struct Arrays {
     char* sb = take(G * sizeof(typename K::StrideB));
     char* sd = take(G * sizeof(typename K::StrideD));
     char* alpha = take(G * sizeof(float*));
+    char *sfa = nullptr, *sfb = nullptr, *lsfa = nullptr, *lsfb = nullptr;
+    if constexpr (K::kBlockwise) {
+      sfa = take(G * sizeof(float*));
+      sfb = take(G * sizeof(float*));
+      lsfa = take(G * sizeof(typename K::Scales::LayoutSFA));
+      lsfb = take(G * sizeof(typename K::Scales::LayoutSFB));
+    }
     if (out) {
+      out->sfa = reinterpret_cast<const float**>(sfa);
+      out->sfb = reinterpret_cast<const float**>(sfb);
+      out->lsfa = reinterpret_cast<typename K::Scales::LayoutSFA*>(lsfa);
+      out->lsfb = reinterpret_cast<typename K::Scales::LayoutSFB*>(lsfb);
       out->shapes = reinterpret_cast<typename K::Shape3*>(shapes);
       out->a = reinterpret_cast<const void**>(a);
       out->b = reinterpret_cast<const void**>(b);
@@ -415,6 +496,17 @@ struct Arrays {
     sb[g] = stride_with_ld<typename K::StrideB>(v.b_ld);
     sd[g] = stride_with_ld<typename K::StrideD>(n);
     alpha[g] = &gi->alpha;
+    if constexpr (K::kBlockwise) {
+      // CUTLASS derives each group's scale layout from its extents (k-block stride = the
+      // group's M, resp. ceil(N / GranN)); the grouped layouts of lowbit/grouped_gemm.h are
+      // those, so only the base pointers move per group.
+      using SC = typename K::TilesT::ScaleConfig;
+      const auto mnk = make_shape(use ? int(v.rows) : 0, use ? int(n) : 0, use ? int(v.kc) : 0, 1);
+      sfa[g] = v.SA;
+      sfb[g] = v.SB;
+      lsfa[g] = SC::tile_atom_to_shape_SFA(mnk);
+      lsfb[g] = SC::tile_atom_to_shape_SFB(mnk);
+    }
   }
 };
 
@@ -433,6 +525,12 @@ typename K::Gemm::Arguments make_arguments(const Arrays<K>& arr, int64_t groups,
   args.mainloop.dA = arr.sa;
   args.mainloop.ptr_B = reinterpret_cast<typename K::Kernel::ElementB const**>(arr.b);
   args.mainloop.dB = arr.sb;
+  if constexpr (K::kBlockwise) {
+    args.mainloop.ptr_SFA = arr.sfa;
+    args.mainloop.layout_SFA = arr.lsfa;
+    args.mainloop.ptr_SFB = arr.sfb;
+    args.mainloop.layout_SFB = arr.lsfb;
+  }
   auto& fusion = args.epilogue.thread;
   fusion.alpha = 1.0f;
   fusion.beta = 0.0f;
@@ -472,7 +570,8 @@ Status gemm(const Problem& p, char* arrays_area, char* ws, size_t ws_bytes, int 
             cudaStream_t stream) {
   Arrays<K> arr{};
   Arrays<K>::carve(arrays_area, p.groups, &arr);
-  const bool fp8 = p.a_dtype != int32_t(DType::kBF16);
+  // Per-group alpha for tensor-scaled FP8; block scales are applied in the mainloop (alpha 1).
+  const bool fp8 = p.a_dtype != int32_t(DType::kBF16) && !K::kBlockwise;
   auto args = make_arguments<K>(arr, p.groups, fp8, sm_count);
   cudaGetDevice(&args.hw_info.device_id);
   if (K::Gemm::get_workspace_size(args) > ws_bytes)

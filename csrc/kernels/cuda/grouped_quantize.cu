@@ -4,7 +4,10 @@
 //   (binary search per row) -> per-group amax (atomicMax per row; delayed scaling: fused into the
 //   cast) -> per-group scale_inv -> fused cast (the tile kernel of cast_kernels.cuh with per-row
 //   scales; rows in no group are zeros).
+// BLOCK_1D: offsets -> one kernel over 128x128 tiles of each group (grouped_block1d_kernel: the
+//   block casts of both copies and the per-group amax from one read of x).
 #include "cast_kernels.cuh"
+#include "lowbit/block_scaling.h"
 
 namespace lowbit {
 namespace cuda {
@@ -122,6 +125,185 @@ __global__ void grouped_finalize_kernel(int64_t G, const float* delayed, const f
   }
 }
 
+// ---- BLOCK_1D (lowbit/block_scaling.h's grouped layouts) ----
+// One block per 128-row tile of one group (or of the rows in no group) and 128 columns: the tile
+// is read once into shared memory, then the rowwise copy (1x128 along the columns) is written row
+// by row and the colwise copy (1x128 along the group's rows) column by column. Tile rows are
+// numbered as the colwise scale rows: b in [0, M/128 + G) is block b - first_g of the group g
+// with first_g = start_g / 128 + g <= b (first_g strictly increases with g); the ceil(M/128)
+// tile rows after those cover the rows in no group (rowwise copy: zero data, scale_inv 1.0).
+// Tiles past a group's end exit at once. Each tile of a group also adds its amax to the group's
+// (the only read of x).
+constexpr int kGb = 128, kGbLd = kGb + 1, kGbThreads = 256;
+constexpr size_t kGbSmem = size_t(kGb) * kGbLd * sizeof(float);
+
+struct GroupedBlockArgs {
+  const void* x;
+  int64_t M, K, G, tiles_c, nkb;
+  const int64_t* starts;
+  const int64_t* ends;
+  uint8_t* q_row;  // (M, K) or null
+  float* s_row;    // (M * nkb,)
+  uint8_t* q_col;  // (K, M) or null
+  float* s_col;    // (M / 128 + G, K)
+  float* amax;     // (G,), zeroed: each tile of a group adds its max (one read of x in all)
+  float eps;
+  bool pow2;
+};
+
+template <int IN, int FMT>
+__global__ void __launch_bounds__(kGbThreads) grouped_block1d_kernel(const GroupedBlockArgs a) {
+  using T = typename In<IN>::T;
+  extern __shared__ float tile[];  // [kGb][kGbLd]
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t b = int64_t(blockIdx.x) / a.tiles_c, tc = int64_t(blockIdx.x) - b * a.tiles_c;
+  const int64_t grouped_rows = a.M / 128 + a.G;
+  int64_t run_start, run_size, r0, g = -1;
+  bool in_group;
+  if (b < grouped_rows) {
+    int64_t lo = 0, hi = a.G;  // first g with first_g > b
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) >> 1;
+      if (grouped_block_colwise_first(a.starts[mid], mid) <= b)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    g = lo - 1;  // >= 0: first_0 = 0
+    run_start = a.starts[g];
+    run_size = a.ends[g] - run_start;
+    r0 = run_start + (b - grouped_block_colwise_first(run_start, g)) * kGb;
+    in_group = true;
+  } else {
+    run_start = a.G > 0 ? a.ends[a.G - 1] : 0;
+    run_size = a.M - run_start;
+    r0 = run_start + (b - grouped_rows) * kGb;
+    in_group = false;
+  }
+  const int64_t run_end = run_start + run_size;
+  if (r0 >= run_end) return;  // block-uniform
+  const int64_t c0 = tc * kGb;
+  const int nr = int(run_end - r0 < kGb ? run_end - r0 : kGb);
+  const int nc = int(a.K - c0 < kGb ? a.K - c0 : kGb);
+  if (!in_group) {  // rows in no group: zero data, scale_inv 1.0 (rowwise; colwise is preset)
+    if (a.q_row)
+      for (int i = threadIdx.x; i < kGb * kGb; i += kGbThreads) {
+        const int rr = i / kGb, cc = i - rr * kGb;
+        if (rr < nr && cc < nc) a.q_row[(r0 + rr) * a.K + c0 + cc] = 0;
+      }
+    if (a.s_row)
+      for (int rr = threadIdx.x; rr < nr; rr += kGbThreads)
+        a.s_row[run_start * a.nkb + tc * run_size + (r0 - run_start) + rr] = 1.0f;
+    return;
+  }
+  float tmax = 0.0f;
+  for (int i = threadIdx.x; i < kGb * kGb; i += kGbThreads) {
+    const int rr = i / kGb, cc = i - rr * kGb;
+    const float v = (rr < nr && cc < nc) ? In<IN>::f(x[(r0 + rr) * a.K + c0 + cc]) : 0.0f;
+    tile[rr * kGbLd + cc] = v;
+    tmax = fmaxf(tmax, fabsf(v));  // NaN ignored, as every amax
+  }
+  {
+    __shared__ float red[kGbThreads / 32];
+    block_amax_to(tmax, red, a.amax + g);  // its barrier also completes the tile
+  }
+  const float fmax = fmt_max<FMT>();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (a.q_row)
+    for (int rr = warp; rr < nr; rr += kGbThreads / 32) {
+      float v[4], bm = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[k] = tile[rr * kGbLd + lane + 32 * k];
+        bm = fmaxf(bm, fabsf(v[k]));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
+      const float s = fp8_block_scale(bm, fmax, a.eps, a.pow2);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int cc = lane + 32 * k;
+        if (cc < nc) a.q_row[(r0 + rr) * a.K + c0 + cc] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
+      }
+      if (lane == 0) a.s_row[run_start * a.nkb + tc * run_size + (r0 - run_start) + rr] = 1.0f / s;
+    }
+  if (a.q_col)
+    for (int cc = warp; cc < nc; cc += kGbThreads / 32) {
+      float v[4], bm = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[k] = tile[(lane + 32 * k) * kGbLd + cc];
+        bm = fmaxf(bm, fabsf(v[k]));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
+      const float s = fp8_block_scale(bm, fmax, a.eps, a.pow2);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int rr = lane + 32 * k;
+        if (rr < nr) a.q_col[(c0 + cc) * a.M + r0 + rr] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
+      }
+      if (lane == 0) a.s_col[b * a.K + c0 + cc] = 1.0f / s;
+    }
+}
+
+__global__ void grouped_fill_kernel(float* p, int64_t n, float v) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = v;
+}
+
+template <int IN, int FMT>
+Status run_grouped_block1d(const GroupedQuantizeParams& p, cudaStream_t st, const int64_t* starts,
+                           const int64_t* ends) {
+  const int64_t M = p.rows, K = p.cols, G = p.num_groups;
+  if ((p.rowwise && !(p.data && p.scale_inv)) ||
+      (p.colwise && !(p.colwise_data && p.colwise_scale_inv)))
+    return Status::Invalid("grouped_quantize: output missing");
+  if (p.colwise) {
+    // Colwise data outside every group is zero; scale rows of no block hold 1.0.
+    if (auto s = api_status(cudaMemsetAsync(p.colwise_data, 0, size_t(M * K), st), "memset");
+        !s.ok())
+      return s;
+    const int64_t n = grouped_block_colwise_rows(M, G) * K;
+    if (n > 0) {
+      grouped_fill_kernel<<<grid_for(n, 256, 4096), 256, 0, st>>>(
+          static_cast<float*>(p.colwise_scale_inv), n, 1.0f);
+      if (auto s = launch_status("grouped_fill_kernel"); !s.ok()) return s;
+    }
+  }
+  if (M == 0 || K == 0) return Status::Ok();
+  GroupedBlockArgs a;
+  a.x = p.x;
+  a.M = M;
+  a.K = K;
+  a.G = G;
+  a.tiles_c = (K + kGb - 1) / kGb;
+  a.nkb = a.tiles_c;
+  a.starts = starts;
+  a.ends = ends;
+  a.q_row = p.rowwise ? static_cast<uint8_t*>(p.data) : nullptr;
+  a.s_row = p.rowwise ? static_cast<float*>(p.scale_inv) : nullptr;
+  a.q_col = p.colwise ? static_cast<uint8_t*>(p.colwise_data) : nullptr;
+  a.s_col = p.colwise ? static_cast<float*>(p.colwise_scale_inv) : nullptr;
+  a.amax = p.amax;
+  a.eps = p.amax_epsilon;
+  a.pow2 = p.power_2_scale;
+  const int64_t tile_rows = grouped_block_colwise_rows(M, G) + (M + kGb - 1) / kGb;
+  const int64_t blocks = tile_rows * a.tiles_c;
+  if (blocks > INT32_MAX) return Status::Invalid("grouped_quantize: tensor too large");
+  auto kernel = grouped_block1d_kernel<IN, FMT>;
+  if (auto s = api_status(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kGbSmem)),
+          "cudaFuncSetAttribute");
+      !s.ok())
+    return s;
+  // clang-format off
+  kernel<<<unsigned(blocks), kGbThreads, kGbSmem, st>>>(a);
+  // clang-format on
+  return launch_status("grouped_block1d_kernel");
+}
+
 template <int IN, int KIND, int FMT>
 Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
   const int64_t M = p.rows, K = p.cols, G = p.num_groups, n = M * K;
@@ -141,7 +323,8 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
         !s.ok())
       return s;
   }
-  if (M > 0) {
+  const bool block = p.mode == ScalingMode::kBlock1d;  // its cast takes the per-group amax
+  if (M > 0 && !block) {
     row_group_kernel<<<grid_for(M, 256, 8192), 256, 0, st>>>(starts, ends, G, M, row_group);
     if (auto s = launch_status("row_group_kernel"); !s.ok()) return s;
   }
@@ -150,13 +333,15 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
                     (!(p.colwise && tensor) || aligned16(p.colwise_data));
   // Delayed scaling needs no amax before the cast: the tile kernel accumulates it in the same read.
   const bool fused_amax = fast && tensor && p.mode == ScalingMode::kDelayedTensor;
-  if (n > 0 && G > 0 && !fused_amax) {
+  if (n > 0 && G > 0 && !fused_amax && !block) {
     constexpr int CH = 16 / int(sizeof(typename In<IN>::T));
     const bool vec = K % CH == 0 && aligned16(p.x);
     grouped_amax_kernel<IN>
         <<<grid_for(M * 32, 256, 4096), 256, 0, st>>>(p.x, M, K, vec, row_group, p.amax);
     if (auto s = launch_status("grouped_amax_kernel"); !s.ok()) return s;
   }
+  if (p.mode == ScalingMode::kBlock1d) return run_grouped_block1d<IN, FMT>(p, st, starts, ends);
+
   if (tensor && G > 0) {
     grouped_finalize_kernel<<<grid_for(G, 256), 256, 0, st>>>(
         G, p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr, p.amax, fmt_max<FMT>(),
@@ -209,6 +394,9 @@ Status dispatch_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
                 : run_grouped<IN, kTensor, kFmtE4M3>(p, st);
     case ScalingMode::kMxfp8_1d:
       return e5 ? run_grouped<IN, kMx, kFmtE5M2>(p, st) : run_grouped<IN, kMx, kFmtE4M3>(p, st);
+    case ScalingMode::kBlock1d:  // the per-group amax of the tensor path, then the block cast
+      return e5 ? run_grouped<IN, kTensor, kFmtE5M2>(p, st)
+                : run_grouped<IN, kTensor, kFmtE4M3>(p, st);
     default: return Status::Invalid("grouped_quantize: unsupported scaling mode");
   }
 }

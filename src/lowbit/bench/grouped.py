@@ -4,7 +4,8 @@ and one dense jnp.dot of the same total size, forward and forward+backward, in o
 TFLOP/s counts the GEMM work only (2*M*K*N per GEMM, three GEMMs for forward+backward); the FP8
 times include the per-group quantization of every operand (current scaling reads each operand
 twice: amax, then cast; delayed scaling once), except the "fp8 gemm only" rows, which time the
-FP8 GEMM on operands quantized beforehand. Forward+backward returns the output and both
+FP8 GEMM on operands quantized beforehand; "fp8 block" is Float8BlockScaling (1x128 activations
+and gradients, 128x128 expert weights, split accumulation). Forward+backward returns the output and both
 gradients. A dense GEMM reads one (K, N) matrix where the grouped one reads G of them: where
 G*K*N dominates the bytes (G=128) the grouped GEMM is bandwidth-bound, the dense one is not.
 ``speedup`` is against ragged_dot in the same pass. Group sizes: balanced, or Dirichlet(1) draws
@@ -32,6 +33,7 @@ CASES = (
     "lowbit fp8",
     "lowbit fp8 delayed",
     "lowbit fp8 gemm only",
+    "lowbit fp8 block",
     "dense bf16",
 )
 PASSES = ("fwd", "fwd+bwd")
@@ -98,6 +100,8 @@ def _case(name: str, pas: str, lhs, rhs, gs):
         f = lambda a, b, s: lowbit.grouped_gemm(a, b, s)
     elif name == "lowbit fp8":
         f = lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=lowbit.Float8CurrentScaling())
+    elif name == "lowbit fp8 block":
+        f = lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=lowbit.Float8BlockScaling())
     elif name == "lowbit fp8 delayed":
         recipe = lowbit.DelayedScaling()
         state = lowbit.init_grouped_delayed_state(recipe, rhs.shape[0])

@@ -27,7 +27,8 @@ def make_ragged_dot_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = T
     """A Flax module class; ``cls()(lhs, rhs, group_sizes)`` computes
     ``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` with lowbit's grouped GEMM.
 
-    ``recipe``: Float8CurrentScaling or DelayedScaling (FP8 with per-group scales), or None:
+    ``recipe``: Float8CurrentScaling or DelayedScaling (FP8 with per-group scales),
+    Float8BlockScaling (FP8 with 1x128 / 128x128 block scales), or None:
     the recipe of the enclosing :func:`lowbit.autocast` at trace time, BF16 outside one.
     ``precision`` is ignored (the recipe decides); ``group_offset`` is not supported.
     """

@@ -13,6 +13,11 @@ of dout is quantized as its own tensor by :func:`lowbit.grouped_quantize` (both 
 pass), and the product of the two groups' decode scales is applied per group in the GEMM's
 epilogue. Hopper's FP8 tensor cores read K-major operands, so the forward reads rhs's colwise
 copy, dgrad rhs's rowwise copy and wgrad the colwise copies of lhs and dout.
+
+Float8BlockScaling: lhs and dout take 1x128 block scales along the contraction (the colwise
+copies for the weight gradient: 1x128 along each group's tokens, restarting at every group),
+rhs 128x128 tiles (or 1x128 with ``w_block_scaling_dim=1``); on the GPU, CUTLASS's sm90 grouped
+blockwise-scaled kernel applies them per 128-deep k-block (see _BlockConfig below).
 """
 
 from __future__ import annotations
@@ -31,14 +36,14 @@ from lowbit import delayed_scaling as ds
 from lowbit._native import EMPTY_F32
 from lowbit.ops.gemm import pad_to
 from lowbit.ops.nonfinite import poison_nonfinite
-from lowbit.ops.quantize import grouped_quantize
+from lowbit.ops.quantize import grouped_quantize, quantize
 from lowbit.quantization.checks import as_array, as_dtype
-from lowbit.quantization.scaling_modes import dtype_code
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from lowbit.quantization.scaling_modes import ScalingMode, dtype_code
+from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 
 _RAGGED_M, _RAGGED_K = 0, 1
 # Flag bits of the FFI `flags` attribute (csrc/ffi/grouped_gemm.cc).
-_A_KMAJOR, _B_KMAJOR, _FAST_ACCUM = 1, 2, 4
+_A_KMAJOR, _B_KMAJOR, _FAST_ACCUM, _BLOCK_SCALED, _BLOCK_N128 = 1, 2, 4, 8, 16
 _BF16 = np.dtype(jnp.bfloat16)
 _F32 = np.dtype(jnp.float32)
 _IN_DTYPES = (_BF16, _F32)
@@ -48,11 +53,32 @@ _IN_DTYPES = (_BF16, _F32)
 # The FFI call: one grouped GEMM in one of the two shapes of csrc/include/lowbit/grouped_gemm.h
 # ---------------------------------------------------------------------------------------------
 def _call(
-    mode, a, b, group_sizes, a_s, b_s, *, m, n, k, lda, ldb, bgs=0, a_kmajor, b_kmajor, fast_accum=False
+    mode,
+    a,
+    b,
+    group_sizes,
+    a_s,
+    b_s,
+    *,
+    m,
+    n,
+    k,
+    lda,
+    ldb,
+    bgs=0,
+    a_kmajor,
+    b_kmajor,
+    fast_accum=False,
+    b_block_n=0,
 ):
+    # b_block_n: 0 = per-group scales; 1 / 128 = FP8 block scales, B's blocks 1x128 / 128x128.
     G = group_sizes.shape[0]
     flags = (
-        (_A_KMAJOR if a_kmajor else 0) | (_B_KMAJOR if b_kmajor else 0) | (_FAST_ACCUM if fast_accum else 0)
+        (_A_KMAJOR if a_kmajor else 0)
+        | (_B_KMAJOR if b_kmajor else 0)
+        | (_FAST_ACCUM if fast_accum else 0)
+        | (_BLOCK_SCALED if b_block_n else 0)
+        | (_BLOCK_N128 if b_block_n == 128 else 0)
     )
     out_shape = (m, n) if mode == _RAGGED_M else (G, m, n)
     return _native.ffi_call(
@@ -280,6 +306,152 @@ _grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
+# FP8 block scaling (Float8BlockScaling): 1x128 activations / gradients, 128x128 (or 1x128) weights
+# ---------------------------------------------------------------------------------------------
+# The GEMM reads every block scale in the per-group, M-major layout of CUTLASS's grouped
+# blockwise kernel (csrc/include/lowbit/grouped_gemm.h): grouped_quantize(BLOCK_1D) writes the
+# activations' and gradients' scales so; the weights are quantized as one (G*K, N) tensor (K a
+# multiple of 128, so no block straddles two experts) and their small scale arrays are
+# rearranged here (G*K*N/16384 floats for 128x128 tiles).
+@dataclasses.dataclass(frozen=True)
+class _BlockConfig:
+    recipe: Recipe
+    out_dtype: Any
+    lhs_dtype: Any
+    rhs_dtype: Any
+
+    @property
+    def w_2d(self) -> bool:
+        return self.recipe.scaling_mode("kernel") == ScalingMode.BLOCK_2D_SCALING
+
+
+def _qp(cfg, role):
+    q = cfg.recipe.qparams(role)
+    return dict(power_2_scale=bool(q.power_2_scale), amax_epsilon=float(q.amax_epsilon))
+
+
+def _block_act(cfg, role, x, gs, layout):
+    return poison_nonfinite(
+        grouped_quantize(
+            x, gs, ScalingMode.BLOCK_1D_SCALING, cfg.recipe.q_dtype(role), layout=layout, **_qp(cfg, role)
+        )
+    )
+
+
+def _block_weight(cfg, rhs, layout):
+    G, K, N = rhs.shape
+    return poison_nonfinite(
+        quantize(
+            rhs.reshape(G * K, N),
+            cfg.recipe.scaling_mode("kernel"),
+            cfg.recipe.q_dtype("kernel"),
+            layout=layout,
+            **_qp(cfg, "kernel"),
+        )
+    )
+
+
+def _w_scales_fprop(w_2d, cs, G, K, N):
+    """B = rhs[g] (k=K, n=N): (G, K/128, ceil(N/bn)) from the colwise copy's scales."""
+    nkb = K // 128
+    if w_2d:  # cs (ceil(N/128), round_up(G*K/128, 4)): entry [nb, g*nkb + kb]
+        return cs[:, : G * nkb].T.reshape(-1)
+    return cs[:, :N].reshape(-1)  # cs (G*K/128, round_up(N, 4)): entry [g*nkb + kb, n]
+
+
+def _w_scales_dgrad(w_2d, rs, G, K, N):
+    """B = rhs[g]^T (k=N, n=K): (G, ceil(N/128), ceil(K/bn)) from the rowwise copy's scales."""
+    nbn = -(-N // 128)
+    if w_2d:  # rs (G*K/128, round_up(nbn, 4)): entry [g*nkb + kb, nb]
+        return rs[:, :nbn].reshape(G, K // 128, nbn).transpose(0, 2, 1).reshape(-1)
+    return rs[:, : G * K].reshape(nbn, G, K).transpose(1, 0, 2).reshape(-1)  # [nb, g*K + k]
+
+
+def block_fprop(x, x_s, w_col, w_s, gs, b_block_n):
+    """y (M, N) = x . rhs[g], block scales (see _w_scales_fprop); w_col as fp8_fprop's."""
+    (M, K), (N, GK) = x.shape, w_col.shape
+    return _call(
+        _RAGGED_M, x, w_col, gs, x_s, w_s, m=M, n=N, k=K, lda=K, ldb=GK, bgs=K,
+        a_kmajor=True, b_kmajor=True, b_block_n=b_block_n,
+    )  # fmt: skip
+
+
+def block_dgrad(g, g_s, w_row, w_s, gs, b_block_n):
+    """dlhs (M, K) = g . rhs[g]^T, block scales (see _w_scales_dgrad)."""
+    (M, N), K = g.shape, w_row.shape[0] // gs.shape[0]
+    return _call(
+        _RAGGED_M, g, w_row, gs, g_s, w_s, m=M, n=K, k=N, lda=N, ldb=N, bgs=K * N,
+        a_kmajor=True, b_kmajor=True, b_block_n=b_block_n,
+    )  # fmt: skip
+
+
+def block_wgrad(x_col, x_col_s, g_col, g_col_s, gs):
+    """drhs (G, K, N) = x_g^T . g_g: both colwise copies with 1x128 blocks along each group's
+    tokens (grouped_quantize's grouped colwise layout)."""
+    (K, M), N = x_col.shape, g_col.shape[0]
+    return _call(
+        _RAGGED_K, x_col, g_col, gs, x_col_s.reshape(-1), g_col_s.reshape(-1), m=K, n=N, k=M,
+        lda=M, ldb=M, a_kmajor=True, b_kmajor=True, b_block_n=1,
+    )  # fmt: skip
+
+
+def _block_forward(cfg, lhs, rhs, gs, both):
+    G, K, N = rhs.shape
+    qx = _block_act(cfg, "x", lhs, gs, "both" if both else "rowwise")
+    qw = _block_weight(cfg, rhs, "both" if both else "colwise")
+    bn = 128 if cfg.w_2d else 1
+    w_s = _w_scales_fprop(cfg.w_2d, qw.colwise_scale_inv, G, K, N)
+    y = block_fprop(qx.data, qx.scale_inv, qw.colwise_data, w_s, gs, bn)
+    return y.astype(cfg.out_dtype), qx, qw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grouped_block(cfg, lhs, rhs, gs):
+    return _block_forward(cfg, lhs, rhs, gs, both=False)[0]
+
+
+def _grouped_block_fwd(cfg, lhs, rhs, gs):
+    y, qx, qw = _block_forward(cfg, lhs, rhs, gs, both=True)
+    G, K, N = rhs.shape
+    w_s = _w_scales_dgrad(cfg.w_2d, qw.scale_inv, G, K, N)
+    return y, (qx.colwise_data, qx.colwise_scale_inv, qw.data, w_s, gs)
+
+
+def _grouped_block_bwd(cfg, res, dout):
+    x_col, x_col_s, w_row, w_s, gs = res
+    qg = _block_act(cfg, "grad", dout, gs, "both")
+    dlhs = block_dgrad(qg.data, qg.scale_inv, w_row, w_s, gs, 128 if cfg.w_2d else 1)
+    drhs = block_wgrad(x_col, x_col_s, qg.colwise_data, qg.colwise_scale_inv, gs)
+    return dlhs.astype(cfg.lhs_dtype), drhs.astype(cfg.rhs_dtype), None
+
+
+_grouped_block.defvjp(_grouped_block_fwd, _grouped_block_bwd)
+
+
+def _grouped_block_entry(lhs, rhs, gs, recipe, out_dtype, state):
+    if state is not None:
+        raise ValueError("grouped_gemm: state is only used with DelayedScaling; pass state=None")
+    for role, dim in (("x", recipe.x_block_scaling_dim), ("grad", recipe.grad_block_scaling_dim)):
+        if dim != 1:
+            raise ValueError(
+                f"grouped_gemm: Float8BlockScaling({role}_block_scaling_dim={dim}) is not supported "
+                "by the grouped GEMM: activations and gradients take 1x128 blocks "
+                "(their 128-row tiles would straddle groups)"
+            )
+    (M, N) = lhs.shape[0], rhs.shape[2]
+    cfg = _BlockConfig(
+        recipe=recipe, out_dtype=out_dtype, lhs_dtype=np.dtype(lhs.dtype), rhs_dtype=np.dtype(rhs.dtype)
+    )
+    # K (every GEMM's k or n) in multiples of 128: no weight block straddles two experts and the
+    # kernels see whole blocks; M and N in multiples of 16 (TMA rows of the FP8 copies). Zero
+    # padding is exact; padded rows of lhs are in no group.
+    x = pad_to(pad_to(lhs, 0, 16), 1, 128)
+    w = pad_to(pad_to(rhs, 1, 128), 2, 16)
+    y = _grouped_block(cfg, x, w, gs)
+    return y[:M, :N] if y.shape != (M, N) else y
+
+
+# ---------------------------------------------------------------------------------------------
 # Public entry
 # ---------------------------------------------------------------------------------------------
 def grouped_gemm(
@@ -301,11 +473,15 @@ def grouped_gemm(
         no group (zero output); a sum above M is clamped (groups end at row M).
       recipe: None: BF16 operands (float32 inputs are rounded to bfloat16), float32
         accumulation. Float8CurrentScaling or DelayedScaling: FP8 with per-group tensor scales.
+        Float8BlockScaling: FP8 with 1x128 block scales for lhs and the gradient (blocks along
+        the contraction; the weight gradient's run along each group's rows) and 128x128 (or,
+        with ``w_block_scaling_dim=1``, 1x128) block scales for each expert of rhs.
       preferred_element_type: output dtype (float32 or bfloat16), default the inputs' result
         type. The GEMM rounds its output to bfloat16 once; a float32 output is that value.
       state: DelayedScaling only: :func:`init_grouped_delayed_state`-shaped dict; its gradient is
         the updated state (what Flax's ``_overwrite_with_gradient`` collection expects).
-      fast_accum: FP8 on the GPU: fast accumulation in the forward GEMM (not the gradients).
+      fast_accum: FP8 on the GPU: fast accumulation in the forward GEMM (not the gradients);
+        ignored by Float8BlockScaling, whose GEMMs always promote each 128-deep block.
 
     Returns:
       (M, N) in ``preferred_element_type``.
@@ -361,10 +537,13 @@ def grouped_gemm(
         y = _grouped_bf16(x, w, gs, out_dtype)
         return y[:, :N] if y.shape[1] != N else y
 
+    if isinstance(recipe, Float8BlockScaling):
+        return _grouped_block_entry(lhs, rhs, gs, recipe, out_dtype, state)
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise ValueError(
-            f"grouped_gemm: recipe must be None (BF16), Float8CurrentScaling or DelayedScaling "
-            f"(per-group tensor scales); {type(recipe).__name__} is not supported by the grouped GEMM"
+            f"grouped_gemm: recipe must be None (BF16), Float8CurrentScaling, DelayedScaling "
+            f"(per-group tensor scales) or Float8BlockScaling (1x128 / 128x128 block scales); "
+            f"{type(recipe).__name__} is not supported by the grouped GEMM"
         )
     # All-E5M2 recipes cannot be built (lowbit.recipe refuses fp8_format=Format.E5M2).
     state = ds.check_state_arg(

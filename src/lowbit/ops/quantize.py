@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import jax
@@ -437,9 +436,12 @@ def grouped_dequantize(
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {out_dtype.name}")
     M, K = qt.shape
-    if qt.scaling_mode in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.BLOCK_1D_SCALING):
+    if qt.scaling_mode == ScalingMode.MXFP8_1D_SCALING:
         validate(qt, layout, op)
         return dequantize(qt, layout, dtype=out_dtype)
+    if qt.scaling_mode == ScalingMode.BLOCK_1D_SCALING:
+        validate(qt, layout, op, num_groups=G)
+        return _grouped_dequantize_block1d(qt, group_sizes, layout, out_dtype)
     if not ScalingMode(qt.scaling_mode).is_tensor_scaling:
         raise ValueError(
             f"{op}: qt.scaling_mode must be one grouped_quantize makes (DELAYED/CURRENT_TENSOR_"
@@ -486,6 +488,31 @@ def grouped_dequantize(
     return jax.lax.cond(jnp.all(s_inv >= np.float32(2.0**-110)), fast, exact, data, s_inv)
 
 
+def _grouped_dequantize_block1d(qt, group_sizes, layout, out_dtype):
+    """decode(q) * scale_inv of every element, the scale gathered from the grouped layouts
+    (rows in no group: 0). float32 products in XLA (a subnormal product may flush to zero on
+    the CPU, unlike the kernels)."""
+    M, K = qt.shape
+    G = group_sizes.shape[0]
+    ends = group_ends(group_sizes.astype(jnp.int32), M)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    gid = group_ids(group_sizes, M)  # G: in no group
+    r = jnp.arange(M, dtype=jnp.int32)
+    start = jnp.concatenate([starts, ends[-1:]])[gid]
+    if layout == "rowwise":
+        nkb = -(-K // 128)
+        size = jnp.concatenate([ends - starts, jnp.int32(M) - ends[-1:]])[gid]
+        kb = jnp.arange(K, dtype=jnp.int32) // 128
+        idx = start[:, None] * nkb + kb[None, :] * size[:, None] + (r - start)[:, None]
+        out = qt.data.astype(jnp.float32) * qt.scale_inv[idx]
+    else:
+        row = start // 128 + gid + (r - start) // 128
+        row = jnp.where(gid < G, row, 0)
+        out = qt.colwise_data.T.astype(jnp.float32) * qt.colwise_scale_inv[row]
+        out = jnp.where((gid < G)[:, None], out, 0.0)
+    return out.astype(out_dtype)
+
+
 def group_ends(group_sizes: jax.Array, extent: int) -> jax.Array:
     """Group ends as the kernels compute them: sizes below 0 count as 0 and the running sum
     saturates at ``extent``, so it never overflows int32 (a plain cumsum wraps past 2**31)."""
@@ -507,31 +534,6 @@ def _desc(a) -> str:
     return f"{np.dtype(a.dtype).name} {tuple(a.shape)}"
 
 
-def _grouped_quantize_block_1d(x, group_sizes, layout, q_dtype, scale, power_2_scale, amax_epsilon):
-    """BLOCK_1D_SCALING grouped: 1x128 blocks lie within rows, so it is the rowwise quantize of
-    x; rows in no group get zero data and scale_inv 1, and amax is per group."""
-    mode = ScalingMode.BLOCK_1D_SCALING
-    if layout != "rowwise":
-        raise ValueError(
-            f"layout must be 'rowwise' for grouped BLOCK_1D_SCALING, got {layout!r} "
-            "(colwise blocks would straddle groups)"
-        )
-    if scale is not None:
-        raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
-    M, _ = x.shape
-    G = group_sizes.shape[0]
-    qt = quantize(x, mode, q_dtype, layout="rowwise", power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
-    gid = group_ids(group_sizes, M)
-    in_group = gid < G
-    codes = jax.lax.bitcast_convert_type(qt.data, jnp.uint8)
-    data = jax.lax.bitcast_convert_type(jnp.where(in_group[:, None], codes, jnp.uint8(0)), qt.data.dtype)
-    cols_in_group = jnp.pad(in_group, (0, qt.scale_inv.shape[1] - M))
-    s_inv = jnp.where(cols_in_group[None, :], qt.scale_inv, jnp.float32(1.0))
-    row_amax = jnp.max(jnp.where(jnp.isnan(x), 0, jnp.abs(x)), axis=1).astype(jnp.float32)
-    amax = jnp.maximum(jax.ops.segment_max(row_amax, gid, num_segments=G + 1)[:G], jnp.float32(0))
-    return dataclasses.replace(qt, data=data, scale_inv=s_inv, amax=amax)
-
-
 def grouped_quantize(
     x: ArrayLike,
     group_sizes: ArrayLike,
@@ -547,8 +549,16 @@ def grouped_quantize(
     stays on the device. Returns a ScaledTensor whose scales and amax have one entry per group
     (tensor modes) and whose colwise copy is the (K, M) transpose.
 
-    Block modes whose blocks lie within rows (MXFP8, BLOCK_1D_SCALING) are rowwise only: their
-    colwise blocks would straddle groups (as would BLOCK_2D_SCALING's tiles, which is refused)."""
+    ``BLOCK_1D_SCALING`` (Float8BlockScaling's activations and gradients): 1x128 blocks along K
+    for the rowwise copy and, for the colwise copy, 1x128 blocks along the rows *inside each
+    group* (a block never straddles two groups). The scales are laid out as the grouped GEMM
+    reads them (csrc/include/lowbit/block_scaling.h): ``scale_inv`` (M * ceil(K/128),) float32,
+    per group an M-major (ceil(K/128), size_g) array at offset start_g * ceil(K/128);
+    ``colwise_scale_inv`` (M // 128 + G, K) float32, block j of group g in row
+    start_g // 128 + g + j (other rows 1.0). ``amax`` holds each group's amax.
+    ``power_2_scale`` / ``amax_epsilon``: as :func:`quantize` (BLOCK_1D only). MXFP8 is
+    rowwise only (its colwise blocks would straddle groups); BLOCK_2D_SCALING is refused (its
+    128x128 tiles would)."""
     x = check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
@@ -566,8 +576,7 @@ def grouped_quantize(
             f"for grouped_quantize, got {mode.name}"
             + (" (128x128 tiles would straddle groups)" if mode == ScalingMode.BLOCK_2D_SCALING else "")
         )
-    if mode == ScalingMode.BLOCK_1D_SCALING:
-        return _grouped_quantize_block_1d(x, group_sizes, layout, q_dtype, scale, power_2_scale, amax_epsilon)
+    eps = _check_block_options(mode, power_2_scale, amax_epsilon)
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
@@ -597,15 +606,21 @@ def grouped_quantize(
 
     f32, u8 = jnp.float32, jnp.uint8
     empty = jax.ShapeDtypeStruct((0,), u8)
+    col_s = jax.ShapeDtypeStruct((G,), f32)
     if mode == ScalingMode.MXFP8_1D_SCALING:
         row_s = jax.ShapeDtypeStruct((M, K // 32), jnp.float8_e8m0fnu)
+    elif mode == ScalingMode.BLOCK_1D_SCALING:
+        row_s = jax.ShapeDtypeStruct((M * (-(-K // 128)),), f32)
+        col_s = jax.ShapeDtypeStruct((M // 128 + G, K), f32)
+        if power_2_scale:
+            flags |= FLAG_POW2
     else:
         row_s = jax.ShapeDtypeStruct((G,), f32)
     out_types = (
         jax.ShapeDtypeStruct((M, K), q) if rowwise else empty,
         row_s if rowwise else jax.ShapeDtypeStruct((0,), f32),
         jax.ShapeDtypeStruct((K, M), q) if colwise else empty,
-        jax.ShapeDtypeStruct((G,), f32) if colwise else jax.ShapeDtypeStruct((0,), f32),
+        col_s if colwise else jax.ShapeDtypeStruct((0,), f32),
         jax.ShapeDtypeStruct((G,), f32),
     )
     data, s_inv, cw, cw_s, amax = _native.ffi_call(
@@ -618,6 +633,7 @@ def grouped_quantize(
         mode=np.int32(int(mode)),
         q_dtype=np.int32(dtype_code(q)),
         flags=np.int32(flags),
+        amax_epsilon=np.float32(eps),
     )
     return ScaledTensor(
         data=data if rowwise else None,

@@ -77,7 +77,8 @@ def _q_dtype(op: str, name: str, qt: ScaledTensor, mode: ScalingMode) -> np.dtyp
 def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt", num_groups: int | None = None) -> None:
     """Checks the ``layout`` copy of ``qt`` (data, scale_inv, global_scale_inv) against its mode.
 
-    ``num_groups``: a grouped_quantize result, whose tensor-scaling scales are ``(G,)``.
+    ``num_groups``: a grouped_quantize result, whose tensor-scaling scales are ``(G,)`` (BLOCK_1D:
+    the grouped layouts of :func:`lowbit.grouped_quantize`).
     Raises TypeError/ValueError naming ``op``, the field and the expected shape and dtype.
     """
     mode = _check_static(op, name, qt)
@@ -106,6 +107,10 @@ def validate(qt: ScaledTensor, layout: str, op: str, name: str = "qt", num_group
         s_shape = (num_groups,) if num_groups is not None else (1,)
         why = "the decode scales, one per group" if num_groups is not None else "the decode scale"
         _expect(op, scale_field, s_inv, s_shape, _F32, why)
+        return
+    if mode.is_fp8_block and num_groups is not None:  # grouped_quantize's BLOCK_1D layouts
+        s_shape = (rows // 128 + num_groups, cols) if colwise else (rows * -(-cols // 128),)
+        _expect(op, scale_field, s_inv, s_shape, _F32, f"the grouped 1x128 block scales of the {layout} copy")
         return
     if mode.is_fp8_block:
         blk = "1x128 block" if mode == ScalingMode.BLOCK_1D_SCALING else "128x128 tile"
