@@ -198,9 +198,10 @@ def plan_dense(recipe, M: int, K: int, N: int) -> Optional[ShardPlan]:
     plan = ShardPlan(mesh, batch, tp if row else (), () if row else tp)
     if not (plan.batch or plan.k_axes or plan.n_axes):
         return None
-    # Every shard must hold whole scaling blocks (MXFP8: 32 along each quantized axis).
+    # Every shard must hold whole scaling blocks (MXFP8: 32 along each quantized axis; FP8 block
+    # scaling: 128).
     modes = {recipe.scaling_mode(r) for r in ("x", "kernel", "grad")}
-    blk = 32 if ScalingMode.MXFP8_1D_SCALING in modes else 1
+    blk = 128 if any(m.is_fp8_block for m in modes) else 32 if ScalingMode.MXFP8_1D_SCALING in modes else 1
     for size, axes in ((M, plan.batch), (K, plan.k_axes), (N, plan.n_axes)):
         n = _axis_size(mesh, axes)
         if size % n or (size // n) % blk:

@@ -293,8 +293,7 @@ def dense(
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
     k2 = kernel.reshape(K, N)
     # Under a MeshResource and a mesh in context, per shard with global scales (NVFP4 excepted).
-    # FP8 block scaling runs unsharded for now (per-shard blocks would need 128-aligned shards).
-    plan = None if cfg.nvfp4 or cfg.fp8_block else plan_dense(recipe, M + pad, K, N)
+    plan = None if cfg.nvfp4 else plan_dense(recipe, M + pad, K, N)
     if plan is None:
         y2 = _dense_2d(cfg, x2, k2, bias, state, rng)
     else:

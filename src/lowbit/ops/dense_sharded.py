@@ -12,7 +12,10 @@ lowbit.ops.dense asks for the plan and calls :func:`dense_2d` with it. Per shard
   differs from one device's, so those results match to float32 rounding, not bit for bit.
 
 NVFP4 (its per-tensor scale comes from the amax inside the kernel) and shapes whose shards would
-split a scaling block run the unsharded op (no plan).
+split a scaling block run the unsharded op (no plan). FP8 block scaling (Float8BlockScaling)
+quantizes each shard on its own: with shards of whole 128-blocks (plan_dense checks) its blocks
+are the unsharded op's blocks, and each shard's scale arrays (cuBLASLt's layout of the local
+copy) are stored side by side.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def _quantize(cfg, role, v, scale, axes, dbias=False):
         scale = _scale_from_amax(_pmax(_local_amax(v), axes), float(jnp.finfo(q).max))
         mode = ScalingMode.DELAYED_TENSOR_SCALING
     kw = dict(scale=scale, layout="both")
+    if mode.is_fp8_block:
+        qp = cfg.recipe.qparams(role)
+        kw.update(power_2_scale=bool(qp.power_2_scale), amax_epsilon=float(qp.amax_epsilon))
     if dbias:
         qt, db = quantize_dbias(v, mode, q, **kw)
     else:
@@ -94,6 +100,20 @@ def _mm(a, b, a_layout, b_layout, out_dtype, sum_axes, bias=None, fast_accum=Fal
     return y.astype(out_dtype)
 
 
+def _scale_spec(cfg, plan, role, colwise: bool):
+    """PartitionSpec of a shard's stored decode scales (of the kernel's rowwise (K, N) copy or
+    x's colwise (K, M) copy): replicated per-tensor scales; MXFP8 scales shard as the data does;
+    FP8 block-scale arrays by their (block rows, block cols) dims, which for 1x128 blocks are
+    (the copy's cols, its rows) (lowbit.quantization.scaling_modes.fp8_block_scale_shape)."""
+    mode = cfg.recipe.scaling_mode(role)
+    dims = ("k_axes", "batch") if colwise else ("k_axes", "n_axes")
+    if mode.is_tensor_scaling:
+        return P()
+    if mode == ScalingMode.BLOCK_1D_SCALING:
+        return plan.spec(dims[1], dims[0])
+    return plan.spec(*dims)
+
+
 def _call(plan, body, args: dict, specs: dict, out_specs):
     """shard_map over the non-None entries of ``args`` (None stays None inside)."""
     keys = [k for k, v in args.items() if v is not None]
@@ -118,13 +138,11 @@ def _fwd(cfg, plan: ShardPlan, x, k, bias, state):
         y = _mm(qx, qk, "rowwise", "colwise", cfg.out_dtype, plan.k_axes, bias, cfg.fast_accum)
         return y, (qx.colwise_data, qx.colwise_scale_inv, qk.data, qk.scale_inv), (qx.amax, qk.amax)
 
-    tensor = cfg.recipe.scaling_mode("x").is_tensor_scaling
-    x_res = plan.spec("k_axes", "batch")
     res_specs = (
-        x_res,
-        P() if tensor else x_res,
+        plan.spec("k_axes", "batch"),
+        _scale_spec(cfg, plan, "x", colwise=True),
         plan.spec("k_axes", "n_axes"),
-        P() if cfg.recipe.scaling_mode("kernel").is_tensor_scaling else plan.spec("k_axes", "n_axes"),
+        _scale_spec(cfg, plan, "kernel", colwise=False),
     )
     sx, sk = ds.scale_of(state, "x"), ds.scale_of(state, "kernel")
     args = dict(x=x, k=k, bias=gemm_bias(bias), sx=sx, sk=sk)
@@ -176,16 +194,14 @@ def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
             db = (jax.lax.psum(db, plan.batch) if plan.batch else db).astype(cfg.bias_dtype)
         return dx, dk, db, qdy.amax
 
-    tensor = cfg.recipe.scaling_mode("x").is_tensor_scaling
-    k_tensor = cfg.recipe.scaling_mode("kernel").is_tensor_scaling
     xc, xcs, kr, krs = res
     args = dict(dy=dy, xc=xc, xcs=xcs, kr=kr, krs=krs, sg=grad_scale)
     specs = dict(
         dy=plan.spec("batch", "n_axes"),
         xc=plan.spec("k_axes", "batch"),
-        xcs=P() if tensor else plan.spec("k_axes", "batch"),
+        xcs=_scale_spec(cfg, plan, "x", colwise=True),
         kr=plan.spec("k_axes", "n_axes"),
-        krs=P() if k_tensor else plan.spec("k_axes", "n_axes"),
+        krs=_scale_spec(cfg, plan, "kernel", colwise=False),
         sg=P(),
     )
     db_spec = plan.spec("n_axes") if cfg.bias_dtype is not None else None

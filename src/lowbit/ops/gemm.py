@@ -243,7 +243,10 @@ def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
 
     K is zero-padded to whole 128-blocks and M and N to cuBLASLt's FP8 alignment (16); zeros
     add nothing and leave the number of K blocks (hence the scale arrays) unchanged, except that
-    a 1x128 operand's scale array gains columns for the padded rows (filled with 1). The bias is
+    a 1x128 operand's scale array gains columns for the padded rows (filled with 1). With M, N
+    multiples of 16 the 1x128 scale arrays' leading dimension round_up(rows, 4) equals rows,
+    which is what cuBLASLt reads (its docs give the 1x128 scales of an (M, K) operand strides
+    (1, M)). The bias is
     added in float32 after the GEMM (no epilogue with block scales)."""
     a2, b2, sa, sb = a.data, b.data, a.scale_inv, b.scale_inv
     M, N = a2.shape[0], b2.shape[0]
