@@ -37,13 +37,14 @@ def _group(kernel: str) -> str:
     return "other"
 
 
-def _kernel_times(trace_dir: str) -> dict[str, float]:
-    """Total nanoseconds per kernel name over the trace's GPU stream lines."""
+def _gpu_events(trace_dir: str) -> list:
+    """(start_ns, duration_ns, name, details) of every kernel on the trace's GPU stream lines,
+    in start order; details are the event's stats (grid/block sizes where the trace has them)."""
     from jax.profiler import ProfileData
 
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
     data = ProfileData.from_file(path)
-    totals: dict[str, float] = collections.defaultdict(float)
+    events = []
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -51,8 +52,32 @@ def _kernel_times(trace_dir: str) -> dict[str, float]:
             if not line.name.startswith("Stream"):
                 continue
             for ev in line.events:
-                totals[ev.name] += ev.duration_ns
-    return totals
+                try:
+                    details = {k: v for k, v in ev.stats if k in ("kernel_details", "memcpy_details")}
+                except Exception:  # stats are optional in the trace format
+                    details = {}
+                events.append((ev.start_ns, ev.duration_ns, ev.name, details))
+    return sorted(events)
+
+
+def _timeline(events: list, steps: int) -> None:
+    """The last step's kernels in order (offset, gap before, duration, name, launch shape) and
+    the step's idle time between kernels: what CUDA graphs or fewer launches could recover."""
+    per = len(events) // steps
+    last = events[-per:] if per else []
+    if not last:
+        return
+    t0, idle, end = last[0][0], 0.0, last[0][0]
+    print(f"  timeline of the last step ({per} kernels; gap = idle time before the kernel):")
+    for start, dur, name, details in last:
+        gap = max(0.0, start - end)
+        idle += gap
+        end = max(end, start + dur)
+        shape = " ".join(str(v) for v in details.values())[:60]
+        print(
+            f"  {(start - t0) / 1e3:9.1f} us  gap {gap / 1e3:6.1f}  {dur / 1e3:8.1f} us  {name[:70]}  {shape}"
+        )
+    print(f"  idle between kernels: {idle / 1e6:.3f} ms of {(end - t0) / 1e6:.3f} ms")
 
 
 def _build(suite: str, case: str):
@@ -63,7 +88,7 @@ def _build(suite: str, case: str):
     return dense_bench.build_case(suite, case, cfg, key, drop)
 
 
-def profile(suite: str, case: str, top: int = 25) -> None:
+def profile(suite: str, case: str, top: int = 25, timeline: bool = False) -> None:
     fn, args = _build(suite, case)
     wall = time_fn(fn, *args, warmup=2, iters=10, repeats=3)
     with tempfile.TemporaryDirectory() as d:
@@ -72,7 +97,10 @@ def profile(suite: str, case: str, top: int = 25) -> None:
             for _ in range(STEPS):
                 out = fn(*args)
             jax.block_until_ready(out)
-        totals = _kernel_times(d)
+        events = _gpu_events(d)
+    totals: dict[str, float] = collections.defaultdict(float)
+    for _, dur, name, _ in events:
+        totals[name] += dur
     per_step = {k: v / STEPS / 1e6 for k, v in totals.items()}
     total = sum(per_step.values())
     print(f"\n## {suite}: {case}: wall {wall:.3f} ms per step, GPU kernel time {total:.3f} ms")
@@ -84,6 +112,8 @@ def profile(suite: str, case: str, top: int = 25) -> None:
     print("  top kernels:")
     for k, ms in sorted(per_step.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {ms:8.3f} ms  {k[:140]}")
+    if timeline:
+        _timeline(events, STEPS)
 
 
 def main(argv=None) -> int:
@@ -91,9 +121,10 @@ def main(argv=None) -> int:
     ap.add_argument("suite", choices=["dense", "layer", "module"])
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--timeline", action="store_true", help="list the last step's kernels in order")
     a = ap.parse_args(argv)
     for case in a.cases:
-        profile(a.suite, case, a.top)
+        profile(a.suite, case, a.top, a.timeline)
     return 0
 
 
