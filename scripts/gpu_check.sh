@@ -2,7 +2,8 @@
 # The whole GPU check in one device call: build the CUDA library with all cores, run the
 # standalone kernel checks (plain and under compute-sanitizer memcheck), `pytest -m gpu`, and the
 # benchmark. Logs and results go under $OUT (default ./gpu_out).
-#   scripts/gpu_check.sh [build] [check] [sanitize] [pytest] [bench] [bench-quantize] ... [profile]
+#   scripts/gpu_check.sh [build] [check] [probe] [sanitize] [pytest] [bench] [bench-quantize] ... [profile]
+# `probe` runs the probe_* programs (csrc/probes, built by hand: see NOTES.md) with PROBE_ARGS.
 # `profile` prints where the GPU time of the main dense/layer cases goes (lowbit.bench.profile);
 # PYTEST_ARGS narrows the pytest stage (default: tests).
 # With no stage named, all run. Works from a plain checkout: no pip install needed.
@@ -48,6 +49,14 @@ if has check; then
   for exe in "$BUILD"/lowbit_check_*; do
     [ -x "$exe" ] || continue
     echo "--- $exe"; "$exe" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
+  done
+fi
+
+if has probe; then
+  step "probes"
+  for exe in "$BUILD"/probe_*; do
+    [ -x "$exe" ] || continue
+    echo "--- $exe ${PROBE_ARGS:-}"; "$exe" ${PROBE_ARGS:-} 2>&1 | tee -a "$OUT/probe.log" | tail -40 || status=1
   done
 fi
 
