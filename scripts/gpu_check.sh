@@ -90,7 +90,7 @@ if has profile; then
   step "profile"
   { "$PY" -m lowbit.bench.profile dense "flax bf16 params" "lowbit delayed bf16 params"
     "$PY" -m lowbit.bench.profile layer "lowbit delayed bf16 params"
-    "$PY" -m lowbit.bench.profile module "lowbit delayed"; } 2>&1 | grep -v "^W0000\|^I0000" | tee "$OUT/profile.log"
+    "$PY" -m lowbit.bench.profile module "lowbit delayed" --timeline; } 2>&1 | grep -v "^W0000\|^I0000" | tee "$OUT/profile.log"
 fi
 
 [ -d "$OUT/bench" ] && tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
