@@ -656,13 +656,13 @@ def test_mha_fields_passed_under_te_names(monkeypatch):
 
 
 @pytest.mark.parametrize("tbs", [False, True])
-@pytest.mark.parametrize("kw", [{}, dict(num_gqa_groups=2, window_size=(2, 0))], ids=["relpos", "gqa-window"])
+@pytest.mark.parametrize("kw", [{}, dict(num_gqa_groups=2, mlp_activations=("gelu", "linear"))], ids=["relpos", "gqa"])
 def test_decoder_decode_steps_equal_full_forward(tbs, kw):
     """decode=True (TE's signature): the init call with max_decode_length sizes the cache; one
     position per call after that gives the full causal decoder's rows, relative position bias
     (built for max_decode_length positions, the row of the cache position) included. (Not with
-    rotary embeddings: the cross-attention, called without decode as in TE, rotates each step's
-    query at position 0.)"""
+    rotary embeddings or window_size: TE gives both to the cross-attention too, which is called
+    without decode, so each step's query sits at position 0 there.)"""
     L, Se = 6, 5
     m = _layer(layer_type="decoder", transpose_batch_sequence=tbs, **kw)
     x, enc = randn((B, L, H), 1), randn((B, Se, H), 2)
