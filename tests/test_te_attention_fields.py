@@ -839,7 +839,9 @@ def test_mha_lora_as_te(g, fuse, name, recipe, dtype, tol_out, tol_grad):
     )
     shapes = jax.tree_util.tree_map(jnp.shape, v["params"])
     lora = {
-        k: (shapes[k]["lora_a_kernel"], shapes[k]["lora_b_kernel"]) for k in shapes if "lora_a_kernel" in shapes[k]
+        k: (shapes[k]["lora_a_kernel"], shapes[k]["lora_b_kernel"])
+        for k in shapes
+        if "lora_a_kernel" in shapes[k]
     }
     if g == H:
         want = {"qkv": ((hidden, 3, r), (3, r, H * D))}

@@ -30,6 +30,7 @@ LAYER_FP8 = (CURRENT, 1.2e-1, 3e-1)
 NO_DROP = dict(hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0)
 RNGS = {"dropout": jax.random.PRNGKey(5)}
 
+
 def randn(shape, seed=0, scale=1.0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
 
@@ -588,7 +589,9 @@ def test_mha_fields_passed_under_te_names(monkeypatch):
     seen = {}
 
     class Recording(lf.MultiHeadAttention):
-        def __call__(self, inputs_q, inputs_kv=None, mask=None, bias=None, *, decode=False, deterministic=False):
+        def __call__(
+            self, inputs_q, inputs_kv=None, mask=None, bias=None, *, decode=False, deterministic=False
+        ):
             seen[self.name] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
             seen[self.name]["decode"] = decode
             return inputs_q, inputs_q
@@ -656,7 +659,9 @@ def test_mha_fields_passed_under_te_names(monkeypatch):
 
 
 @pytest.mark.parametrize("tbs", [False, True])
-@pytest.mark.parametrize("kw", [{}, dict(num_gqa_groups=2, mlp_activations=("gelu", "linear"))], ids=["relpos", "gqa"])
+@pytest.mark.parametrize(
+    "kw", [{}, dict(num_gqa_groups=2, mlp_activations=("gelu", "linear"))], ids=["relpos", "gqa"]
+)
 def test_decoder_decode_steps_equal_full_forward(tbs, kw):
     """decode=True (TE's signature): the init call with max_decode_length sizes the cache; one
     position per call after that gives the full causal decoder's rows, relative position bias

@@ -209,9 +209,7 @@ def _lora(m, x, in_shape, features, owner):
     scaling = 1.0 if alpha is None else float(alpha) / r
     i, o = "ijklm"[:c], "nopqr"[: len(features)]
     # The adapter is small: plain GEMMs in x's dtype (as TransformerEngine does).
-    z = jnp.einsum(
-        f"...{i},{i}{o[:-1]}s,{o[:-1]}s{o[-1]}->...{o}", x, a.astype(x.dtype), b.astype(x.dtype)
-    )
+    z = jnp.einsum(f"...{i},{i}{o[:-1]}s,{o[:-1]}s{o[-1]}->...{o}", x, a.astype(x.dtype), b.astype(x.dtype))
     return (z * scaling).astype(x.dtype)
 
 
