@@ -9,10 +9,10 @@ held-out loss and its gap to BF16 in percent.
     python examples/convergence.py --seeds 0 1 2 --recipes bf16 nvfp4 nvfp4-all
     python examples/convergence.py --small --steps 30  # seconds: what the test runs
 
-Recipe names: bf16 (no recipe), delayed, current, mxfp8, block (Float8BlockScaling), nvfp4
-(the default NVFP4 recipe: first and last transformer layer in BF16), and NVFP4 variants:
-nvfp4-all (every layer in NVFP4), nvfp4-last (only the last layer BF16), nvfp4-last2 (the last
-two), nvfp4-nosr, nvfp4-norht, nvfp4-no2d (the default with one TE feature disabled).
+Recipe names: bf16 (no recipe), delayed, current, mxfp8, block (Float8BlockScaling), nvfp4 (the
+default NVFP4 recipe: first and last transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in
+NVFP4), nvfp4-last (only the last layer BF16), nvfp4-last2 (the last two), nvfp4-nosr,
+nvfp4-norht, nvfp4-no2d (the default with one TE feature disabled).
 """
 
 from __future__ import annotations
