@@ -51,7 +51,9 @@ def test_gemm_suite_times_each_format_against_bf16():
 
 def test_layer_attention_dropout_case_runs_with_dropout():
     """The seed layer with attention dropout 0.1 through lowbit's modules runs (on CPU too) and
-    really drops: its loss differs from the same layer's without dropout (same params and input)."""
+    really drops: the attention's output-kernel gradient (context^T dy) differs from the same
+    layer's without dropout (same params and input). (The loss alone moves by ~1e-3 relative
+    or less: the residual stream dominates it.)"""
     import jax
     import numpy as np
 
@@ -61,12 +63,13 @@ def test_layer_attention_dropout_case_runs_with_dropout():
     assert "lowbit delayed, attention dropout 0.1" in names
     cfg = dict(layer.SMALL, batch=1, seq=16, hidden=32, ffn=64, heads=2)
     key, drop = jax.random.split(jax.random.PRNGKey(0))
-    loss = {}
+    grad = {}
     for name in ("lowbit delayed", "lowbit delayed, attention dropout 0.1"):
         fn, args = layer.build_case(name, cfg, key, drop)
         out = fn(*args)
-        loss[name] = float(np.asarray(out[0]))
-        assert np.isfinite(loss[name])
+        assert np.isfinite(float(np.asarray(out[0])))
         assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree_util.tree_leaves(out[1]))
-    a, b = loss.values()
-    assert abs(a - b) > 1e-3 * abs(a), loss
+        grad[name] = np.asarray(out[1][0]["params"]["attention"]["out"]["kernel"], np.float64)
+    a, b = grad.values()
+    rel = np.linalg.norm(a - b) / np.linalg.norm(a)
+    assert rel > 1e-2, rel

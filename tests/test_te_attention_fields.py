@@ -95,28 +95,44 @@ def ref_rotary(x, windows, seq_axis, method):
     return jnp.concatenate([a * c - b * s, a * s + b * c], -1)
 
 
+def ref_lora(a, x, alpha=None):
+    """TE's adapter of one projection, one per slot of a fused kernel: ``x . A_s . B_s * alpha/r``
+    (A (hidden, [n,] r), B ([n,] r, f)); 0 without one."""
+    if "lora_a_kernel" not in a:
+        return 0.0
+    la, lb = a["lora_a_kernel"], a["lora_b_kernel"]
+    s = 1.0 if alpha is None else alpha / la.shape[-1]
+    if la.ndim == 3:
+        return s * jnp.einsum("bsh,hnr,nrf->bsnf", x, la, lb)
+    return s * (x @ la @ lb)
+
+
 def ref_mha(p, xq, xkv, cfg, masked, bias=None):
     """TE's MultiHeadAttention in float64 from the params (batch-first inputs)."""
     h, g, d = cfg["h"], cfg["g"], D
+    alpha = cfg.get("lora_alpha")
     self_attn = xkv is None
     if "qkv" in p:
         a = p["qkv"]
         y = _ln(xq, a["scale"], a["ln_bias"])
         qkv = jnp.einsum("bsh,hnf->bsnf", y, a["kernel"]) + (a["bias"] if "bias" in a else 0)
+        qkv = qkv + ref_lora(a, y, alpha)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
     else:
         a = p["query"]
         y = _ln(xq, a["scale"], a["ln_bias"])
-        q = y @ a["kernel"] + (a["bias"] if "bias" in a else 0)
+        q = y @ a["kernel"] + (a["bias"] if "bias" in a else 0) + ref_lora(a, y, alpha)
         src = y if self_attn else xkv
         if "kv" in p:
             kv = jnp.einsum("bsh,hnf->bsnf", src, p["kv"]["kernel"]) + (
                 p["kv"]["bias"] if "bias" in p["kv"] else 0
             )
+            kv = kv + ref_lora(p["kv"], src, alpha)
             k, v = kv[..., 0, :], kv[..., 1, :]
         else:
             k = src @ p["key"]["kernel"] + (p["key"]["bias"] if "bias" in p["key"] else 0)
             v = src @ p["value"]["kernel"] + (p["value"]["bias"] if "bias" in p["value"] else 0)
+            k, v = k + ref_lora(p["key"], src, alpha), v + ref_lora(p["value"], src, alpha)
     q = q.reshape(q.shape[:2] + (h, d))
     k, v = k.reshape(k.shape[:2] + (g, d)), v.reshape(v.shape[:2] + (g, d))
     if cfg.get("rotary"):
@@ -125,7 +141,8 @@ def ref_mha(p, xq, xkv, cfg, masked, bias=None):
     scale = 1 / math.sqrt(d) if cfg.get("scale_attn_logits") else 1.0
     o = ref_attention(q, k, v, masked, bias, "post_scale_bias" if bias is not None else "no_bias", scale)
     o = o.reshape(o.shape[:2] + (h * d,))
-    return o @ p["out"]["kernel"] + (p["out"]["bias"] if "bias" in p["out"] else 0)
+    out = o @ p["out"]["kernel"] + (p["out"]["bias"] if "bias" in p["out"] else 0)
+    return out + ref_lora(p["out"], o, alpha)
 
 
 def _grad_check(f_mod, f_ref, args, dy, tol_out, tol_grad):
@@ -790,22 +807,71 @@ def test_errors_name_the_field():
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lowbit.flax.modules' LoRA on a multi-dim feature kernel is one (H, r), (r, n, f) adapter; "
-    "TE's is one per slot: (H, n, r), (n, r, f) (modules.py, owned elsewhere)",
-)
-def test_mha_lora_fused_qkv_shapes_as_te():
+@pytest.mark.parametrize("g,fuse", [(H, True), (2, True), (2, False)], ids=["qkv", "query+kv", "unfused"])
+@pytest.mark.parametrize("name,recipe,dtype,tol_out,tol_grad", [CASES[0], CASES[3]], ids=["f32", "current"])
+def test_mha_lora_as_te(g, fuse, name, recipe, dtype, tol_out, tol_grad):
+    """low_rank_adaptation_scope="all": TE's adapters, one per slot of the fused kernels (qkv
+    ``(H, 3, r)``/``(3, r, h*d)``, kv ``(H, 2, r)``/``(2, r, g*d)``), forward and gradients
+    against the float64 reference (B randomised by check_module so every adapter carries signal)."""
+    r, alpha, hidden = 4, 2.0, 32
     m = MultiHeadAttention(
         head_dim=D,
         num_attention_heads=H,
+        num_gqa_groups=g,
+        fuse_qkv_params=fuse,
+        transpose_batch_sequence=False,
+        low_rank_adaptation_scope="all",
+        low_rank_adaptation_dim=r,
+        low_rank_adaptation_alpha=alpha,
+    )
+    x = randn((B, 8, hidden), 1)
+    cfg = dict(h=H, g=g, lora_alpha=alpha)
+    masked = jnp.asarray(ref_mask("causal", None, 8, 8))
+    v = check_module(
+        m,
+        x,
+        lambda p, x: ref_mha(p, x, None, cfg, masked),
+        recipe,
+        dtype,
+        tol_out,
+        tol_grad,
+        apply_kw={"deterministic": True},
+    )
+    shapes = jax.tree_util.tree_map(jnp.shape, v["params"])
+    lora = {
+        k: (shapes[k]["lora_a_kernel"], shapes[k]["lora_b_kernel"])
+        for k in shapes
+        if "lora_a_kernel" in shapes[k]
+    }
+    if g == H:
+        want = {"qkv": ((hidden, 3, r), (3, r, H * D))}
+    elif fuse:
+        want = {"query": ((hidden, r), (r, H * D)), "kv": ((hidden, 2, r), (2, r, g * D))}
+    else:
+        want = {
+            "query": ((hidden, r), (r, H * D)),
+            "key": ((hidden, r), (r, g * D)),
+            "value": ((hidden, r), (r, g * D)),
+        }
+    assert lora == {**want, "out": ((H * D, r), (r, hidden))}
+
+
+def test_mha_lora_fused_init_as_te():
+    """TE initialises the fused adapter's A with the kernel's initialiser (per slot, the query
+    slot divided by sqrt(head_dim) with scaled_query_init) and B with zeros: the adapter starts
+    as a no-op."""
+    m = MultiHeadAttention(
+        head_dim=16,
+        num_attention_heads=4,
         transpose_batch_sequence=False,
         low_rank_adaptation_scope="qkv_proj",
-        low_rank_adaptation_dim=4,
+        low_rank_adaptation_dim=64,
     )
-    x = randn((B, 8, 32), 1)
+    x = randn((B, 8, 256), 1)
     p = nn.unbox(m.init(jax.random.PRNGKey(0), x, x, deterministic=True))["params"]["qkv"]
-    assert p["lora_a_kernel"].shape == (32, 3, 4) and p["lora_b_kernel"].shape == (3, 4, H * D)
+    std = np.asarray(p["lora_a_kernel"]).std(axis=(0, 2))
+    np.testing.assert_allclose(std, [1 / 16 / 4, 1 / 16, 1 / 16], rtol=0.1)
+    assert not np.asarray(p["lora_b_kernel"]).any()
 
 
 def test_dropout_falls_back_when_cudnn_refuses(monkeypatch):

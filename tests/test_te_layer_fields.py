@@ -1,12 +1,7 @@
 """TransformerLayer and LayerNormMLP field by field against TransformerEngine (TE 2.x): defaults
 and order (listed here by hand from TE's source), parameter trees in TE's layout, and each
 feature against a float64 plain-jnp reference written here (forward, gradients w.r.t. inputs
-and parameters; no recipe and Float8CurrentScaling).
-
-Tests named ``*_needs_attention_helper`` skip until lowbit's MultiHeadAttention has
-TransformerEngine's fields (the attention helper's branch): the lead removes the skips after
-merging both branches.
-"""
+and parameters; no recipe and Float8CurrentScaling)."""
 
 from __future__ import annotations
 
@@ -34,18 +29,6 @@ FP8 = (CURRENT, 8e-2, 2e-1)
 LAYER_FP8 = (CURRENT, 1.2e-1, 3e-1)
 NO_DROP = dict(hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0)
 RNGS = {"dropout": jax.random.PRNGKey(5)}
-
-_MHA_FIELDS = {f.name for f in dataclasses.fields(lf.MultiHeadAttention)}
-_TE_MHA = {
-    "transpose_batch_sequence",
-    "scaled_query_init",
-    "fuse_qkv_params",
-    "window_size",
-    "enable_rotary_pos_emb",
-}
-needs_attention_helper = pytest.mark.skipif(
-    not _TE_MHA <= _MHA_FIELDS, reason="needs attention helper's MHA fields"
-)
 
 
 def randn(shape, seed=0, scale=1.0):
@@ -255,13 +238,13 @@ def _proj(x, p):
 
 
 def _mha_ref(p, xq, xkv, c, mask, causal, bias, input_ln, self_attn):
-    """One attention block in either parameter layout: TE's (qkv (H, 3, hd) or query + kv
-    (H, 2, gd)) or lowbit's fused (H, (h + 2g) d)."""
+    """One attention block in TE's parameter layout: qkv (H, 3, h*d), or query (H, h*d) and
+    kv (H, 2, g*d) (GQA, cross-attention), or query / key / value (fuse_qkv_params=False)."""
     h, g, d = c["heads"], c["groups"], c["head_dim"]
     ln_p = p["qkv"] if "qkv" in p else p["query"]
     y = _ln(xq, ln_p, c["eps"], c["kind"]) if input_ln else xq
-    if "qkv" in p:
-        q, k, v = jnp.split(_proj(y, p["qkv"]), [h * d, (h + g) * d], -1)
+    if "qkv" in p:  # (H, 3, h*d): slots q, k, v
+        q, k, v = jnp.split(_proj(y, p["qkv"]), 3, -1)
     else:
         q = _proj(y, p["query"])
         if "kv" in p:
@@ -577,9 +560,8 @@ def test_lora_scope_mlp_and_all():
 
 def test_relative_position_biases_buckets():
     """The default relative embedding's buckets (exact and logarithmic) against T5's rule."""
-    rel = lf_transformer._relative_position_biases_cls()(
-        num_buckets=32, max_distance=128, num_attention_heads=2
-    )
+    assert lf_transformer.RelativePositionBiases is lf.RelativePositionBiases
+    rel = lf.RelativePositionBiases(num_buckets=32, max_distance=128, num_attention_heads=2)
     for bidirectional in (True, False):
         v = rel.init(jax.random.PRNGKey(0), 160, 160, bidirectional)
         out = rel.apply(v, 160, 160, bidirectional)
@@ -602,28 +584,20 @@ def test_drop_path_drops_whole_samples():
 
 def test_mha_fields_passed_under_te_names(monkeypatch):
     """The layer hands each attention block TransformerEngine's MultiHeadAttention fields, mapped
-    as TE's TransformerLayer maps them (recorded from a MultiHeadAttention that has them all)."""
+    as TE's TransformerLayer maps them (recorded from lowbit's MultiHeadAttention, which has
+    them all), and decode to the self-attention only."""
     seen = {}
 
     class Recording(lf.MultiHeadAttention):
-        transpose_batch_sequence: bool = True
-        enable_sequence_parallel: bool = False
-        float32_logits: bool = False
-        scale_attn_logits: bool = False
-        scaled_query_init: bool = True
-        attn_bias_type: object = None
-        enable_rotary_pos_emb: bool = False
-        rotary_pos_emb_windows: tuple = (1, 10000)
-        rotary_pos_emb_group_method: str = "consecutive"
-        low_rank_adaptation_scope: str = "none"
-        fuse_qkv_params: bool = True
-        window_size: object = None
-
-        def __call__(self, inputs_q, inputs_kv=None, mask=None, bias=None, *, deterministic=False):
+        def __call__(
+            self, inputs_q, inputs_kv=None, mask=None, bias=None, *, decode=False, deterministic=False
+        ):
             seen[self.name] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            seen[self.name]["decode"] = decode
             return inputs_q, inputs_q
 
     monkeypatch.setattr(lf_transformer, "MultiHeadAttention", Recording)
+    kinit, binit = nn.initializers.normal(0.3), nn.initializers.constant(0.1)
     m = _layer(
         layer_type="decoder",
         num_gqa_groups=2,
@@ -632,7 +606,7 @@ def test_mha_fields_passed_under_te_names(monkeypatch):
         scaled_query_init=False,
         output_layernorm=True,
         apply_residual_connection_post_layernorm=False,
-        self_attn_mask_type="padding_causal",
+        self_attn_mask_type="causal_padding",
         self_attn_bias_type="post_scale_bias",
         enable_rotary_pos_emb=True,
         rotary_pos_emb_windows=(2, 500),
@@ -645,10 +619,17 @@ def test_mha_fields_passed_under_te_names(monkeypatch):
         enable_sequence_parallel=True,
         window_size=(3, 0),
         use_bias=True,
+        bias_init=binit,
+        mha_kernel_init=kinit,
+        layernorm_type="rmsnorm",
         layernorm_epsilon=1e-5,
+        zero_centered_gamma=True,
+        attention_dropout=0.2,
+        dropout_rng_name="drop",
+        dtype=jnp.bfloat16,
     )
     x = randn((S, B, H))
-    m.init(jax.random.PRNGKey(0), x, x, deterministic=True)
+    m.init({"params": jax.random.PRNGKey(0), "drop": jax.random.PRNGKey(1)}, x, x, deterministic=True)
     sa, ca = seen["self_attention"], seen["encoder_decoder_attention"]
     for f in (sa, ca):
         assert f["head_dim"] == H // HEADS and f["num_attention_heads"] == HEADS and f["num_gqa_groups"] == 2
@@ -660,15 +641,63 @@ def test_mha_fields_passed_under_te_names(monkeypatch):
         assert f["rotary_pos_emb_group_method"] == "alternate" and f["window_size"] == (3, 0)
         assert f["low_rank_adaptation_scope"] == "qkv_proj" and f["low_rank_adaptation_dim"] == 8
         assert f["low_rank_adaptation_alpha"] == 4.0 and f["fuse_qkv_params"] is False
-        assert f["use_bias"] is True and f["layernorm_epsilon"] == 1e-5 and f["attention_dropout"] == 0.0
+        assert f["use_bias"] is True and f["bias_init"] is binit and f["kernel_init"] is kinit
+        assert f["layernorm_type"] == "rmsnorm" and f["layernorm_epsilon"] == 1e-5
+        assert f["zero_centered_gamma"] is True and f["dtype"] == jnp.bfloat16
+        assert f["attention_dropout"] == 0.2 and f["dropout_rng_name"] == "drop"
         assert f["return_layernorm_output"] is False
-    assert sa["input_layernorm"] is False and sa["attn_mask_type"] == "padding_causal"
+    assert sa["input_layernorm"] is False and sa["attn_mask_type"] == "causal_padding"
     assert sa["attn_bias_type"] == "post_scale_bias"
     assert (
         ca["input_layernorm"] is True
         and ca["attn_mask_type"] == "padding"
         and ca["attn_bias_type"] == "no_bias"
     )
+    assert sa["decode"] is False and ca["decode"] is False
+    m.init({"params": jax.random.PRNGKey(0), "drop": jax.random.PRNGKey(1)}, x, x, decode=True)
+    assert seen["self_attention"]["decode"] is True and seen["encoder_decoder_attention"]["decode"] is False
+
+
+@pytest.mark.parametrize("tbs", [False, True])
+@pytest.mark.parametrize(
+    "kw", [{}, dict(num_gqa_groups=2, mlp_activations=("gelu", "linear"))], ids=["relpos", "gqa"]
+)
+def test_decoder_decode_steps_equal_full_forward(tbs, kw):
+    """decode=True (TE's signature): the init call with max_decode_length sizes the cache; one
+    position per call after that gives the full causal decoder's rows, relative position bias
+    (built for max_decode_length positions, the row of the cache position) included. (Not with
+    rotary embeddings or window_size: TE gives both to the cross-attention too, which is called
+    without decode, so each step's query sits at position 0 there.)"""
+    L, Se = 6, 5
+    m = _layer(layer_type="decoder", transpose_batch_sequence=tbs, **kw)
+    x, enc = randn((B, L, H), 1), randn((B, Se, H), 2)
+    ed = np.zeros((B, 1, L, Se), bool)
+    ed[1, :, :, 3:] = True
+    if tbs:
+        x, enc = jnp.swapaxes(x, 0, 1), jnp.swapaxes(enc, 0, 1)
+    call = dict(encoder_decoder_mask=jnp.asarray(ed), deterministic=True)
+    v = m.init(jax.random.PRNGKey(0), x, enc, decode=True, max_decode_length=L, **call)
+    params, cache = v["params"], v["cache"]
+    full = m.apply({"params": params}, x, enc, **call)
+    step = jax.jit(
+        lambda c, xt, t: m.apply(
+            {"params": params, "cache": c},
+            xt,
+            enc,
+            encoder_decoder_mask=jnp.asarray(ed[:, :, :1]),
+            deterministic=True,
+            decode=True,
+            max_decode_length=L,
+            mutable=["cache"],
+        )
+    )
+    outs = []
+    for t in range(L):
+        o, mut = step(cache, x[t : t + 1] if tbs else x[:, t : t + 1], t)
+        cache = mut["cache"]
+        outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=0 if tbs else 1), full, rtol=2e-5, atol=2e-5)
+    assert int(cache["self_attention"]["cache_index"]) == L
 
 
 # ---- parameter trees in TE's layout -------------------------------------------------------------
@@ -699,8 +728,7 @@ def test_param_tree_outside_attention_is_te():
     assert t["output_layernorm"] == {"scale": (H,), "ln_bias": (H,)}
 
 
-@needs_attention_helper
-def test_param_tree_te_layout_needs_attention_helper():
+def test_param_tree_te_layout():
     """Encoder, decoder (cross-attention), GQA and a gated MLP: the whole tree, by hand from TE's
     MultiHeadAttention (fused qkv (H, 3, h*d); GQA and cross-attention: query + kv (H, 2, g*d))."""
     hd = H  # heads * head_dim
@@ -748,8 +776,7 @@ def test_param_tree_te_layout_needs_attention_helper():
     }
 
 
-@needs_attention_helper
-def test_sliding_window_and_rotary_needs_attention_helper():
+def test_sliding_window_and_rotary():
     for kw, ref_kw in [
         (dict(window_size=(2, 0)), dict(window=(2, 0))),
         (dict(enable_rotary_pos_emb=True), dict(rotary="consecutive")),
@@ -760,8 +787,7 @@ def test_sliding_window_and_rotary_needs_attention_helper():
         check(m, (randn((B, S, H)),), lambda p, x, c=c: layer_ref(p, x, None, c), F32)
 
 
-@needs_attention_helper
-def test_scaled_query_init_needs_attention_helper():
+def test_scaled_query_init():
     """scaled_query_init=True (TE's default) divides the query kernel's init by sqrt(head_dim)."""
     x = randn((B, S, H))
     k = {}
@@ -775,8 +801,8 @@ def test_scaled_query_init_needs_attention_helper():
 def test_errors_name_the_field():
     x = randn((B, S, H))
     init = lambda m, *a, **kw: m.init(jax.random.PRNGKey(0), *a, deterministic=True, **kw)
-    with pytest.raises(NotImplementedError, match="decode=True"):
-        init(_layer(layer_type="decoder"), x, x, decode=True)
+    with pytest.raises(ValueError, match="decode=True needs layer_type=TransformerLayerType.DECODER"):
+        init(_layer(), x, decode=True)
     with pytest.raises(NotImplementedError, match="mlp_activation_params"):
         init(_layer(mlp_activation_params={"limit": 7.0}), x)
     with pytest.raises(ValueError, match="layer_type must be TransformerLayerType"):
@@ -797,21 +823,6 @@ def test_errors_name_the_field():
         init(lf.LayerNormMLP(intermediate_dim=F, activations=("gleu",)), x)
     with pytest.raises(NotImplementedError, match="clamped"):
         init(lf.LayerNormMLP(intermediate_dim=F, activations=("clamped_silu", "clamped_linear")), x)
-
-
-def test_pre_merge_shim_refuses_missing_mha_fields():
-    """Until MultiHeadAttention has a TE field, a non-default value of it is refused by name."""
-    x = randn((B, S, H))
-    for field, value in [
-        ("window_size", (2, 0)),
-        ("float32_attention_logits", True),
-        ("fuse_qkv_params", False),
-    ]:
-        mha_field = "float32_logits" if field == "float32_attention_logits" else field
-        if mha_field in _MHA_FIELDS:
-            continue  # the attention module has it now: passed through, nothing to refuse
-        with pytest.raises(NotImplementedError, match=f"{mha_field}=.*needs MultiHeadAttention.{mha_field}"):
-            _layer(**{field: value}).init(jax.random.PRNGKey(0), x, deterministic=True)
 
 
 def test_layernorm_mlp_input_axes_are_constraints_only():

@@ -4,11 +4,12 @@ ffn 16384, 32 heads, causal).
 
 Each case is one JIT-compiled value_and_grad over all variables and the input (bf16), timed
 after warm-up (median of repeats). lowbit's layer is configured as the seed layer: bf16
-parameters, a GELU MLP with biases, LayerNorm epsilon 1e-5, logits scaled by 1/sqrt(head_dim),
-no relative position bias, no hidden or MLP dropout. The plain cases have no attention dropout
-(so attention can take cuDNN's fused kernel); "lowbit delayed, attention dropout 0.1" is the seed
-layer as the seed measures it (attention dropout 0.1) through lowbit's modules. ``speedup`` is
-against plain Flax with bf16 params (which keeps the seed's attention dropout of 0.1).
+parameters, a GELU MLP with biases, LayerNorm epsilon 1e-5, logits scaled by 1/sqrt(head_dim)
+(query init unscaled), no relative position bias, no hidden or MLP dropout. The plain cases
+have no attention dropout (so attention can take cuDNN's fused kernel); "lowbit delayed,
+attention dropout 0.1" is the seed layer as the seed measures it (attention dropout 0.1) through
+lowbit's modules. ``speedup`` is against plain Flax with bf16 params (which keeps the seed's
+attention dropout of 0.1).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def _cases():
             self_attn_mask_type="causal",
             enable_relative_embedding=False,
             scale_attn_logits=True,
+            scaled_query_init=False,
             dtype=jnp.bfloat16,
         )
 

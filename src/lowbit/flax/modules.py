@@ -185,24 +185,32 @@ def _dense_general(m, x, features, axis, owner: str):
     dims = (tuple(range(nd - c, nd)), tuple(range(c)))
     y = DenseOp(name="dense_op")(x, k, b, dims)
     if m.enable_low_rank_adaptation:
-        y = y + _lora(m, x, in_shape, features, dims, owner)
+        y = y + _lora(m, x, in_shape, features, owner)
     return y
 
 
-def _lora(m, x, in_shape, features, dims, owner):
+def _lora(m, x, in_shape, features, owner):
+    """TransformerEngine's adapter: one per slot of the leading feature dims. ``A``
+    (contracted + features[:-1] + (r,)), ``B`` (features[:-1] + (r, features[-1])), output
+    ``x . A_s . B_s * alpha / r`` in slot ``s``. ``x``'s contracted axes are its trailing ones."""
     r = m.low_rank_adaptation_dim
-    if not isinstance(r, (int, np.integer)) or r < 1:
+    if not isinstance(r, (int, np.integer)) or isinstance(r, bool) or r < 1:
         raise ValueError(f"{owner}: low_rank_adaptation_dim must be a positive int, got {r!r}")
+    r = int(r)
+    c, lead = len(in_shape), tuple(features[:-1])
+    if c > 5 or len(features) > 5:
+        raise ValueError(f"{owner}: LoRA takes at most 5 contracted and 5 feature dims")
     kax = tuple(m.kernel_axes)
-    a_axes = (kax[: len(in_shape)] + (None,)) if kax else ()
-    b_axes = ((None,) + kax[len(in_shape) :]) if kax else ()
-    a = _param(m, "lora_a_kernel", m.kernel_init, in_shape + (r,), m.dtype, a_axes)
-    b = _param(m, "lora_b_kernel", nn.initializers.zeros, (r,) + features, m.dtype, b_axes)
+    # The kernel's logical names where the adapter shares the kernel's dims; the rank unnamed.
+    a_axes = (kax[: c + len(lead)] + (None,)) if kax else ()
+    b_axes = (kax[c : c + len(lead)] + (None, kax[-1])) if kax else ()
+    a = _param(m, "lora_a_kernel", m.kernel_init, in_shape + lead + (r,), m.dtype, a_axes)
+    b = _param(m, "lora_b_kernel", nn.initializers.zeros, lead + (r, features[-1]), m.dtype, b_axes)
     alpha = m.low_rank_adaptation_alpha
     scaling = 1.0 if alpha is None else float(alpha) / r
+    i, o = "ijklm"[:c], "nopqr"[: len(features)]
     # The adapter is small: plain GEMMs in x's dtype (as TransformerEngine does).
-    h = jax.lax.dot_general(x, a.astype(x.dtype), (dims, ((), ())))
-    z = jax.lax.dot_general(h, b.astype(x.dtype), (((h.ndim - 1,), (0,)), ((), ())))
+    z = jnp.einsum(f"...{i},{i}{o[:-1]}s,{o[:-1]}s{o[-1]}->...{o}", x, a.astype(x.dtype), b.astype(x.dtype))
     return (z * scaling).astype(x.dtype)
 
 
@@ -213,8 +221,10 @@ class DenseGeneral(nn.Module):
     """``y = x . kernel + bias`` over ``axis`` (default: last) to ``features`` (an int or tuple).
 
     Params: ``kernel`` (contracted dims + features), ``bias`` (features), and with
-    ``enable_low_rank_adaptation`` the adapter ``lora_a_kernel`` (contracted + (r,)) and
-    ``lora_b_kernel`` ((r,) + features): ``y += (x . A . B) * alpha / r`` (alpha None: 1)."""
+    ``enable_low_rank_adaptation`` TransformerEngine's adapter, one per slot of the leading
+    feature dims: ``lora_a_kernel`` (contracted + features[:-1] + (r,)) and ``lora_b_kernel``
+    (features[:-1] + (r, features[-1])); ``y[..., s, :] += (x . A[.., s, :] . B[s]) * alpha / r``
+    (alpha None: 1). With one feature dim that is ``(K, r)`` and ``(r, F)``."""
 
     features: Union[int, Sequence[int]]
     axis: Union[int, Sequence[int]] = -1

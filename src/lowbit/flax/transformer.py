@@ -11,25 +11,25 @@ input norm and normalises the layer's output instead (``output_layernorm``), as 
 does. Heads have ``hidden_size // num_attention_heads`` dims; ``hidden_size`` need not equal the
 input width (the projections map back to it).
 
-The attention fields go to :class:`lowbit.flax.MultiHeadAttention` under its (TransformerEngine's)
-field names. Until that module has all of them, :func:`_mha_kwargs` drops a missing field whose
-value matches what the module already does and refuses the others, naming the field.
+The attention blocks are :class:`lowbit.flax.MultiHeadAttention` with TransformerEngine's
+MultiHeadAttention fields, passed as TransformerEngine's TransformerLayer passes them; the relative
+position bias is :class:`lowbit.flax.positions.RelativePositionBiases`. docs/te_modules_layer.md
+lists every field.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import math
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.flax.attention import MultiHeadAttention
+from lowbit.flax.attention import MultiHeadAttention, lora_scope
 from lowbit.flax.modules import Initializer, LayerNorm, LayerNormMLP
+from lowbit.flax.positions import RelativePositionBiases
 
 
 class TransformerLayerType(enum.Enum):
@@ -51,156 +51,12 @@ def _layer_type(v) -> TransformerLayerType:
     )
 
 
-_LORA_SCOPES = (
-    "none",
-    "all",
-    "qkv_proj",
-    "output_proj",
-    "mlp",
-    "exclude_qkv_proj",
-    "exclude_output_proj",
-    "exclude_mlp",
-)
-
-
-def lora_scope(scope) -> Tuple[bool, bool, bool]:
-    """TransformerEngine's ``low_rank_adaptation_scope`` -> (qkv_proj, output_proj, mlp)."""
-    s = "none" if scope is None else scope
-    if not isinstance(s, str) or s.lower() not in _LORA_SCOPES:
-        raise ValueError(f"low_rank_adaptation_scope must be one of {list(_LORA_SCOPES)}, got {scope!r}")
-    s = s.lower()
-    if s == "none":
-        return False, False, False
-    if s == "all":
-        return True, True, True
-    if s.startswith("exclude_"):
-        ex = s[len("exclude_") :]
-        return ex != "qkv_proj", ex != "output_proj", ex != "mlp"
-    return s == "qkv_proj", s == "output_proj", s == "mlp"
-
-
-def _relative_buckets(q_len: int, k_len: int, num_buckets: int, max_distance: int, bidirectional: bool):
-    """T5's bucket of each (query, key) distance, as TransformerEngine's RelativePositionBiases:
-    exact buckets for small distances, logarithmic ones up to ``max_distance``."""
-    n = np.arange(q_len, dtype=np.int64)[:, None] - np.arange(k_len, dtype=np.int64)[None, :]
-    bucket = np.zeros_like(n)
-    nb = num_buckets
-    if bidirectional:
-        nb //= 2
-        bucket += (n < 0).astype(np.int64) * nb
-        n = np.abs(n)
-    else:
-        n = np.maximum(n, 0)
-    exact = nb // 2
-    with np.errstate(divide="ignore"):
-        log_part = np.log(n.astype(np.float32) / exact + np.finfo(np.float32).eps) / np.log(
-            max_distance / exact
-        )
-    large = np.minimum(exact + (log_part * (nb - exact)).astype(np.int64), nb - 1)
-    return bucket + np.where(n < exact, n, large)
-
-
-class _RelativePositionBiases(nn.Module):
-    """Stand-in for the attention module's RelativePositionBiases until that lands on this
-    branch: same parameter (``rel_embedding``, (heads, num_buckets)), same buckets, output
-    ``(1, heads, q_seqlen, k_seqlen)``."""
-
-    num_buckets: int
-    max_distance: int
-    num_attention_heads: int
-    embedding_init: Callable[..., Any] = nn.linear.default_embed_init
-    embedding_axes: Tuple[str, ...] = ("heads", "relpos_buckets")
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, q_seqlen, k_seqlen, bidirectional=True):
-        buckets = _relative_buckets(q_seqlen, k_seqlen, self.num_buckets, self.max_distance, bidirectional)
-        table = self.param(
-            "rel_embedding",
-            nn.with_logical_partitioning(self.embedding_init, self.embedding_axes),
-            (self.num_attention_heads, self.num_buckets),
-            self.dtype,
-        )
-        return jnp.asarray(table, self.dtype)[:, buckets][None]
-
-
-def _relative_position_biases_cls():
-    import lowbit.flax as lf  # lowbit.flax imports this module: look the class up at call time
-
-    return getattr(lf, "RelativePositionBiases", _RelativePositionBiases)
-
-
-def _norm_name(v):
-    s = getattr(v, "name", v)
-    return s.lower() if isinstance(s, str) else s
-
-
-def _mask_type(v):
-    """TransformerEngine accepts 'causal_padding' for 'padding_causal'; other values go to the
-    attention module as given (it validates them)."""
-    s = _norm_name(v)
-    return "padding_causal" if s in ("causal_padding", "causal_padding_mask") else v
-
-
-# ---- pre-merge shim: TransformerEngine's MultiHeadAttention fields lowbit's module may lack ----
-def _mha_kwargs(kw: dict, head_dim: int, has_bias: bool) -> Tuple[dict, bool]:
-    """``kw`` (TransformerEngine's MultiHeadAttention field names) filtered to the fields lowbit's
-    MultiHeadAttention has. A missing field whose value is what the module does anyway is
-    dropped; ``scale_attn_logits`` becomes ``scale_factor`` and ``low_rank_adaptation_scope``
-    ``enable_low_rank_adaptation`` where those are the module's fields; other missing fields
-    raise, naming the field. Returns (kwargs, whether the caller must transpose (seq, batch)
-    inputs to batch-first itself)."""
-    fields = {f.name for f in dataclasses.fields(MultiHeadAttention)}
-    out, transpose = {}, False
-    rotary = kw.get("enable_rotary_pos_emb", False)
-    for name, value in kw.items():
-        if name in fields:
-            out[name] = value
-            continue
-        if name == "transpose_batch_sequence":
-            transpose = bool(value)
-        elif name == "scale_attn_logits" and "scale_factor" in fields:
-            out["scale_factor"] = 1.0 / math.sqrt(head_dim) if value else 1.0
-        elif name == "low_rank_adaptation_scope" and "enable_low_rank_adaptation" in fields:
-            qkv, proj, _ = lora_scope(value)
-            if qkv != proj:
-                raise NotImplementedError(
-                    f"TransformerLayer: low_rank_adaptation_scope={value!r} needs "
-                    "MultiHeadAttention.low_rank_adaptation_scope (LoRA on only some attention projections)"
-                )
-            out["enable_low_rank_adaptation"] = qkv
-        elif name in ("rotary_pos_emb_windows", "rotary_pos_emb_group_method") and not rotary:
-            pass  # unused without rotary embedding
-        elif name == "attn_bias_type" and (
-            value is None
-            or _norm_name(value) == "post_scale_bias"
-            or (_norm_name(value) == "no_bias" and not has_bias)
-        ):
-            pass  # the module adds a bias after scaling, as post_scale_bias does
-        elif name == "scaled_query_init":
-            pass  # an initialiser choice: the module's query init is unscaled until it has the field
-        elif value != _MHA_PRE_MERGE.get(name, object()):
-            raise NotImplementedError(
-                f"TransformerLayer: {name}={value!r} needs MultiHeadAttention.{name}, which lowbit's "
-                "MultiHeadAttention does not have yet"
-            )
-    return out, transpose
-
-
-#: What lowbit's MultiHeadAttention did before it had these fields.
-_MHA_PRE_MERGE = {
-    "enable_sequence_parallel": False,
-    "float32_logits": False,
-    "enable_rotary_pos_emb": False,
-    "fuse_qkv_params": True,
-    "window_size": None,
-}
-
-
 class TransformerLayer(nn.Module):
     """TransformerEngine's TransformerLayer (fields, defaults, positional order, parameter names).
 
-    Refused with an error naming the field or argument: ``decode=True`` (autoregressive cache),
+    ``decode=True`` (decoder layers) keeps the self-attention's key/value cache as
+    :class:`MultiHeadAttention` does, with the relative position bias built for
+    ``max_decode_length`` positions. Refused with an error naming the field or argument:
     ``mlp_activation_params`` (clamped SwiGLU). ``transpose_batch_sequence=True`` takes
     ``(seq, batch, hidden)`` inputs. ``enable_sequence_parallel`` and TransformerEngine's
     activation sharding constraints are not applied by the layer itself (parameters carry
@@ -273,10 +129,10 @@ class TransformerLayer(nn.Module):
             raise ValueError(
                 f"TransformerLayer: hidden_size ({H!r}) must be a multiple of num_attention_heads ({heads!r})"
             )
-        if decode:
-            raise NotImplementedError(
-                "TransformerLayer: decode=True (the autoregressive key/value cache) is not "
-                "supported by lowbit"
+        if decode and not decoder:
+            raise ValueError(
+                "TransformerLayer: decode=True needs layer_type=TransformerLayerType.DECODER "
+                "(an encoder has no key/value cache, as in TransformerEngine)"
             )
         if inputs.ndim != 3:
             raise ValueError(
@@ -296,8 +152,7 @@ class TransformerLayer(nn.Module):
         for name in ("hidden_dropout", "attention_dropout", "intermediate_dropout", "drop_path"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"TransformerLayer: {name} must be in [0, 1), got {getattr(self, name)!r}")
-        qkv_lora, out_lora, mlp_lora = lora_scope(self.low_rank_adaptation_scope)
-        del qkv_lora, out_lora  # the attention module reads the scope itself
+        mlp_lora = lora_scope(self.low_rank_adaptation_scope)[2]  # the attention reads the scope itself
         head_dim = H // heads
         seq_dim = 0 if self.transpose_batch_sequence else 1
         batch_dim = 1 - seq_dim
@@ -307,7 +162,7 @@ class TransformerLayer(nn.Module):
         if self.enable_relative_embedding:
             rel_emb = self.relative_embedding
             if rel_emb is None:
-                rel_emb = _relative_position_biases_cls()(
+                rel_emb = RelativePositionBiases(
                     num_buckets=32,
                     max_distance=128,
                     num_attention_heads=heads,
@@ -317,49 +172,49 @@ class TransformerLayer(nn.Module):
                     ),
                     name="relpos_bias",
                 )
-            attn_bias = rel_emb(seq, seq, not decoder)
+            # A decoding decoder: the bias for max_decode_length positions (the cache's length);
+            # the attention takes the row of the cache position.
+            n = max_decode_length if decoder and decode and max_decode_length else seq
+            attn_bias = rel_emb(n, n, not decoder)
 
         mha_init = self.mha_kernel_init or nn.initializers.variance_scaling(
             1.0, "fan_in", "normal", dtype=self.dtype
         )
-        common = dict(
-            num_attention_heads=heads,
-            dtype=self.dtype,
-            head_dim=head_dim,
-            num_gqa_groups=self.num_gqa_groups,
-            transpose_batch_sequence=self.transpose_batch_sequence,
-            enable_sequence_parallel=self.enable_sequence_parallel,
-            attention_dropout=self.attention_dropout,
-            dropout_rng_name=self.dropout_rng_name,
-            float32_logits=self.float32_attention_logits,
-            scale_attn_logits=self.scale_attn_logits,
-            scaled_query_init=self.scaled_query_init,
-            layernorm_type=self.layernorm_type,
-            layernorm_epsilon=self.layernorm_epsilon,
-            zero_centered_gamma=self.zero_centered_gamma,
-            return_layernorm_output=self.apply_residual_connection_post_layernorm,
-            enable_rotary_pos_emb=self.enable_rotary_pos_emb,
-            rotary_pos_emb_windows=self.rotary_pos_emb_windows,
-            rotary_pos_emb_group_method=self.rotary_pos_emb_group_method,
-            low_rank_adaptation_scope=self.low_rank_adaptation_scope,
-            low_rank_adaptation_dim=self.low_rank_adaptation_dim,
-            low_rank_adaptation_alpha=self.low_rank_adaptation_alpha,
-            fuse_qkv_params=self.fuse_qkv_params,
-            kernel_init=mha_init,
-            use_bias=self.use_bias,
-            bias_init=self.bias_init,
-            window_size=self.window_size,
-        )
 
-        def attention(name, q, kv, mask, bias, **fields):
-            kw, transpose = _mha_kwargs({**common, **fields}, head_dim, bias is not None)
-            mha = MultiHeadAttention(name=name, **kw)
-            if transpose:  # the module is batch-first until it has transpose_batch_sequence
-                t = lambda a: None if a is None else jnp.swapaxes(a, 0, 1)
-                q_t = t(q)
-                y, ln = mha(q_t, q_t if kv is q else t(kv), mask, bias, deterministic=deterministic)
-                return t(y), t(ln)
-            return mha(q, kv, mask, bias, deterministic=deterministic)
+        def attention(name, input_layernorm, attn_mask_type, attn_bias_type):
+            # TransformerEngine's TransformerLayer's MultiHeadAttention fields, under its names.
+            return MultiHeadAttention(
+                num_attention_heads=heads,
+                dtype=self.dtype,
+                head_dim=head_dim,
+                num_gqa_groups=self.num_gqa_groups,
+                transpose_batch_sequence=self.transpose_batch_sequence,
+                enable_sequence_parallel=self.enable_sequence_parallel,
+                attention_dropout=self.attention_dropout,
+                dropout_rng_name=self.dropout_rng_name,
+                float32_logits=self.float32_attention_logits,
+                scale_attn_logits=self.scale_attn_logits,
+                scaled_query_init=self.scaled_query_init,
+                layernorm_type=self.layernorm_type,
+                layernorm_epsilon=self.layernorm_epsilon,
+                zero_centered_gamma=self.zero_centered_gamma,
+                return_layernorm_output=self.apply_residual_connection_post_layernorm,
+                input_layernorm=input_layernorm,
+                attn_mask_type=attn_mask_type,
+                attn_bias_type=attn_bias_type,
+                enable_rotary_pos_emb=self.enable_rotary_pos_emb,
+                rotary_pos_emb_windows=self.rotary_pos_emb_windows,
+                rotary_pos_emb_group_method=self.rotary_pos_emb_group_method,
+                low_rank_adaptation_scope=self.low_rank_adaptation_scope,
+                low_rank_adaptation_dim=self.low_rank_adaptation_dim,
+                low_rank_adaptation_alpha=self.low_rank_adaptation_alpha,
+                fuse_qkv_params=self.fuse_qkv_params,
+                kernel_init=mha_init,
+                use_bias=self.use_bias,
+                bias_init=self.bias_init,
+                window_size=self.window_size,
+                name=name,
+            )
 
         def hidden_dropout(x):
             dims = tuple(self.hidden_dropout_dims)
@@ -386,27 +241,16 @@ class TransformerLayer(nn.Module):
 
         x, ln_out = attention(
             "self_attention" if decoder else "attention",
-            inputs,
-            inputs,
-            attention_mask,
-            attn_bias,
-            input_layernorm=not self.output_layernorm,
-            attn_mask_type=_mask_type(self.self_attn_mask_type),
-            attn_bias_type=self.self_attn_bias_type,
-        )
+            not self.output_layernorm,
+            self.self_attn_mask_type,
+            self.self_attn_bias_type,
+        )(inputs, inputs, attention_mask, attn_bias, deterministic=deterministic, decode=decode)
         x = drop_path(hidden_dropout(x)) + residual_of(inputs, ln_out)
 
         mlp_input = x
         if decoder:
-            y, ln_out = attention(
-                "encoder_decoder_attention",
-                x,
-                encoded,
-                encoder_decoder_mask,
-                None,
-                input_layernorm=True,
-                attn_mask_type="padding",
-                attn_bias_type="no_bias",
+            y, ln_out = attention("encoder_decoder_attention", True, "padding", "no_bias")(
+                x, encoded, encoder_decoder_mask, deterministic=deterministic
             )
             mlp_input = hidden_dropout(y) + residual_of(x, ln_out)
 
