@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh [build] [check] [probe] [sanitize] [pytest] [bench] [bench-quantize] ... [profile]
 # `probe` runs the probe_* programs (csrc/probes, built by hand: see NOTES.md) with PROBE_ARGS.
 # `profile` prints where the GPU time of the main dense/layer cases goes (lowbit.bench.profile);
-# PYTEST_ARGS narrows the pytest stage (default: tests).
+# PYTEST_ARGS narrows the pytest stage (default: tests); PYTEST_MARK=all drops its `-m gpu` (tests
+# without a device parameter then run on the default device, the GPU).
 # With no stage named, all run. Works from a plain checkout: no pip install needed.
 # LOWBIT_BUILD_DIR=dir uses libraries and check programs built elsewhere (same nvcc) and skips
 # nothing else: name the stages without `build` to save the device the compile.
@@ -73,7 +74,8 @@ fi
 if has pytest; then
   step "pytest -m gpu"
   timeout_flag=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo --timeout=900)
-  "$PY" -m pytest ${PYTEST_ARGS:-tests} -m gpu -q $timeout_flag -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -30
+  mark=(-m "${PYTEST_MARK:-gpu}"); [ "${PYTEST_MARK:-}" = all ] && mark=()  # all: unmarked tests run on the GPU too
+  "$PY" -m pytest ${PYTEST_ARGS:-tests} "${mark[@]}" -q $timeout_flag -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest.log" | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -53,6 +53,8 @@ def _cases():
         ("lowbit bf16 (no recipe)", ours(0.0), jnp.bfloat16, None, "no attention dropout"),
         ("lowbit delayed", ours(0.0), jnp.bfloat16, lowbit.DelayedScaling(), "no attention dropout"),
         ("lowbit current", ours(0.0), jnp.bfloat16, lowbit.Float8CurrentScaling(), "no attention dropout"),
+        ("lowbit fp8 block", ours(0.0), jnp.bfloat16, lowbit.Float8BlockScaling(), "1x128 / 128x128 FP8"),
+        ("lowbit mxfp8", ours(0.0), jnp.bfloat16, lowbit.MXFP8BlockScaling(), "Hopper: exact BF16 path"),
         (
             "lowbit delayed, attention dropout 0.1",
             ours(0.1),
