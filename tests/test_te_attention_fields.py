@@ -993,13 +993,15 @@ def test_mha_decode_steps_equal_full_causal(tbs, g, rotary, window):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scan", [False, True], ids=["plain", "lax.scan"])
-def test_dpa_cudnn_dropout_forward_and_backward_masks_agree(gpu_device, scan):
+@pytest.mark.parametrize("wrap", ["plain", "lax.scan", "remat"])
+def test_dpa_cudnn_dropout_forward_and_backward_masks_agree(gpu_device, wrap):
     """cuDNN regenerates the dropout mask in the backward from its seed and an offset that XLA
-    advances per execution: the backward's mask must be the forward's, also when the same
-    attention runs several times in a loop (layers under lax.scan). With q = k = 0 (uniform
+    advances per execution: the backward's mask must be the forward's, also when the forward is
+    recomputed (remat) and when the attention runs in a loop (layers under lax.scan, where
+    lowbit takes the reference path: cuDNN's dropout there aborts XLA). With q = k = 0 (uniform
     probabilities) and value = identity the output is the forward's dropped probability matrix;
     with dy = identity, dvalue is the backward's (transposed)."""
+    scan = wrap == "lax.scan"
     b, s, rate, layers = 2, 64, 0.2, 3
     m = DotProductAttention(
         head_dim=s,
@@ -1018,7 +1020,9 @@ def test_dpa_cudnn_dropout_forward_and_backward_masks_agree(gpu_device, scan):
         vs = jnp.stack([eye] * layers)
         f = lambda vs: jax.lax.scan(lambda c, v: (c, one(v)), 0, vs)[1]  # noqa: E731
     else:
-        vs, f = eye, one
+        vs, f = eye, (jax.checkpoint(one) if wrap == "remat" else one)
+    txt = jax.jit(f).lower(vs).as_text()
+    assert ("SoftmaxDropout" in txt) == (not scan), "cuDNN dropout inside a loop, or not used outside"
 
     def fwd_bwd(vs):
         out, vjp = jax.vjp(f, vs)
@@ -1030,3 +1034,35 @@ def test_dpa_cudnn_dropout_forward_and_backward_masks_agree(gpu_device, scan):
         p_bwd = np.asarray(jnp.swapaxes(dv, -3, -1), np.float32)
         assert abs(float((p_fwd == 0).mean()) - rate) < 0.03
         np.testing.assert_array_equal(p_fwd == 0, p_bwd == 0)
+
+
+def test_dropout_takes_the_reference_path_inside_loops():
+    """cuDNN's dropout aborts XLA inside loop bodies (lax.scan, jax 0.11.2 on the H100), so the
+    attention asks whether it is traced in one; jit and remat are not loops."""
+    from lowbit.flax.attention import _traced_in_loop
+
+    seen = {}
+
+    def note(tag, v):
+        seen[tag] = _traced_in_loop()
+        return v
+
+    def f(x):
+        note("jit", x)
+        y = jax.lax.scan(lambda c, v: (c, note("scan", v)), 0, x)[1]
+        y = jax.checkpoint(lambda v: note("remat", v))(y)
+        y = jax.lax.fori_loop(0, 2, lambda i, v: note("fori_loop", v), y)
+        y = jax.lax.while_loop(lambda v: v.sum() < 0, lambda v: note("while_loop", v), y)
+        return jax.lax.map(lambda v: note("map", v), y)
+
+    jax.jit(f)(jnp.ones((3, 2)))
+    note("eager", None)
+    assert seen == {
+        "jit": False,
+        "scan": True,
+        "remat": False,
+        "fori_loop": True,
+        "while_loop": True,
+        "map": True,
+        "eager": False,
+    }

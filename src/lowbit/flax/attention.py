@@ -124,6 +124,31 @@ def _check_window(window_size):
     return int(left), int(right)
 
 
+# Traces whose body XLA runs repeatedly: cuDNN's dropout inside them aborts XLA (jax 0.11.2, H100:
+# "Fatal Python error: Aborted" compiling lax.scan over the attention), so dropout there takes the
+# reference path.
+_LOOP_TRACES = ("scan", "while", "fori_loop", "map")
+
+
+def _traced_in_loop() -> bool:
+    """Whether the current trace, or one it is nested in, traces a loop body (lax.scan, nn.scan,
+    while/fori loops). Reads JAX's trace stack (private); if that is not readable, answers True
+    so that dropout takes the safe reference path."""
+    try:
+        from jax._src import core
+
+        t = core.trace_ctx.trace
+        while t is not None:
+            frame = getattr(t, "frame", None)
+            what = getattr(getattr(frame, "debug_info", None), "traced_for", "") or ""
+            if any(w in what for w in _LOOP_TRACES):
+                return True
+            t = getattr(t, "parent_trace", None)
+        return False
+    except Exception:
+        return True
+
+
 def _default_is_gpu() -> bool:
     """Whether attention will run on a GPU: the jax.default_device in effect, else the backend."""
     dev = getattr(jax.config, "jax_default_device", None)
@@ -296,7 +321,7 @@ class DotProductAttention(nn.Module):
             # by the reference path; cuDNN's dropout has its own generator.
             rng = self.make_rng(self.dropout_rng_name)
             out = None
-            if self._use_cudnn(dt, d):
+            if self._use_cudnn(dt, d) and not _traced_in_loop():
                 # A seed per module path: layers with the same shapes draw different masks.
                 seed = zlib.crc32("/".join(str(p) for p in self.scope.path).encode()) & 0x7FFFFFFF
                 try:
