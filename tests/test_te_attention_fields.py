@@ -309,7 +309,7 @@ def test_dpa_dropout_cudnn_fused(gpu_device):
         lambda q, k, v: cudnn_attention_dropout(q, k, v, tri, None, "no_bias", d**-0.5, 0.0, 7, True)
     )(q, k, v)
     assert relerr(np.asarray(o0, np.float32), np.asarray(o_det, np.float32)) < 1e-2
-    m = DotProductAttention(**kw, attention_dropout=rate)
+    m = DotProductAttention(**kw, attention_dropout=rate, implementation="cudnn")
     f = jax.jit(lambda q, k, v, r: m.apply({}, q, k, v, rngs={"dropout": r}))
     txt = f.lower(q, k, v, jax.random.PRNGKey(0)).as_text()  # cuDNN's custom call, with dropout
     assert "SoftmaxDropout" in txt and "__cudnn$fmha" in txt, "dropout left cuDNN's fused attention"
@@ -1009,6 +1009,7 @@ def test_dpa_cudnn_dropout_forward_and_backward_masks_agree(gpu_device, wrap):
         attn_mask_type="no_mask",
         attention_dropout=rate,
         transpose_batch_sequence=False,
+        implementation="cudnn",
     )
     z = jnp.zeros((b, s, H, s), jnp.bfloat16)
     eye = jnp.broadcast_to(jnp.eye(s, dtype=jnp.bfloat16)[None, :, None, :], (b, s, H, s))
@@ -1066,3 +1067,24 @@ def test_dropout_takes_the_reference_path_inside_loops():
         "map": True,
         "eager": False,
     }
+
+
+def test_cudnn_dropout_needs_opt_in_or_command_buffers_without_cudnn(monkeypatch):
+    """cuDNN's dropout crashes XLA when recorded into a command buffer (jax 0.11.2, H100), so by
+    default dropout takes the reference path; implementation="cudnn", LOWBIT_CUDNN_DROPOUT=1 or
+    XLA_FLAGS command buffers without CUDNN select the fused kernel."""
+    from lowbit.flax.attention import _cudnn_dropout_allowed
+
+    monkeypatch.delenv("LOWBIT_CUDNN_DROPOUT", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert not _cudnn_dropout_allowed(None)
+    assert _cudnn_dropout_allowed("cudnn")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,CUBLASLT,CUDNN")
+    assert not _cudnn_dropout_allowed(None)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,CUBLASLT")
+    assert _cudnn_dropout_allowed(None)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    assert _cudnn_dropout_allowed(None)
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setenv("LOWBIT_CUDNN_DROPOUT", "1")
+    assert _cudnn_dropout_allowed(None)

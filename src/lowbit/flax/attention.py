@@ -23,6 +23,7 @@ unspecified output (the paths differ there, as TransformerEngine's backends do).
 from __future__ import annotations
 
 import math
+import os
 import warnings
 import zlib
 from typing import Any, Callable, Optional, Tuple
@@ -147,6 +148,21 @@ def _traced_in_loop() -> bool:
         return False
     except Exception:
         return True
+
+
+def _cudnn_dropout_allowed(implementation) -> bool:
+    """cuDNN's fused attention with dropout crashes XLA (jax 0.11.2, H100) when XLA records the
+    cuDNN call into a command buffer (CUDA graph): "Check failed: local_device_ordinal.has_value()"
+    in cuda_dnn.cc at the first execution of a full layer. It runs when asked for explicitly
+    (``implementation="cudnn"`` or ``LOWBIT_CUDNN_DROPOUT=1``) or when XLA_FLAGS sets
+    ``--xla_gpu_enable_command_buffer`` to a list without CUDNN; otherwise dropout takes the
+    reference path."""
+    if implementation == "cudnn" or os.environ.get("LOWBIT_CUDNN_DROPOUT", "") == "1":
+        return True
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        if flag.startswith("--xla_gpu_enable_command_buffer="):
+            return "CUDNN" not in flag.split("=", 1)[1].upper()
+    return False
 
 
 def _default_is_gpu() -> bool:
@@ -321,7 +337,11 @@ class DotProductAttention(nn.Module):
             # by the reference path; cuDNN's dropout has its own generator.
             rng = self.make_rng(self.dropout_rng_name)
             out = None
-            if self._use_cudnn(dt, d) and not _traced_in_loop():
+            if (
+                self._use_cudnn(dt, d)
+                and not _traced_in_loop()
+                and _cudnn_dropout_allowed(self.implementation)
+            ):
                 # A seed per module path: layers with the same shapes draw different masks.
                 seed = zlib.crc32("/".join(str(p) for p in self.scope.path).encode()) & 0x7FFFFFFF
                 try:
