@@ -73,3 +73,19 @@ def test_layer_attention_dropout_case_runs_with_dropout():
     a, b = grad.values()
     rel = np.linalg.norm(a - b) / np.linalg.norm(a)
     assert rel > 1e-2, rel
+
+
+def test_layer_cudnn_dropout_case_runs_where_cudnn_dropout_is_allowed(monkeypatch):
+    """The cuDNN-dropout layer case is timed in a child process whose XLA_FLAGS keep cuDNN out
+    of command buffers, the condition under which the attention uses cuDNN's dropout; the
+    default-path case stays in the parent (where the reference dropout path runs)."""
+    from lowbit.bench import layer
+    from lowbit.flax.attention import _cudnn_dropout_allowed
+
+    names = [c[0] for c in layer._cases()]
+    assert set(layer._CHILD_ENV) < set(names)
+    assert "lowbit delayed, attention dropout 0.1" in names
+    monkeypatch.delenv("LOWBIT_CUDNN_DROPOUT", raising=False)
+    for env in layer._CHILD_ENV.values():
+        monkeypatch.setenv("XLA_FLAGS", env["XLA_FLAGS"])
+        assert _cudnn_dropout_allowed(None)

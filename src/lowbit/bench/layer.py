@@ -8,11 +8,19 @@ parameters, a GELU MLP with biases, LayerNorm epsilon 1e-5, logits scaled by 1/s
 (query init unscaled), no relative position bias, no hidden or MLP dropout. The plain cases
 have no attention dropout (so attention can take cuDNN's fused kernel); "lowbit delayed,
 attention dropout 0.1" is the seed layer as the seed measures it (attention dropout 0.1) through
-lowbit's modules. ``speedup`` is against plain Flax with bf16 params (which keeps the seed's
-attention dropout of 0.1).
+lowbit's modules, on the default path (XLA records cuDNN calls into command buffers, where cuDNN's
+dropout aborts XLA, so lowbit's dropout takes its reference path); the "cuDNN dropout" case is
+the same layer timed in a child process whose XLA_FLAGS keep cuDNN out of command buffers, so the
+dropout runs inside cuDNN's fused attention. ``speedup`` is against plain Flax with bf16 params
+(which keeps the seed's attention dropout of 0.1).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -60,9 +68,26 @@ def _cases():
             ours(0.1),
             jnp.bfloat16,
             lowbit.DelayedScaling(),
-            "the seed layer's attention dropout",
+            "the seed layer's attention dropout (default XLA_FLAGS: reference dropout path)",
+        ),
+        (
+            _DROPOUT_CHILD,
+            ours(0.1),
+            jnp.bfloat16,
+            lowbit.DelayedScaling(),
+            "XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",
         ),
     ]
+
+
+# Cases timed in a child process with these environment variables (XLA reads XLA_FLAGS once per
+# process): command buffers without CUDNN, so cuDNN's dropout can run.
+_CHILD_ENV = {
+    "lowbit delayed, attention dropout 0.1, cuDNN dropout": {
+        "XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",
+    },
+}
+_DROPOUT_CHILD = "lowbit delayed, attention dropout 0.1, cuDNN dropout"
 
 
 def build_case(name: str, cfg: dict, key, drop):
@@ -92,16 +117,31 @@ def build_case(name: str, cfg: dict, key, drop):
     return fn, args
 
 
-def run(small: bool, progress=None) -> list[dict]:
+def time_case(name: str, small: bool) -> float:
+    """Milliseconds per step of one case in this process."""
     cfg = SMALL if small else FULL
     key, drop = jax.random.split(jax.random.PRNGKey(42))
+    fn, args = build_case(name, cfg, key, drop)
+    return time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5)
+
+
+def _time_in_child(name: str, small: bool) -> float:
+    env = dict(os.environ, **_CHILD_ENV[name])
+    cmd = [sys.executable, "-m", "lowbit.bench.layer", name] + (["--small"] if small else [])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"layer case {name!r} failed in its child process:\n{out.stderr[-2000:]}")
+    return json.loads(lines[-1])["ms"]
+
+
+def run(small: bool, progress=None) -> list[dict]:
+    cfg = SMALL if small else FULL
     label = f"layer b{cfg['batch']} s{cfg['seq']} h{cfg['hidden']} ffn{cfg['ffn']} heads{cfg['heads']}"
     rows = []
     for name, _, _, _, note in _cases():
-        fn, args = build_case(name, cfg, key, drop)
-        ms = time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5)
+        ms = _time_in_child(name, small) if name in _CHILD_ENV else time_case(name, small)
         rows.append(dict(model=label, name=name, ms=ms, note=note))
-        del fn, args
         if progress:
             progress()
     base = {r["name"]: r["ms"] for r in rows}
@@ -117,3 +157,7 @@ def run(small: bool, progress=None) -> list[dict]:
 
 def count(small: bool) -> int:
     return len(_cases())
+
+
+if __name__ == "__main__":  # one case, for a child process: prints {"ms": ...}
+    print(json.dumps({"ms": time_case(sys.argv[1], "--small" in sys.argv[2:])}))
