@@ -671,8 +671,7 @@ Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
       if (auto s = fill_scales(static_cast<float*>(p.scale_inv), p.mode, R, C, st); !s.ok())
         return s;
     if (p.colwise)
-      if (auto s = fill_scales(static_cast<float*>(p.colwise_scale_inv), p.mode, C, R, st);
-          !s.ok())
+      if (auto s = fill_scales(static_cast<float*>(p.colwise_scale_inv), p.mode, C, R, st); !s.ok())
         return s;
   }
   if (n > 0) {
@@ -691,10 +690,11 @@ Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
     const int64_t tiles = ((R + kBlk - 1) / kBlk) * a.tiles_c;
     if (tiles > INT32_MAX) return Status::Invalid("quantize: tensor too large");
     const bool two_d = p.mode == ScalingMode::kBlock2d;
-    auto kernel = fast ? (two_d ? fp8_block_cast_kernel<IN, FMT, true>
-                                : fp8_block_cast_kernel<IN, FMT, false>)
-                       : (two_d ? fp8_block_cast_generic_kernel<IN, FMT, true>
-                                : fp8_block_cast_generic_kernel<IN, FMT, false>);
+    auto kernel =
+        fast
+            ? (two_d ? fp8_block_cast_kernel<IN, FMT, true> : fp8_block_cast_kernel<IN, FMT, false>)
+            : (two_d ? fp8_block_cast_generic_kernel<IN, FMT, true>
+                     : fp8_block_cast_generic_kernel<IN, FMT, false>);
     const size_t smem = fast ? blk_fast_smem<IN>() : kBlkSmem;
     const unsigned threads = fast ? kBlkThreads : kBlkGenericThreads;
     // Only above the 48 KB default (f32 fast, generic): a host-side call, legal during capture.
