@@ -313,13 +313,14 @@ Status run_cast(const QuantizeParams& p, cudaStream_t st) {
 // one block of 512 threads per 128x128 tile.
 // 1. Load: each thread issues all of its PER 16-byte chunks before using any (a warp reads two
 //    (bf16) or one (f32) contiguous 256/512-byte row segments per instruction); out-of-range
-//    chunks read as zeros (zeros never raise an amax). The chunks stay in registers for the
-//    rowwise copy and go to shared memory in x's own dtype (32 KB for bf16/f16), swizzled at
-//    16-byte-chunk granularity: chunk j of row r at j ^ ((r / 16) % 8).
-// 2. Rowwise copy from the registers: a tile row is CPR consecutive lanes, so a 1x128 block's
-//    amax is a shuffle reduction over those lanes; each thread encodes its CH values and writes
-//    them with one 8-byte (bf16/f16) / 4-byte (f32) store, a warp writing whole 128-byte rows.
-//    1D runs before the barrier (it needs nothing from other warps).
+//    chunks read as zeros (zeros never raise an amax). Chunk amaxes come from the registers; the
+//    chunks go to shared memory in x's own dtype (32 KB for bf16/f16), swizzled at
+//    16-byte-chunk granularity: chunk j of row r at j ^ ((r / 16) % 8) (conflict-free both ways).
+// 2. Rowwise copy: a tile row is CPR consecutive lanes, so a 1x128 block's amax is a shuffle
+//    reduction over those lanes; each thread re-reads its own chunks from shared memory (no
+//    barrier; the tile is then not live in registers across the scale divisions, whose slow path
+//    is a call that made ptxas spill), encodes CH values and writes them with one 8-byte (bf16,
+//    f16) / 4-byte (f32) store, a warp writing whole 128-byte rows. 1D runs before the barrier.
 // 3. Column phase from shared memory: lane 8q+g of warp w reads 32-bit word q of chunk column w
 //    (CPW = 2 or 1 tile columns) in rows 16g..16g+15 (conflict-free thanks to the swizzle); a
 //    column's 1x128 amax is a shuffle reduction over its 8 lanes, and each lane writes its 16
