@@ -10,7 +10,8 @@
 //   build/check_quantize_cuda --quick    a subset (for compute-sanitizer)
 //   compute-sanitizer --tool memcheck --error-exitcode 9 build/check_quantize_cuda --quick
 //   build/check_quantize_cuda bench      bf16 -> FP8 rowwise+colwise at 8192x16384 vs a D2D copy
-//                                        (bench mxfp8: only the cases whose name contains "mxfp8")
+//                                        (bench mxfp8: only the cases whose name contains "mxfp8";
+//                                        bench block: the FP8 block scaling cases)
 //   build/check_quantize_cuda cvtcheck   hardware FP8 cvt vs encode_rne over all 2^32 floats
 // Exit status: 0 when every comparison passed.
 //
@@ -590,7 +591,7 @@ int run_checks(bool quick) {
   const std::vector<Shape> shapes_full = {{64, 64},   {48, 96},   {128, 256}, {96, 160}, {16, 16},
                                           {32, 32},   {256, 512}, {192, 320}, {7, 13},   {33, 50},
                                           {1, 1},     {100, 48},  {0, 64},    {64, 0},   {1024, 64},
-                                          {32, 2048}, {130, 300}, {257, 129}};
+                                          {32, 2048}, {130, 300}, {257, 129}, {272, 400}};
   const std::vector<Shape> shapes_quick = {{64, 64}, {48, 96}, {7, 13}, {32, 32}, {96, 160}};
   const auto& shapes = quick ? shapes_quick : shapes_full;
   const std::vector<DType> xdts = quick
@@ -641,7 +642,8 @@ int run_checks(bool quick) {
       }
   // Misaligned x (generic kernels on shapes the fast kernel would take).
   for (ScalingMode mode : {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor,
-                           ScalingMode::kMxfp8_1d, ScalingMode::kNvfp4_1d, ScalingMode::kNvfp4_2d})
+                           ScalingMode::kMxfp8_1d, ScalingMode::kNvfp4_1d, ScalingMode::kNvfp4_2d,
+                           ScalingMode::kBlock1d, ScalingMode::kBlock2d})
     for (int sr = 0; sr < 2; ++sr) {
       if (sr && !is_nvfp4(mode)) continue;
       QCase q{DType::kBF16,
@@ -707,8 +709,10 @@ int run_checks(bool quick) {
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kMxfp8_1d, DType::kE4M3, false, false);
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kNvfp4_1d, DType::kE2M1, true, true);
   run_graph_case(DType::kF32, 96, 160, ScalingMode::kNvfp4_2d, DType::kE2M1, true, false);
-  // FP8 block scaling: cudaFuncSetAttribute (66 KB dynamic shared memory) inside the capture.
+  // FP8 block scaling: the fast kernel (bf16: 32 KB of shared memory; f32: 64 KB, with
+  // cudaFuncSetAttribute inside the capture) and the generic one (66 KB, same).
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kBlock1d, DType::kE4M3, false, false);
+  run_graph_case(DType::kF32, 256, 384, ScalingMode::kBlock1d, DType::kE4M3, false, false);
   run_graph_case(DType::kF32, 130, 300, ScalingMode::kBlock2d, DType::kE5M2, false, false);
   std::printf("%s cuda graph capture: %d cases, %d failures\n", g_failures > f1 ? "FAIL" : "PASS",
               g_cases - c1, g_failures - f1);
@@ -897,6 +901,11 @@ int run_bench(const std::string& filter) {
       4.0 + 2.0 / 32, 0);
   run("delayed bf16->e4m3 row+col + dbias", ScalingMode::kDelayedTensor, DType::kE4M3, false, true,
       4.0, 0);
+  // FP8 block scaling: amax(x) folded into the cast; scales 4 B per 128 elements per copy (1D).
+  run("block1d bf16->e4m3 row+col", ScalingMode::kBlock1d, DType::kE4M3, false, false,
+      4.0 + 8.0 / 128, 0);
+  run("block2d bf16->e4m3 row+col", ScalingMode::kBlock2d, DType::kE4M3, false, false,
+      4.0 + 8.0 / (128 * 128), 0);
   run("nvfp4_1d bf16 row+col (amax pass + cast)", ScalingMode::kNvfp4_1d, DType::kE2M1, false,
       false, 3.0 + 2.0 / 16, 2.0);
   run("nvfp4_1d bf16 row+col rht (rht-amax + cast)", ScalingMode::kNvfp4_1d, DType::kE2M1, true,
