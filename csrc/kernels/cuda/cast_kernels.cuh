@@ -4,6 +4,7 @@
 #pragma once
 
 #include "device_common.cuh"
+#include "lowbit/block_scaling.h"
 
 namespace lowbit {
 namespace cuda {
@@ -500,6 +501,39 @@ __global__ void __launch_bounds__(256)
   }
   for (int64_t j = nv * CH + tid; j < n; j += stride) m = fmaxf(m, fabsf(In<IN>::f(x[j])));
   block_amax_to(m, red, out);
+}
+
+// ---- FP8 block scaling (1x128 / 128x128): shared pieces of the block cast kernels ----
+
+// One warp quantizes one 1x128 block held in a float32 shared-memory tile: element e (e < n) at
+// tile[e * stride], lane l holding elements l, l+32, l+64, l+96 (the tile is zero past n). Each
+// encoded byte goes out through store(e, byte); returns the block's decode scale 1/s.
+template <int FMT, typename Store>
+__device__ __forceinline__ float warp_block_encode(const float* tile, int stride, int n, float eps,
+                                                   bool pow2, Store store) {
+  const int lane = threadIdx.x & 31;
+  float v[4], bm = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    v[k] = tile[(lane + 32 * k) * stride];
+    bm = fmaxf(bm, fabsf(v[k]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
+  const float s = fp8_block_scale(bm, fmt_max<FMT>(), eps, pow2);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int e = lane + 32 * k;
+    if (e < n) store(e, uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s))));
+  }
+  return 1.0f / s;
+}
+
+// Fills n floats with v (scale padding of the block layouts); static: one copy per unit.
+static __global__ void __launch_bounds__(256) fill_f32_kernel(float* p, int64_t n, float v) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = v;
 }
 
 }  // namespace cuda

@@ -207,50 +207,21 @@ __global__ void __launch_bounds__(kGbThreads) grouped_block1d_kernel(const Group
     __shared__ float red[kGbThreads / 32];
     block_amax_to(tmax, red, a.amax + g);  // its barrier also completes the tile
   }
-  const float fmax = fmt_max<FMT>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (a.q_row)
     for (int rr = warp; rr < nr; rr += kGbThreads / 32) {
-      float v[4], bm = 0.0f;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        v[k] = tile[rr * kGbLd + lane + 32 * k];
-        bm = fmaxf(bm, fabsf(v[k]));
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
-      const float s = fp8_block_scale(bm, fmax, a.eps, a.pow2);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int cc = lane + 32 * k;
-        if (cc < nc) a.q_row[(r0 + rr) * a.K + c0 + cc] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
-      }
-      if (lane == 0) a.s_row[run_start * a.nkb + tc * run_size + (r0 - run_start) + rr] = 1.0f / s;
+      uint8_t* q = a.q_row + (r0 + rr) * a.K + c0;
+      const float d = warp_block_encode<FMT>(tile + rr * kGbLd, 1, nc, a.eps, a.pow2,
+                                             [&](int cc, uint8_t byte) { q[cc] = byte; });
+      if (lane == 0) a.s_row[run_start * a.nkb + tc * run_size + (r0 - run_start) + rr] = d;
     }
   if (a.q_col)
     for (int cc = warp; cc < nc; cc += kGbThreads / 32) {
-      float v[4], bm = 0.0f;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        v[k] = tile[(lane + 32 * k) * kGbLd + cc];
-        bm = fmaxf(bm, fabsf(v[k]));
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
-      const float s = fp8_block_scale(bm, fmax, a.eps, a.pow2);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int rr = lane + 32 * k;
-        if (rr < nr) a.q_col[(c0 + cc) * a.M + r0 + rr] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
-      }
-      if (lane == 0) a.s_col[b * a.K + c0 + cc] = 1.0f / s;
+      uint8_t* q = a.q_col + (c0 + cc) * a.M + r0;
+      const float d = warp_block_encode<FMT>(tile + cc, kGbLd, nr, a.eps, a.pow2,
+                                             [&](int rr, uint8_t byte) { q[rr] = byte; });
+      if (lane == 0) a.s_col[b * a.K + c0 + cc] = d;
     }
-}
-
-__global__ void grouped_fill_kernel(float* p, int64_t n, float v) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = v;
 }
 
 template <int IN, int FMT>
@@ -267,9 +238,9 @@ Status run_grouped_block1d(const GroupedQuantizeParams& p, cudaStream_t st, cons
       return s;
     const int64_t n = grouped_block_colwise_rows(M, G) * K;
     if (n > 0) {
-      grouped_fill_kernel<<<grid_for(n, 256, 4096), 256, 0, st>>>(
+      fill_f32_kernel<<<grid_for(n, 256, 4096), 256, 0, st>>>(
           static_cast<float*>(p.colwise_scale_inv), n, 1.0f);
-      if (auto s = launch_status("grouped_fill_kernel"); !s.ok()) return s;
+      if (auto s = launch_status("fill_f32_kernel"); !s.ok()) return s;
     }
   }
   if (M == 0 || K == 0) return Status::Ok();

@@ -605,57 +605,27 @@ __global__ void __launch_bounds__(kBlkGenericThreads)
   } else {
     if (a.q_row)
       for (int rr = warp; rr < nr; rr += kBlkGenericThreads / 32) {
-        float v[4], bm = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          v[k] = ftile[rr * kBlkLd + lane + 32 * k];
-          bm = fmaxf(bm, fabsf(v[k]));
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
-        const float s = fp8_block_scale(bm, fmax, a.eps, a.pow2);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int cc = lane + 32 * k;
-          if (cc < nc)
-            a.q_row[(r0 + rr) * a.C + c0 + cc] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
-        }
-        if (lane == 0) a.s_row[tc * round_up4(a.R) + r0 + rr] = 1.0f / s;
+        uint8_t* q = a.q_row + (r0 + rr) * a.C + c0;
+        const float d = warp_block_encode<FMT>(ftile + rr * kBlkLd, 1, nc, a.eps, a.pow2,
+                                               [&](int cc, uint8_t byte) { q[cc] = byte; });
+        if (lane == 0) a.s_row[tc * round_up4(a.R) + r0 + rr] = d;
       }
     if (a.q_col)
       for (int cc = warp; cc < nc; cc += kBlkGenericThreads / 32) {
-        float v[4], bm = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          v[k] = ftile[(lane + 32 * k) * kBlkLd + cc];
-          bm = fmaxf(bm, fabsf(v[k]));
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
-        const float s = fp8_block_scale(bm, fmax, a.eps, a.pow2);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int rr = lane + 32 * k;
-          if (rr < nr)
-            a.q_col[(c0 + cc) * a.R + r0 + rr] = uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s)));
-        }
-        if (lane == 0) a.s_col[tr * round_up4(a.C) + c0 + cc] = 1.0f / s;
+        uint8_t* q = a.q_col + (c0 + cc) * a.R + r0;
+        const float d = warp_block_encode<FMT>(ftile + cc, kBlkLd, nr, a.eps, a.pow2,
+                                               [&](int rr, uint8_t byte) { q[rr] = byte; });
+        if (lane == 0) a.s_col[tr * round_up4(a.C) + c0 + cc] = d;
       }
   }
-}
-
-__global__ void fill_kernel(float* p, int64_t n, float v) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = v;
 }
 
 // Padding entries of a block-scale array hold 1.0 (the cast writes every real entry after).
 Status fill_scales(float* s, ScalingMode m, int64_t rows, int64_t cols, cudaStream_t st) {
   const int64_t n = fp8_block_scale_rows(m, rows, cols) * fp8_block_scale_cols(m, rows, cols);
   if (!s || n == 0) return Status::Ok();
-  fill_kernel<<<grid_for(n, 256), 256, 0, st>>>(s, n, 1.0f);
-  return launch_status("fill_kernel");
+  fill_f32_kernel<<<grid_for(n, 256), 256, 0, st>>>(s, n, 1.0f);
+  return launch_status("fill_f32_kernel");
 }
 
 template <int IN, int FMT>
