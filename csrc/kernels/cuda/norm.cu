@@ -371,16 +371,22 @@ __global__ void __launch_bounds__(256) norm_bwd_fast(const BwdArgs a) {
 #pragma unroll
   for (int i = 0; i < NV * E; ++i) acc_g[i] = acc_b[i] = 0.0f;
   int parity = 0;
-  for (int64_t r = blockIdx.x; r < a.R; r += gridDim.x) {
+  // Row r's dy and x; the next row's are loaded before this row's block reduction, so the
+  // loads are in flight across the barrier (a row per step left the kernel at half of copy).
+  auto load_row = [&](int64_t r, uint4* rdy, uint4* rx) {
+    const bool ok = r < a.R;
     const uint4* dyr = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) + r * C);
     const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + r * C);
-    uint4 rdy[NV], rx[NV];
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int64_t v = threadIdx.x + int64_t(tpb) * k;
-      rdy[k] = v < nvec ? __ldg(dyr + v) : make_uint4(0u, 0u, 0u, 0u);
-      rx[k] = v < nvec ? __ldg(xr + v) : make_uint4(0u, 0u, 0u, 0u);
+      rdy[k] = ok && v < nvec ? __ldg(dyr + v) : make_uint4(0u, 0u, 0u, 0u);
+      rx[k] = ok && v < nvec ? __ldg(xr + v) : make_uint4(0u, 0u, 0u, 0u);
     }
+  };
+  uint4 rdy[NV], rx[NV], ndy[NV], nx[NV];
+  load_row(blockIdx.x, rdy, rx);
+  for (int64_t r = blockIdx.x; r < a.R; r += gridDim.x) {
     const float mean = a.rms ? 0.0f : a.mean[r], rs = a.rsigma[r];
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
@@ -400,6 +406,7 @@ __global__ void __launch_bounds__(256) norm_bwd_fast(const BwdArgs a) {
         acc_b[k * E + e] = __fadd_rn(acc_b[k * E + e], fdy[e]);
       }
     }
+    load_row(r + gridDim.x, ndy, nx);
     // Both sums in one pass over the warps.
     s1 = warp_sum(s1);
     s2 = warp_sum(s2);
@@ -437,6 +444,8 @@ __global__ void __launch_bounds__(256) norm_bwd_fast(const BwdArgs a) {
                        bits[4] | (bits[5] << 16), bits[6] | (bits[7] << 16));
       reinterpret_cast<uint4*>(static_cast<T*>(a.dx) + r * C)[v] = o;
     }
+#pragma unroll
+    for (int k = 0; k < NV; ++k) rdy[k] = ndy[k], rx[k] = nx[k];
   }
   float* pg = a.part + int64_t(blockIdx.x) * C;
   float* pb = a.part + (int64_t(a.parts) + blockIdx.x) * C;
@@ -489,34 +498,32 @@ __global__ void __launch_bounds__(256) norm_bwd_generic(const BwdArgs a) {
   }
 }
 
-// dgamma / dbeta: each column's partial sums over the parts, in a fixed order (8 interleaved
-// chains, then the chains in order) so that the loads of a thread are independent and in flight
-// together; small blocks so that every SM takes part.
-constexpr int kReduceChains = 8;
-__global__ void norm_bwd_reduce(const float* part, int parts, int64_t C, float* dgamma,
-                                float* dbeta) {
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
-       c += int64_t(gridDim.x) * blockDim.x) {
-    float g[kReduceChains], b[kReduceChains];
-#pragma unroll
-    for (int k = 0; k < kReduceChains; ++k) g[k] = b[k] = 0.0f;
-    int p = 0;
-    for (; p + kReduceChains <= parts; p += kReduceChains) {
-#pragma unroll
-      for (int k = 0; k < kReduceChains; ++k) {
-        g[k] = __fadd_rn(g[k], part[int64_t(p + k) * C + c]);
-        b[k] = __fadd_rn(b[k], part[(int64_t(parts) + p + k) * C + c]);
-      }
+// dgamma / dbeta: each column's partial sums over the parts, in a fixed order. A block takes 32
+// columns (a warp's lanes: coalesced rows of parts) and its 8 warps 8 interleaved groups of
+// parts, summed in order, then the groups in order: 8x the threads in flight of one thread per
+// column (which left the reduce latency-bound, ~36 us for 4096 columns).
+constexpr int kReduceGroups = 8;
+__global__ void __launch_bounds__(32 * kReduceGroups)
+    norm_bwd_reduce(const float* part, int parts, int64_t C, float* dgamma, float* dbeta) {
+  __shared__ float sg[kReduceGroups][32], sb[kReduceGroups][32];
+  const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
+  const int64_t c = int64_t(blockIdx.x) * 32 + lane;
+  float g = 0.0f, b = 0.0f;
+  if (c < C) {
+    for (int p = grp; p < parts; p += kReduceGroups) {
+      g = __fadd_rn(g, part[int64_t(p) * C + c]);
+      b = __fadd_rn(b, part[(int64_t(parts) + p) * C + c]);
     }
-    for (int k = 0; p < parts; ++p, ++k) {
-      g[k] = __fadd_rn(g[k], part[int64_t(p) * C + c]);
-      b[k] = __fadd_rn(b[k], part[(int64_t(parts) + p) * C + c]);
-    }
-    float gs = g[0], bs = b[0];
+  }
+  sg[grp][lane] = g;
+  sb[grp][lane] = b;
+  __syncthreads();
+  if (grp == 0 && c < C) {
+    float gs = sg[0][lane], bs = sb[0][lane];
 #pragma unroll
-    for (int k = 1; k < kReduceChains; ++k) {
-      gs = __fadd_rn(gs, g[k]);
-      bs = __fadd_rn(bs, b[k]);
+    for (int k = 1; k < kReduceGroups; ++k) {
+      gs = __fadd_rn(gs, sg[k][lane]);
+      bs = __fadd_rn(bs, sb[k][lane]);
     }
     dgamma[c] = gs;
     if (dbeta) dbeta[c] = bs;
@@ -557,7 +564,10 @@ Status launch_bwd(const BwdArgs& a, float* dgamma, float* dbeta, cudaStream_t st
       s = launch_status("norm_bwd_generic");
   }
   if (!s.ok()) return s;
-  norm_bwd_reduce<<<grid_for(a.C, 64), 64, 0, st>>>(a.part, a.parts, a.C, dgamma, dbeta);
+  if (a.C == 0) return Status::Ok();
+  if ((a.C + 31) / 32 > INT32_MAX) return Status::Invalid("norm backward: too many columns");
+  norm_bwd_reduce<<<unsigned((a.C + 31) / 32), 32 * kReduceGroups, 0, st>>>(a.part, a.parts, a.C,
+                                                                            dgamma, dbeta);
   return launch_status("norm_bwd_reduce");
 }
 

@@ -25,6 +25,8 @@ from lowbit.flax.state_module import QuantizeContext, wrap_function_in_state_mod
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
 from lowbit.ops.dense import dense as _dense
+from lowbit.ops.mlp import mlp as _mlp
+from lowbit.ops.mlp import runs_fused as _mlp_runs_fused
 from lowbit.ops.norm import NORM_TYPES
 from lowbit.ops.norm import layernorm as _layernorm
 from lowbit.ops.softmax import softmax as _softmax
@@ -39,6 +41,8 @@ def _dense_op(ctx: QuantizeContext, x, kernel, bias, contracting_dims):
 
 #: One GEMM with its own recipe state; recipe read from autocast at trace time.
 DenseOp = wrap_function_in_state_module(_dense_op, None, "dense")
+#: A DenseOp's recipe context (same variables) for ops that run several GEMMs in one VJP.
+DenseContext = wrap_function_in_state_module(lambda ctx: ctx, None, "dense")
 
 
 def _canon_tuple(v, name) -> Tuple[int, ...]:
@@ -559,6 +563,24 @@ class LayerNormMLP(nn.Module):
             )
         wi, wi_b, wo, wo_b = _cast_for_math(inputs, wi, wi_b, wo, wo_b)
         y1 = _constrain(y, self.dot_1_input_axes)
+        dropout = self.intermediate_dropout_rate > 0 and not deterministic
+        M = int(np.prod(y1.shape[:-1]))
+        if lora is None and not dropout and _mlp_runs_fused(get_recipe(), acts, M, H, n_act * F):
+            # One VJP for both GEMMs: the activation kernels write the FP8 operands themselves.
+            c1, c2 = DenseContext(name="wi_op")(), DenseContext(name="wo_op")()
+            b1 = None if wi_b is None else wi_b.reshape(-1)
+            out = _mlp(
+                y1,
+                wi.reshape(H, n_act * F),
+                b1,
+                wo,
+                wo_b,
+                acts,
+                recipe=c1.recipe,
+                states=(c1.state, c2.state),
+                hidden_checkpoint_name=self.ffn1_ckpt_name,
+            )
+            return checkpoint_name(out, self.ffn2_ckpt_name), ln_output
         # (H, n_act, F) -> (H, n_act*F): the output's last axis holds the activation slots in order.
         h = DenseOp(name="wi_op")(
             y1, wi.reshape(H, n_act * F), None if wi_b is None else wi_b.reshape(-1), ((y1.ndim - 1,), (0,))
@@ -567,7 +589,7 @@ class LayerNormMLP(nn.Module):
             h = h + _lora_mlp(y1, lora[0], lora[1], self.low_rank_adaptation_alpha)
         h = checkpoint_name(h, self.ffn1_ckpt_name)
         z = _mlp_activation(h, acts, F)
-        if self.intermediate_dropout_rate > 0 and not deterministic:
+        if dropout:
             z = nn.Dropout(
                 self.intermediate_dropout_rate,
                 broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),

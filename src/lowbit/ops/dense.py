@@ -82,8 +82,13 @@ def _quantize_role(cfg: _Config, role: str, state, **kw):
     )
 
 
-def _forward(cfg: _Config, x, kernel, bias, state):
-    qx = poison_nonfinite(quantize(x, **_quantize_role(cfg, "x", state, rht=cfg.rht)))
+def quantize_input(cfg: _Config, x, state):
+    """x's FP8 copies (both layouts) under the recipe's "x" role."""
+    return poison_nonfinite(quantize(x, **_quantize_role(cfg, "x", state, rht=cfg.rht)))
+
+
+def forward_quantized(cfg: _Config, qx, kernel, bias, state):
+    """``y = qx . kernel (+ bias)`` from x's quantized copies; returns y and the kernel's copies."""
     qk = poison_nonfinite(quantize(kernel, **_quantize_role(cfg, "kernel", state)))
     y = gemm(
         qx,
@@ -94,24 +99,19 @@ def _forward(cfg: _Config, x, kernel, bias, state):
         out_dtype=gemm_out_dtype(cfg.out_dtype),
         fast_accum=cfg.fast_accum,
     )
-    return y.astype(cfg.out_dtype), qx, qk
+    return y.astype(cfg.out_dtype), qk
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dense_2d(cfg: _Config, x, kernel, bias, state, rng):
-    return _forward(cfg, x, kernel, bias, state)[0]
+def backward_residuals(qx, qk):
+    """The copies the backward reads: x's colwise (wgrad), the kernel's rowwise (dgrad)."""
+    return (
+        dataclasses.replace(qx, data=None, scale_inv=None),
+        dataclasses.replace(qk, colwise_data=None, colwise_scale_inv=None),
+    )
 
 
-def _dense_2d_fwd(cfg: _Config, x, kernel, bias, state, rng):
-    y, qx, qk = _forward(cfg, x, kernel, bias, state)
-    # Keep only the copies the backward reads: x's colwise (wgrad), the kernel's rowwise (dgrad).
-    qx_c = dataclasses.replace(qx, data=None, scale_inv=None)
-    qk_r = dataclasses.replace(qk, colwise_data=None, colwise_scale_inv=None)
-    return y, (qx_c, qk_r, state, rng)
-
-
-def _dense_2d_bwd(cfg: _Config, res, dy):
-    qx_c, qk_r, state, rng = res
+def quantize_grad(cfg: _Config, dy, state, rng):
+    """dy's FP8 copies under the "grad" role, and the bias gradient (None without bias)."""
     if cfg.stochastic and rng is None:
         raise ValueError(
             "dense: NVFP4BlockScaling rounds gradients stochastically and needs an rng key "
@@ -120,18 +120,39 @@ def _dense_2d_bwd(cfg: _Config, res, dy):
         )
     kw = dict(rht=cfg.rht, rng_key=rng if cfg.stochastic else None)
     q_kw = _quantize_role(cfg, "grad", state, **kw)
-    if cfg.bias_dtype is not None:
-        mode, q = q_kw.pop("scaling_mode"), q_kw.pop("q_dtype")
-        qdy, dbias = quantize_dbias(dy, mode, q, **q_kw)
-        qdy, dbias = poison_nonfinite(qdy), dbias.astype(cfg.bias_dtype)
-    else:
-        qdy, dbias = poison_nonfinite(quantize(dy, **q_kw)), None
+    if cfg.bias_dtype is None:
+        return poison_nonfinite(quantize(dy, **q_kw)), None
+    mode, q = q_kw.pop("scaling_mode"), q_kw.pop("q_dtype")
+    qdy, dbias = quantize_dbias(dy, mode, q, **q_kw)
+    return poison_nonfinite(qdy), dbias.astype(cfg.bias_dtype)
+
+
+def backward_quantized(cfg: _Config, qx_c, qk_r, state, qdy):
+    """dx, dkernel and (DelayedScaling) the state's cotangent from dy's quantized copies."""
     dx = gemm(qdy, qk_r, a_layout="rowwise", b_layout="rowwise", out_dtype=gemm_out_dtype(cfg.x_dtype))
     dk = gemm(qx_c, qdy, a_layout="colwise", b_layout="colwise", out_dtype=gemm_out_dtype(cfg.kernel_dtype))
     state_ct = None
     if cfg.delayed:
         state_ct = ds.advance_step(cfg.recipe, state, {"x": qx_c.amax, "kernel": qk_r.amax, "grad": qdy.amax})
-    return dx.astype(cfg.x_dtype), dk.astype(cfg.kernel_dtype), dbias, state_ct, None
+    return dx.astype(cfg.x_dtype), dk.astype(cfg.kernel_dtype), state_ct
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dense_2d(cfg: _Config, x, kernel, bias, state, rng):
+    return forward_quantized(cfg, quantize_input(cfg, x, state), kernel, bias, state)[0]
+
+
+def _dense_2d_fwd(cfg: _Config, x, kernel, bias, state, rng):
+    qx = quantize_input(cfg, x, state)
+    y, qk = forward_quantized(cfg, qx, kernel, bias, state)
+    return y, (*backward_residuals(qx, qk), state, rng)
+
+
+def _dense_2d_bwd(cfg: _Config, res, dy):
+    qx_c, qk_r, state, rng = res
+    qdy, dbias = quantize_grad(cfg, dy, state, rng)
+    dx, dk, state_ct = backward_quantized(cfg, qx_c, qk_r, state, qdy)
+    return dx, dk, dbias, state_ct, None
 
 
 _dense_2d.defvjp(_dense_2d_fwd, _dense_2d_bwd)
