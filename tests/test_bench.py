@@ -86,6 +86,11 @@ def test_layer_cudnn_dropout_case_runs_where_cudnn_dropout_is_allowed(monkeypatc
     assert set(layer._CHILD_ENV) < set(names)
     assert "lowbit delayed, attention dropout 0.1" in names
     monkeypatch.delenv("LOWBIT_CUDNN_DROPOUT", raising=False)
-    for env in layer._CHILD_ENV.values():
-        monkeypatch.setenv("XLA_FLAGS", env["XLA_FLAGS"])
+    flags = [env["XLA_FLAGS"] for env in layer._CHILD_ENV.values() if "XLA_FLAGS" in env]
+    assert flags
+    for f in flags:
+        monkeypatch.setenv("XLA_FLAGS", f)
         assert _cudnn_dropout_allowed(None)
+    # The fast-accumulation case sets TransformerEngine's switches in its child only.
+    fast = layer._CHILD_ENV[layer._FAST_ACC_CHILD]
+    assert fast == {"NVTE_JAX_FP8_2X_ACC_DGRAD": "0", "NVTE_JAX_FP8_2X_ACC_WGRAD": "0"}

@@ -71,6 +71,13 @@ def _cases():
             "the seed layer's attention dropout (default XLA_FLAGS: reference dropout path)",
         ),
         (
+            _FAST_ACC_CHILD,
+            ours(0.0),
+            jnp.bfloat16,
+            lowbit.DelayedScaling(),
+            "NVTE_JAX_FP8_2X_ACC_DGRAD=0 NVTE_JAX_FP8_2X_ACC_WGRAD=0 (TE's switches; default: split)",
+        ),
+        (
             _DROPOUT_CHILD,
             ours(0.1),
             jnp.bfloat16,
@@ -88,6 +95,9 @@ _CHILD_ENV = {
     },
 }
 _DROPOUT_CHILD = "lowbit delayed, attention dropout 0.1, cuDNN dropout"
+# The gradients' FP8 GEMMs with fast accumulation (TransformerEngine's environment switches).
+_FAST_ACC_CHILD = "lowbit delayed, fast accumulation in dgrad/wgrad"
+_CHILD_ENV[_FAST_ACC_CHILD] = {"NVTE_JAX_FP8_2X_ACC_DGRAD": "0", "NVTE_JAX_FP8_2X_ACC_WGRAD": "0"}
 
 
 def build_case(name: str, cfg: dict, key, drop):

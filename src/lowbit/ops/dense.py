@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Optional, Sequence
 
 import jax
@@ -46,6 +47,10 @@ class _Config:
     kernel_dtype: Any
     bias_dtype: Any  # None without bias
     fast_accum: bool
+    # FP8 backward GEMMs: cuBLASLt's fast accumulation instead of split (2x) accumulation
+    # (TransformerEngine's NVTE_JAX_FP8_2X_ACC_DGRAD / _WGRAD = 0; split by default, as in TE).
+    fast_accum_dgrad: bool = False
+    fast_accum_wgrad: bool = False
 
     @property
     def delayed(self) -> bool:
@@ -66,6 +71,33 @@ class _Config:
     @property
     def stochastic(self) -> bool:
         return self.nvfp4 and not self.recipe.disable_stochastic_rounding
+
+
+def split_accumulation(gemm: str) -> bool:
+    """TransformerEngine's ``NVTE_JAX_FP8_2X_ACC_<gemm>`` (FPROP, DGRAD, WGRAD): whether that FP8
+    GEMM accumulates in split (2x) precision. TE's defaults: fprop 0, dgrad and wgrad 1."""
+    name = f"NVTE_JAX_FP8_2X_ACC_{gemm}"
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return gemm != "FPROP"
+    if v not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def make_config(recipe, out_dtype, x_dtype, kernel, bias, fast_accum: bool) -> _Config:
+    """The dense configuration; the accumulation of each FP8 GEMM as TE's environment says
+    (``fast_accum=False`` keeps split accumulation in the forward GEMM whatever it says)."""
+    return _Config(
+        recipe=recipe,
+        out_dtype=out_dtype,
+        x_dtype=np.dtype(x_dtype),
+        kernel_dtype=np.dtype(kernel.dtype),
+        bias_dtype=None if bias is None else np.dtype(bias.dtype),
+        fast_accum=bool(fast_accum) and not split_accumulation("FPROP"),
+        fast_accum_dgrad=not split_accumulation("DGRAD"),
+        fast_accum_wgrad=not split_accumulation("WGRAD"),
+    )
 
 
 def _quantize_role(cfg: _Config, role: str, state, **kw):
@@ -129,8 +161,22 @@ def quantize_grad(cfg: _Config, dy, state, rng):
 
 def backward_quantized(cfg: _Config, qx_c, qk_r, state, qdy):
     """dx, dkernel and (DelayedScaling) the state's cotangent from dy's quantized copies."""
-    dx = gemm(qdy, qk_r, a_layout="rowwise", b_layout="rowwise", out_dtype=gemm_out_dtype(cfg.x_dtype))
-    dk = gemm(qx_c, qdy, a_layout="colwise", b_layout="colwise", out_dtype=gemm_out_dtype(cfg.kernel_dtype))
+    dx = gemm(
+        qdy,
+        qk_r,
+        a_layout="rowwise",
+        b_layout="rowwise",
+        out_dtype=gemm_out_dtype(cfg.x_dtype),
+        fast_accum=cfg.fast_accum_dgrad,
+    )
+    dk = gemm(
+        qx_c,
+        qdy,
+        a_layout="colwise",
+        b_layout="colwise",
+        out_dtype=gemm_out_dtype(cfg.kernel_dtype),
+        fast_accum=cfg.fast_accum_wgrad,
+    )
     state_ct = None
     if cfg.delayed:
         state_ct = ds.advance_step(cfg.recipe, state, {"x": qx_c.amax, "kernel": qk_r.amax, "grad": qdy.amax})
@@ -234,7 +280,9 @@ def dense(
         "gradient" is the updated state.
       rng: NVFP4 with stochastic rounding: a PRNG key for the gradient's rounding.
       out_dtype: default ``jnp.result_type(x, kernel)``.
-      fast_accum: FP8 GPU GEMMs: fast accumulation for the forward GEMM (not the gradients).
+      fast_accum: FP8 GPU GEMMs: fast accumulation for the forward GEMM. The gradients' GEMMs
+        use split accumulation unless ``NVTE_JAX_FP8_2X_ACC_DGRAD`` / ``_WGRAD`` = 0 (and
+        ``NVTE_JAX_FP8_2X_ACC_FPROP=1`` turns the forward's off), as in TransformerEngine.
 
     Returns:
       ``x.shape[:-c] + F...``.
@@ -298,14 +346,7 @@ def dense(
     if rng is not None and not isinstance(recipe, NVFP4BlockScaling):
         rng = None  # only NVFP4's stochastic rounding draws random bits
 
-    cfg = _Config(
-        recipe=recipe,
-        out_dtype=out_dtype,
-        x_dtype=np.dtype(x.dtype),
-        kernel_dtype=np.dtype(kernel.dtype),
-        bias_dtype=None if bias is None else np.dtype(bias.dtype),
-        fast_accum=bool(fast_accum),
-    )
+    cfg = make_config(recipe, out_dtype, x.dtype, kernel, bias, fast_accum)
     x2 = x.reshape(M, K)
     # Block-scaled colwise copies need the token count in whole blocks: zero rows change no
     # result (nor any amax, nor the bias gradient), so pad and slice.

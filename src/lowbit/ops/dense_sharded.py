@@ -188,8 +188,8 @@ def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
             db = jnp.sum(dy.astype(jnp.float32), axis=0)
         qx = _local_tensor(cfg, "x", xc, xcs, colwise=True)
         qk = _local_tensor(cfg, "kernel", kr, krs, colwise=False)
-        dx = _mm(qdy, qk, "rowwise", "rowwise", cfg.x_dtype, plan.n_axes)
-        dk = _mm(qx, qdy, "colwise", "colwise", cfg.kernel_dtype, plan.batch)
+        dx = _mm(qdy, qk, "rowwise", "rowwise", cfg.x_dtype, plan.n_axes, fast_accum=cfg.fast_accum_dgrad)
+        dk = _mm(qx, qdy, "colwise", "colwise", cfg.kernel_dtype, plan.batch, fast_accum=cfg.fast_accum_wgrad)
         if db is not None:
             db = (jax.lax.psum(db, plan.batch) if plan.batch else db).astype(cfg.bias_dtype)
         return dx, dk, db, qdy.amax

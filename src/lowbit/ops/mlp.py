@@ -173,17 +173,9 @@ def mlp(
     s1 = ds.check_state_arg("mlp", recipe, states[0], "lowbit.init_delayed_state(recipe)")
     s2 = ds.check_state_arg("mlp", recipe, states[1], "lowbit.init_delayed_state(recipe)")
 
-    def config(a_dtype, k, b):
-        return dense_mod._Config(
-            recipe=recipe,
-            out_dtype=out_dtype,
-            x_dtype=np.dtype(a_dtype),
-            kernel_dtype=np.dtype(k.dtype),
-            bias_dtype=None if b is None else np.dtype(b.dtype),
-            fast_accum=True,
-        )
-
-    cfg = _MlpConfig(config(x.dtype, k1, b1), config(out_dtype, k2, b2), act, gated, hidden_checkpoint_name)
+    first = dense_mod.make_config(recipe, out_dtype, x.dtype, k1, b1, True)
+    second = dense_mod.make_config(recipe, out_dtype, out_dtype, k2, b2, True)
+    cfg = _MlpConfig(first, second, act, gated, hidden_checkpoint_name)
     y = _mlp_2d(cfg, x.reshape(M, K), k1, b1, k2, b2, s1, s2)
     return y.reshape(lead + (N,))
 
