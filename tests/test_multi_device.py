@@ -91,7 +91,7 @@ def test_seed_check_names_each_problem():
 # ---------------------------------------------------------------------------------------------
 # On 4 host devices (subprocess)
 # ---------------------------------------------------------------------------------------------
-CASES = ("seed", "layers", "moe")
+CASES = ("seed", "layers", "moe", "no_zero_size_operands")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -273,6 +273,29 @@ def _worker(case: str) -> None:
                     assert audit["counts"]["all-gather"] == 0 and audit["counts"]["all-to-all"] == 0, audit[
                         "counts"
                     ]
+    elif case == "no_zero_size_operands":
+        # lowbit's zero-length stand-in operands must stay inside the manual region: passed in as
+        # shard_map operands (closed-over NumPy constants), jax 0.11.2's XLA segfaulted compiling
+        # every lowbit op under shard_map (found on 2 H200s; reproduced on 2 host devices).
+        from lowbit.sharding import shard_map
+
+        mesh = md._mesh((N_DEV,), ("dp",))
+        CT = lowbit.ScalingMode.CURRENT_TENSOR_SCALING
+
+        def body(x):
+            q = lowbit.quantize(x, CT, jnp.float8_e4m3fn, layout="both")
+            return lowbit.gemm(q, q, a_layout="rowwise", b_layout="rowwise", out_dtype=jnp.float32)
+
+        g = shard_map(body, mesh, (P("dp", None),), P("dp", None))
+        x = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
+        eqns = [e for e in jax.make_jaxpr(g)(x).jaxpr.eqns if e.primitive.name == "shard_map"]
+        assert eqns, "no shard_map in the jaxpr"
+        shapes = [tuple(v.aval.shape) for e in eqns for v in e.invars]
+        assert all(0 not in s for s in shapes), shapes
+        got = np.asarray(jax.jit(g)(x))
+        xs = np.asarray(x, np.float64).reshape(N_DEV, -1, 32)
+        want = np.concatenate([b @ b.T for b in xs])  # each shard's x . x^T
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
     elif case == "moe":
         T, d, ff, E, k = 64, 32, 64, 8, 2
         p = md.moe_params(jax.random.PRNGKey(0), d, ff, E, k)

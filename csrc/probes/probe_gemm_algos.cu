@@ -20,13 +20,13 @@
       exit(1);                                                                       \
     }                                                                                \
   } while (0)
-#define LT(x)                                                      \
-  do {                                                             \
-    cublasStatus_t st_ = (x);                                      \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                            \
+#define LT(x)                                                               \
+  do {                                                                      \
+    cublasStatus_t st_ = (x);                                               \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                     \
       printf("cuBLASLt error %d at %s:%d\n", int(st_), __FILE__, __LINE__); \
-      exit(1);                                                     \
-    }                                                              \
+      exit(1);                                                              \
+    }                                                                       \
   } while (0)
 
 struct Shape {

@@ -158,6 +158,12 @@ def ffi_call(op: str, result_types, *operands, workspace: Optional[Sequence[int]
     uint8 result (XLA owns it, so it stays valid in CUDA graphs), which is not returned.
     ``result_types``: one ShapeDtypeStruct (one array returned) or a tuple of them."""
     ensure_loaded()
+    # Zero-length stand-ins as values made in the trace, not closed-over NumPy constants: inside
+    # shard_map on GPUs, XLA (jax 0.11.2) passed those constants into the manual region as
+    # zero-sized operands and segfaulted in its post-partitioning simplification.
+    operands = tuple(
+        jnp.zeros(o.shape, o.dtype) if isinstance(o, np.ndarray) and o.size == 0 else o for o in operands
+    )
     if workspace is None:
         return jax.ffi.ffi_call(f"lowbit_{op}", result_types, vmap_method="sequential")(*operands, **attrs)
     single = isinstance(result_types, jax.ShapeDtypeStruct)
