@@ -15,15 +15,31 @@ namespace {
 // Flag bits of the `flags` attribute (src/lowbit/quantize/scaling_modes.py mirrors them).
 constexpr int32_t kRowwise = 1, kColwise = 2, kDbias = 4, kStochastic = 8, kRht = 16, kPow2 = 32;
 
-ffi::Error Quantize(LOWBIT_PLATFORM_CTX Buf x, Buf scale, Buf seed, Ret data, Ret scale_inv,
-                    Ret cw_data, Ret cw_scale_inv, Ret amax, Ret global_scale_inv, Ret dbias,
-                    Ret workspace, int32_t mode, int32_t q_dtype, int32_t flags,
+// x1, x2: further parts of x along the columns ((0,) when x is whole): the quantized tensor is
+// the concatenation [x | x1 | x2], each part (R, C) with the same dtype.
+ffi::Error Quantize(LOWBIT_PLATFORM_CTX Buf x, Buf x1, Buf x2, Buf scale, Buf seed, Ret data,
+                    Ret scale_inv, Ret cw_data, Ret cw_scale_inv, Ret amax, Ret global_scale_inv,
+                    Ret dbias, Ret workspace, int32_t mode, int32_t q_dtype, int32_t flags,
                     int32_t rht_sign_mask, float amax_epsilon) {
   QuantizeParams p;
   if (!dims_2d(x, &p.rows, &p.cols)) return to_error(Status::Invalid("quantize: x must be 2-D"));
   if (!to_dtype(x.element_type(), &p.x_dtype))
     return to_error(Status::Invalid("quantize: unsupported input dtype"));
   p.x = x.untyped_data();
+  if (x1.element_count() != 0) {
+    p.x_parts[0] = x.untyped_data();
+    p.n_parts = 1;
+    for (const Buf* part : {&x1, &x2}) {
+      if (part->element_count() == 0) continue;
+      int64_t r = 0, c = 0;
+      if (!dims_2d(*part, &r, &c) || r != p.rows || c != p.cols ||
+          part->element_type() != x.element_type())
+        return to_error(Status::Invalid("quantize: the parts of x must share shape and dtype"));
+      p.x_parts[p.n_parts++] = part->untyped_data();
+    }
+    p.part_cols = p.cols;
+    p.cols *= p.n_parts;
+  }
   p.mode = static_cast<ScalingMode>(mode);
   p.q_dtype = static_cast<DType>(q_dtype);
   p.rowwise = flags & kRowwise;
@@ -108,7 +124,9 @@ ffi::Error GroupedQuantize(LOWBIT_PLATFORM_CTX Buf x, ffi::Buffer<ffi::S32> grou
 
 LOWBIT_HANDLER(lowbit_quantize, Quantize,
                LOWBIT_BIND()
-                   .Arg<Buf>()  // x (R, C)
+                   .Arg<Buf>()  // x (R, C), or its first part
+                   .Arg<Buf>()  // x's second part or (0,)
+                   .Arg<Buf>()  // x's third part or (0,)
                    .Arg<Buf>()  // scale (1,) f32 or (0,)
                    .Arg<Buf>()  // sr seed (2,) u32 or (0,)
                    .Ret<Buf>()  // data

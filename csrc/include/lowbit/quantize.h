@@ -14,11 +14,20 @@ namespace lowbit {
 // Default sign mask of the 16-point random Hadamard transform.
 constexpr uint32_t kDefaultRhtSignMask = 0xA759u;
 
+// Most parts of QuantizeParams::x_parts.
+constexpr int kMaxQuantizeParts = 3;
+
 struct QuantizeParams {
   // Input: row-major (rows, cols), float32/bfloat16/float16.
   const void* x = nullptr;
   DType x_dtype = DType::kBF16;
   int64_t rows = 0, cols = 0;
+  // x given in parts (tensor scaling only): x is the concatenation along the columns of
+  // x_parts[0..n_parts), each (rows, part_cols) row-major; cols = n_parts * part_cols. Saves the
+  // concatenation of gradients that arrive split (dq, dk, dv of a fused QKV projection).
+  const void* x_parts[kMaxQuantizeParts] = {};
+  int n_parts = 0;
+  int64_t part_cols = 0;
 
   ScalingMode mode = ScalingMode::kCurrentTensor;
   DType q_dtype = DType::kE4M3;  // E4M3/E5M2, or E2M1 for NVFP4; input dtype for kNoScaling

@@ -82,6 +82,14 @@ Status validate(const QuantizeParams& p) {
   if (p.mode == ScalingMode::kDelayedTensor && !p.scale)
     return Status::Invalid("delayed scaling needs a scale");
   if (!p.amax) return Status::Invalid("amax output missing");
+  if (p.n_parts) {
+    if (p.mode != ScalingMode::kDelayedTensor && p.mode != ScalingMode::kCurrentTensor)
+      return Status::Invalid("quantize: inputs in parts need tensor scaling");
+    if (p.n_parts < 2 || p.n_parts > kMaxQuantizeParts || p.part_cols * p.n_parts != p.cols)
+      return Status::Invalid("quantize: parts must be 2 or 3 inputs of equal shape");
+    for (int i = 0; i < p.n_parts; ++i)
+      if (!p.x_parts[i]) return Status::Invalid("quantize: an input part is missing");
+  }
   if (is_nvfp4(p.mode) && !p.global_scale_inv) return Status::Invalid("global_scale_inv missing");
   const int64_t n = p.rows * p.cols;
   if (n > 0) {

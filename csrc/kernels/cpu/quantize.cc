@@ -127,7 +127,14 @@ Status quantize_cpu(const QuantizeParams& p) {
   FpuExactGuard guard;
   const int64_t R = p.rows, C = p.cols, n = R * C;
   std::vector<float> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) v[i] = load_value(p.x, p.x_dtype, i);
+  if (p.n_parts) {  // the parts' concatenation along the columns
+    const int64_t P = p.part_cols;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c)
+        v[r * C + c] = load_value(p.x_parts[c / P], p.x_dtype, r * P + c % P);
+  } else {
+    for (int64_t i = 0; i < n; ++i) v[i] = load_value(p.x, p.x_dtype, i);
+  }
 
   const float amax = amax_of(v.data(), n);
   *p.amax = amax;

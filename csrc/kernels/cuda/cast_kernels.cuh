@@ -37,6 +37,10 @@ struct CastArgs {
   float* dbias_part = nullptr;  // [ceil(R/kTileR)][C] per-tile column sums, or null
   const int32_t* row_group = nullptr;  // grouped: each row's group, -1 for none
   uint32_t tiles_c = 0;                // tile columns (set by set_tiles)
+  // x in parts (QuantizeParams::x_parts; the PARTS kernels): part i holds columns
+  // [i * part_cols, (i + 1) * part_cols), row stride part_cols; part_cols is whole tiles.
+  const void* parts[kMaxQuantizeParts] = {};
+  int64_t part_cols = 0;
 };
 
 // Tile count of the fused cast; false when it does not fit a 1-D grid.
@@ -79,7 +83,7 @@ template <int IN, int KIND, bool GROUPED>
 constexpr int tile_min_blocks() {
   return IN != 0 && (KIND == kTensor || KIND == kMx) ? (GROUPED ? 2 : 3) : 1;
 }
-template <int IN, int KIND, int FMT, bool GROUPED>
+template <int IN, int KIND, int FMT, bool GROUPED, bool PARTS = false>
 __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPED>())
     cast_tile_kernel(const CastArgs a) {
   using T = typename In<IN>::T;
@@ -100,9 +104,17 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int64_t R = a.R, C = a.C;
-  const T* __restrict__ x = static_cast<const T*>(a.x);
   const uint32_t tr = blockIdx.x / a.tiles_c, tc = blockIdx.x - tr * a.tiles_c;
   const int64_t r0 = int64_t(tr) * kTileR, c0 = int64_t(tc) * kTileC;
+  // The tile's source: x (row stride C), or the part that holds its columns.
+  const T* __restrict__ x = static_cast<const T*>(a.x);
+  int64_t ld = C, xc0 = 0;
+  if constexpr (PARTS) {
+    const int part = int(c0 / a.part_cols);
+    x = static_cast<const T*>(a.parts[part]);
+    ld = a.part_cols;
+    xc0 = int64_t(part) * a.part_cols;
+  }
 
   // 1. load: all loads issued before any use; out-of-range chunks read as zeros.
   uint4 raw[PER];
@@ -110,7 +122,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
   for (int i = 0; i < PER; ++i) {
     const int id = i * kTileThreads + t, lr = id / CPR, lc = (id % CPR) * CH;
     const int64_t gr = r0 + lr, gc = c0 + lc;
-    raw[i] = (gr < R && gc < C) ? __ldg(reinterpret_cast<const uint4*>(x + gr * C + gc))
+    raw[i] = (gr < R && gc < C) ? __ldg(reinterpret_cast<const uint4*>(x + gr * ld + (gc - xc0)))
                                 : make_uint4(0u, 0u, 0u, 0u);
   }
   if constexpr (GROUPED) {

@@ -172,6 +172,15 @@ template <int IN>
 Status launch_amax(const QuantizeParams& p, float* out, cudaStream_t st) {
   const int64_t n = p.rows * p.cols;
   if (n == 0) return Status::Ok();
+  if (p.n_parts) {  // each part into the same amax
+    const int64_t np = p.rows * p.part_cols;
+    for (int i = 0; i < p.n_parts; ++i) {
+      const void* xi = p.x_parts[i];
+      amax_kernel<IN><<<grid_for(np / 8 + 1, 256, 2048), 256, 0, st>>>(xi, np, aligned16(xi), out);
+      if (auto s = launch_status("amax_kernel"); !s.ok()) return s;
+    }
+    return Status::Ok();
+  }
   amax_kernel<IN><<<grid_for(n / 8 + 1, 256, 2048), 256, 0, st>>>(p.x, n, aligned16(p.x), out);
   return launch_status("amax_kernel");
 }
@@ -201,8 +210,13 @@ Status run_noscale(const QuantizeParams& p, cudaStream_t st) {
 
 // The fast tile kernel needs whole 16-element chunks and 16-byte aligned rows.
 bool fast_path(const QuantizeParams& p) {
-  return p.rows % 16 == 0 && p.cols % 16 == 0 && aligned16(p.x) &&
-         (!p.rowwise || aligned16(p.data)) && (!p.colwise || aligned16(p.colwise_data));
+  bool x_ok = aligned16(p.x);
+  if (p.n_parts) {  // every part aligned, and each part whole tiles
+    x_ok = p.part_cols % kTileC == 0;
+    for (int i = 0; i < p.n_parts; ++i) x_ok = x_ok && aligned16(p.x_parts[i]);
+  }
+  return p.rows % 16 == 0 && p.cols % 16 == 0 && x_ok && (!p.rowwise || aligned16(p.data)) &&
+         (!p.colwise || aligned16(p.colwise_data));
 }
 
 template <int IN, int KIND, int FMT>
@@ -215,6 +229,10 @@ Status run_cast(const QuantizeParams& p, cudaStream_t st) {
   const bool dbias_fast = fast && p.dbias != nullptr;
   if ((rht_amax || dbias_fast) && ws == nullptr)
     return Status::Invalid("quantize: workspace missing");
+  if (p.n_parts && n > 0 && !fast)
+    return Status::Invalid(
+        "quantize: inputs in parts need rows a multiple of 16, each part's columns a multiple of "
+        "64 and 16-byte aligned buffers");
   if (n > 0 && ((p.rowwise && p.data == nullptr) || (p.colwise && p.colwise_data == nullptr)))
     return Status::Invalid("quantize: output missing");
   // The amax is needed before the cast for current scaling and NVFP4; otherwise the fast cast
@@ -263,6 +281,8 @@ Status run_cast(const QuantizeParams& p, cudaStream_t st) {
     a.x = p.x;
     a.R = R;
     a.C = C;
+    for (int i = 0; i < p.n_parts; ++i) a.parts[i] = p.x_parts[i];
+    a.part_cols = p.part_cols;
     a.rowwise = p.rowwise;
     a.colwise = p.colwise;
     a.q_row = static_cast<uint8_t*>(p.data);
@@ -283,7 +303,14 @@ Status run_cast(const QuantizeParams& p, cudaStream_t st) {
       a.dbias_part = dbias_fast
                          ? reinterpret_cast<float*>(static_cast<char*>(p.workspace) + kScalarBytes)
                          : nullptr;
-      cast_tile_kernel<IN, KIND, FMT, false><<<unsigned(tiles), kTileThreads, 0, st>>>(a);
+      if constexpr (KIND == kTensor) {
+        if (p.n_parts)
+          cast_tile_kernel<IN, KIND, FMT, false, true><<<unsigned(tiles), kTileThreads, 0, st>>>(a);
+        else
+          cast_tile_kernel<IN, KIND, FMT, false><<<unsigned(tiles), kTileThreads, 0, st>>>(a);
+      } else {
+        cast_tile_kernel<IN, KIND, FMT, false><<<unsigned(tiles), kTileThreads, 0, st>>>(a);
+      }
       if (auto s = launch_status("cast_tile_kernel"); !s.ok()) return s;
       if (dbias_fast) {
         dbias_reduce_kernel<IN>

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from lowbit.flax.modules import DenseGeneral, LayerNormDenseGeneral, check_norm_type
+from lowbit.flax.modules import DenseGeneral, LayerNormDenseGeneral, check_norm_type, split_first_feature_axis
 from lowbit.flax.positions import canonical_group_method, check_rotary_windows, rotary_pos_emb
 from lowbit.ops.softmax import softmax as _softmax
 from lowbit.sharding import tensor_parallel_layout
@@ -669,19 +669,23 @@ class MultiHeadAttention(nn.Module):
         )
         rlo = bool(self.return_layernorm_output)
         if self.fuse_qkv_params and is_self and g == h:
-            qkv, ln_out = LayerNormDenseGeneral(
-                features=(3, h * d),
-                kernel_init=stacked_init(3, query_init),
-                kernel_axes=(W_FSDP_AXES, W_JOINED_AXES, W_TP_AXES),
-                bias_axes=(W_JOINED_AXES, W_TP_AXES),
-                return_layernorm_output=rlo,
-                enable_low_rank_adaptation=lora_qkv,
-                name="qkv",
-                **norm,
-                **common,
-            )(inputs_q)
-            qkv = checkpoint_name(qkv, "combined_qkv_proj")
-            q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+            with split_first_feature_axis():  # q, k, v as three arrays: no split or concat copies
+                qkv, ln_out = LayerNormDenseGeneral(
+                    features=(3, h * d),
+                    kernel_init=stacked_init(3, query_init),
+                    kernel_axes=(W_FSDP_AXES, W_JOINED_AXES, W_TP_AXES),
+                    bias_axes=(W_JOINED_AXES, W_TP_AXES),
+                    return_layernorm_output=rlo,
+                    enable_low_rank_adaptation=lora_qkv,
+                    name="qkv",
+                    **norm,
+                    **common,
+                )(inputs_q)
+            if isinstance(qkv, tuple):
+                q, k, v = (checkpoint_name(t, "combined_qkv_proj") for t in qkv)
+            else:
+                qkv = checkpoint_name(qkv, "combined_qkv_proj")
+                q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         else:
             q, ln_out = LayerNormDenseGeneral(
                 features=h * d,

@@ -12,6 +12,8 @@ TransformerEngine); outputs have the input's dtype. ``*_axes`` are logical axis 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
@@ -25,6 +27,7 @@ from lowbit.flax.state_module import QuantizeContext, wrap_function_in_state_mod
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
 from lowbit.ops.dense import dense as _dense
+from lowbit.ops.dense_split import split_dense as _split_dense
 from lowbit.ops.mlp import mlp as _mlp
 from lowbit.ops.mlp import runs_fused as _mlp_runs_fused
 from lowbit.ops.norm import NORM_TYPES
@@ -43,6 +46,29 @@ def _dense_op(ctx: QuantizeContext, x, kernel, bias, contracting_dims):
 DenseOp = wrap_function_in_state_module(_dense_op, None, "dense")
 #: A DenseOp's recipe context (same variables) for ops that run several GEMMs in one VJP.
 DenseContext = wrap_function_in_state_module(lambda ctx: ctx, None, "dense")
+
+
+def _split_dense_op(ctx: QuantizeContext, x, kernel, bias):
+    return _split_dense(x, kernel, bias, recipe=ctx.recipe, state=ctx.state, out_dtype=x.dtype)
+
+
+#: DenseOp (same variables) returning the slots of the kernel's first feature axis separately.
+SplitDenseOp = wrap_function_in_state_module(_split_dense_op, None, "dense")
+
+#: Set around a fused QKV projection (MultiHeadAttention): DenseGeneral / LayerNormDenseGeneral
+#: with features (n, F) return their n slots as a tuple, whose gradients then need no concat.
+_SPLIT_FEATURES = contextvars.ContextVar("lowbit_split_features", default=False)
+
+
+@contextlib.contextmanager
+def split_first_feature_axis():
+    """Within: a (LayerNorm)DenseGeneral with two feature axes and no LoRA returns a tuple of
+    its first axis's slots (the arrays ``out[..., i, :]``)."""
+    token = _SPLIT_FEATURES.set(True)
+    try:
+        yield
+    finally:
+        _SPLIT_FEATURES.reset(token)
 
 
 def _canon_tuple(v, name) -> Tuple[int, ...]:
@@ -187,6 +213,8 @@ def _dense_general(m, x, features, axis, owner: str):
     bias = _param(m, "bias", m.bias_init, features, m.dtype, m.bias_axes) if m.use_bias else None
     k, b = _cast_for_math(x, kernel, bias)
     dims = (tuple(range(nd - c, nd)), tuple(range(c)))
+    if _SPLIT_FEATURES.get() and c == 1 and len(features) == 2 and not m.enable_low_rank_adaptation:
+        return SplitDenseOp(name="dense_op")(x, k, b)
     y = DenseOp(name="dense_op")(x, k, b, dims)
     if m.enable_low_rank_adaptation:
         y = y + _lora(m, x, in_shape, features, owner)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +193,55 @@ def quantize_dbias(
     )
 
 
+def parts_fusable(parts: Sequence, scaling_mode) -> bool:
+    """Whether :func:`quantize_parts` reads ``parts`` in place (else it concatenates them first):
+    tensor scaling, 2 or 3 arrays of one shape (..., C) and dtype, rows a multiple of 16 and C of
+    64 (the CUDA cast kernel's tiles)."""
+    if not 2 <= len(parts) <= 3 or not ScalingMode(int(scaling_mode)).is_tensor_scaling:
+        return False
+    shapes = {tuple(p.shape) for p in parts}
+    dtypes = {np.dtype(p.dtype) for p in parts}
+    if len(shapes) != 1 or len(dtypes) != 1:
+        return False
+    shape = shapes.pop()
+    return len(shape) >= 2 and prod(shape[:-1]) % 16 == 0 and shape[-1] % 64 == 0
+
+
+def quantize_parts(
+    parts: Sequence[ArrayLike],
+    scaling_mode: ScalingMode,
+    q_dtype: Optional[DTypeLike] = None,
+    *,
+    scale: Optional[ArrayLike] = None,
+    layout: str = "both",
+    dbias: bool = False,
+) -> tuple[ScaledTensor, Optional[jax.Array]]:
+    """:func:`quantize_dbias` (``dbias``) or :func:`quantize` of ``jnp.concatenate(parts, -1)``
+    without writing the concatenation (when :func:`parts_fusable`): the kernel reads each part
+    where it lies. For gradients that arrive split, as dq, dk and dv of a fused QKV projection.
+    Returns ``(ScaledTensor, dbias or None)``."""
+    parts = [check_input(p, "parts") for p in parts]
+    if not parts:
+        raise ValueError("quantize_parts: parts must hold at least one array")
+    mode = check_scaling_mode(scaling_mode)
+    if not parts_fusable(parts, mode):
+        x = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+        return _quantize_impl(x, mode, q_dtype, scale, layout, -1, None, False, DEFAULT_RHT_SIGN_MASK, dbias)
+    return _quantize_impl(
+        parts[0],
+        mode,
+        q_dtype,
+        scale,
+        layout,
+        -1,
+        None,
+        False,
+        DEFAULT_RHT_SIGN_MASK,
+        dbias,
+        extra_parts=parts[1:],
+    )
+
+
 def _check_block_options(mode: ScalingMode, power_2_scale, amax_epsilon) -> float:
     """power_2_scale / amax_epsilon: FP8 block scaling's options; the epsilon as a float."""
     if not isinstance(power_2_scale, (bool, np.bool_)):
@@ -222,13 +271,15 @@ def _quantize_impl(
     dbias,
     power_2_scale=False,
     amax_epsilon=0.0,
+    extra_parts=(),
 ):
     x = check_input(x)
     mode = check_scaling_mode(scaling_mode)
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
-    shape = tuple(x.shape)
+    n_parts = 1 + len(extra_parts)  # x and extra_parts: the columns of one tensor (quantize_parts)
+    shape = tuple(x.shape[:-1]) + (x.shape[-1] * n_parts,) if extra_parts else tuple(x.shape)
     axis = _check_flatten_axis(flatten_axis, x.ndim)
     _check_block_multiple(mode, shape, axis, rowwise, colwise)
     rows, cols = prod(shape[:axis]), prod(shape[axis:])
@@ -289,7 +340,11 @@ def _quantize_impl(
     data, s_inv, cw_data, cw_s_inv, amax, gsi, db = _native.ffi_call(
         "quantize",
         out_types,
-        x.reshape(rows, cols),
+        x.reshape(rows, cols // n_parts),
+        *(
+            extra_parts[i].reshape(rows, cols // n_parts) if i < len(extra_parts) else _native.EMPTY_F32
+            for i in range(2)
+        ),
         scale,
         seed,
         workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), rows, cols),

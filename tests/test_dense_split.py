@@ -1,0 +1,150 @@
+"""quantize_parts (the concatenation of parts quantized where they lie) and split_dense (a dense
+whose n output slots come back as n gradients): both equal their unfused compositions bit for
+bit; MultiHeadAttention's fused QKV projection takes them."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_on, to_cpu
+
+import lowbit
+from lowbit import flax as lf
+from lowbit.ops.dense import dense
+from lowbit.ops.dense_split import split_dense
+from lowbit.ops.quantize import parts_fusable, quantize_dbias, quantize_parts
+
+SM = lowbit.ScalingMode
+RECIPES = {"delayed": lowbit.DelayedScaling(amax_history_len=4), "current": lowbit.Float8CurrentScaling()}
+
+
+def _bits(tree):
+    return [
+        np.asarray(a).view(np.uint8) if np.asarray(a).dtype.itemsize == 1 else np.asarray(a) for a in tree
+    ]
+
+
+@pytest.mark.parametrize(
+    "mode", [SM.CURRENT_TENSOR_SCALING, SM.DELAYED_TENSOR_SCALING], ids=["current", "delayed"]
+)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_quantize_parts_equals_concatenation(device, rng, mode, n, dtype):
+    parts = [jnp.asarray(rng.standard_normal((2, 24, 128)) * (i + 1), dtype) for i in range(n)]
+    parts[0] = parts[0].at[1, 3, 7].set(300.0)  # the amax sits in one part only
+    scale = jnp.float32(0.5) if mode == SM.DELAYED_TENSOR_SCALING else None
+    assert parts_fusable(parts, mode)
+
+    def fused(*ps):
+        return quantize_parts(ps, mode, jnp.float8_e5m2, scale=scale, dbias=True)
+
+    def whole(*ps):
+        return quantize_dbias(jnp.concatenate(ps, -1), mode, jnp.float8_e5m2, scale=scale, layout="both")
+
+    got = to_cpu(run_on(device, fused, *parts))
+    want = to_cpu(run_on(device, whole, *parts))
+    assert got[0].shape == (2, 24, 128 * n)
+    for a, b in zip(
+        _bits(jax.tree_util.tree_leaves(got)), _bits(jax.tree_util.tree_leaves(want)), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_quantize_parts_falls_back_to_concatenation(on_cpu, rng):
+    """Shapes the in-place kernel cannot take (rows not a multiple of 16, parts of 48 columns,
+    block scaling) are concatenated first: the same result."""
+    for shape, mode in (((10, 64), SM.CURRENT_TENSOR_SCALING), ((32, 48), SM.CURRENT_TENSOR_SCALING)):
+        parts = [jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3)]
+        assert not parts_fusable(parts, mode)
+        a, _ = quantize_parts(parts, mode, jnp.float8_e4m3fn)
+        b, _ = quantize_dbias(jnp.concatenate(parts, -1), mode, jnp.float8_e4m3fn, layout="both")
+        for u, v in zip(
+            _bits(jax.tree_util.tree_leaves(a)), _bits(jax.tree_util.tree_leaves(b)), strict=True
+        ):
+            np.testing.assert_array_equal(u, v)
+    parts = [jnp.ones((32, 128), jnp.bfloat16)] * 2
+    assert not parts_fusable(parts, SM.BLOCK_1D_SCALING)
+    assert not parts_fusable([parts[0], jnp.ones((32, 64), jnp.bfloat16)], SM.CURRENT_TENSOR_SCALING)
+
+
+def _operands(rng, n, bias, M=64, K=48, F=64):
+    x = jnp.asarray(rng.standard_normal((2, M // 2, K)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((K, n, F)) / np.sqrt(K), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((n, F)) * 0.1, jnp.float32) if bias else None
+    dys = [jnp.asarray(rng.standard_normal((2, M // 2, F)), jnp.float32) for _ in range(n)]
+    return x, k, b, dys
+
+
+def _loss(fn, recipe):
+    """(outputs, gradients of x, kernel, bias and state) of <outputs, dys>. The scalar loss is
+    left out: XLA's float32 reduction order differs between one buffer's slices and separate
+    buffers on the GPU."""
+
+    def loss(x, k, b, state, dys):
+        outs = fn(x, k, b, recipe, state)
+        return sum(jnp.vdot(o.astype(jnp.float32), d) for o, d in zip(outs, dys)), outs
+
+    def run(x, k, b, state, dys):
+        (_, outs), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, k, b, state, dys)
+        return outs, grads
+
+    return run
+
+
+def _split(x, k, b, recipe, state):
+    return split_dense(x, k, b, recipe=recipe, state=state)
+
+
+def _sliced(x, k, b, recipe, state):
+    y = dense(x, k, b, recipe=recipe, state=state, out_dtype=x.dtype)
+    return tuple(y[..., i, :] for i in range(k.shape[1]))
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_split_dense_equals_sliced_dense(device, rng, recipe_name, n, bias):
+    """Two steps (DelayedScaling: the second with the first's new state): outputs, gradients of
+    x, kernel and bias, and the new state are the bits of dense followed by slicing."""
+    recipe = RECIPES[recipe_name]
+    x, k, b, dys = _operands(rng, n, bias)
+    state = lowbit.init_delayed_state(recipe) if isinstance(recipe, lowbit.DelayedScaling) else None
+    for _ in range(2):
+        got = to_cpu(run_on(device, _loss(_split, recipe), x, k, b, state, dys))
+        want = to_cpu(run_on(device, _loss(_sliced, recipe), x, k, b, state, dys))
+        for a, c in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+            np.testing.assert_array_equal(a, c)
+        assert all(np.abs(o).max() > 0 for o in got[0])
+        if state is None:
+            break
+        state = got[1][3]
+
+
+def test_split_dense_errors(on_cpu):
+    with pytest.raises(ValueError, match=r"kernel \(K, n, F\)"):
+        split_dense(jnp.ones((4, 8)), jnp.ones((8, 16)))
+    with pytest.raises(ValueError, match=r"bias must have shape \(3, 16\)"):
+        split_dense(jnp.ones((4, 8)), jnp.ones((8, 3, 16)), jnp.ones((16,)))
+
+
+def test_attention_qkv_gradients_quantized_in_parts(on_cpu):
+    """MultiHeadAttention's fused QKV projection under tensor scaling: dq, dk and dv go into one
+    quantize call as three parts (no concatenation); the parameter tree is TE's."""
+    m = lf.MultiHeadAttention(
+        head_dim=16, num_attention_heads=4, transpose_batch_sequence=False, attn_mask_type="causal"
+    )
+    x = jnp.ones((2, 64, 64), jnp.bfloat16)
+    recipe = RECIPES["current"]
+    with lowbit.autocast(recipe):
+        v = nn.unbox(m.init(jax.random.PRNGKey(0), x, x))
+        f = jax.jit(jax.grad(lambda v, x: m.apply(v, x, x)[0].astype(jnp.float32).sum(), argnums=(0, 1)))
+        text = f.lower(v, x).as_text()
+    assert v["params"]["qkv"]["kernel"].shape == (64, 3, 64)
+    part = r"tensor<128x64xbf16>"
+    calls = re.findall(r"@lowbit_quantize\(.*?\) \{.*?\} : \((.*?)\) ->", text)
+    assert any(c.startswith(", ".join([part] * 3)) for c in calls), calls
