@@ -28,7 +28,7 @@ from lowbit.autocast import get_recipe
 from lowbit.ops import dense_sharded
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
 from lowbit.ops.nonfinite import poison_nonfinite
-from lowbit.ops.quantize import check_input, quantize, quantize_dbias
+from lowbit.ops.quantize import check_input, quantize, quantize_dbias, quantize_parts
 from lowbit.quantization.checks import as_dtype
 from lowbit.quantization.scaling_modes import INPUT_DTYPES, ScalingMode
 from lowbit.quantization.tensor import prod
@@ -100,7 +100,14 @@ def make_config(recipe, out_dtype, x_dtype, kernel, bias, fast_accum: bool) -> _
     )
 
 
-def _quantize_role(cfg: _Config, role: str, state, **kw):
+def tensor_scaled(recipe) -> bool:
+    """Whether ``recipe`` scales x, kernel and gradient per tensor (DelayedScaling,
+    Float8CurrentScaling): the recipes the fused kernels quantize for."""
+    return isinstance(recipe, Recipe) and all(recipe.scaling_mode(r).is_tensor_scaling for r in ds.ROLES)
+
+
+def quantize_kwargs(cfg: _Config, role: str, state, **kw):
+    """``lowbit.quantize`` keyword arguments of ``role`` ("x", "kernel", "grad"), both layouts."""
     r = cfg.recipe
     if cfg.fp8_block:  # per-role QParams: power-of-two scales, amax floor
         qp = r.qparams(role)
@@ -116,12 +123,12 @@ def _quantize_role(cfg: _Config, role: str, state, **kw):
 
 def quantize_input(cfg: _Config, x, state):
     """x's FP8 copies (both layouts) under the recipe's "x" role."""
-    return poison_nonfinite(quantize(x, **_quantize_role(cfg, "x", state, rht=cfg.rht)))
+    return poison_nonfinite(quantize(x, **quantize_kwargs(cfg, "x", state, rht=cfg.rht)))
 
 
 def forward_quantized(cfg: _Config, qx, kernel, bias, state):
     """``y = qx . kernel (+ bias)`` from x's quantized copies; returns y and the kernel's copies."""
-    qk = poison_nonfinite(quantize(kernel, **_quantize_role(cfg, "kernel", state)))
+    qk = poison_nonfinite(quantize(kernel, **quantize_kwargs(cfg, "kernel", state)))
     y = gemm(
         qx,
         qk,
@@ -143,7 +150,13 @@ def backward_residuals(qx, qk):
 
 
 def quantize_grad(cfg: _Config, dy, state, rng):
-    """dy's FP8 copies under the "grad" role, and the bias gradient (None without bias)."""
+    """dy's FP8 copies under the "grad" role, and the bias gradient (None without bias). ``dy``
+    may be a tuple of the parts of its last axis (tensor scaling): they are quantized where they
+    lie (``quantize_parts``), not concatenated first."""
+    with_bias = cfg.bias_dtype is not None
+    if isinstance(dy, tuple):
+        qdy, dbias = quantize_parts(dy, **quantize_kwargs(cfg, "grad", state), dbias=with_bias)
+        return poison_nonfinite(qdy), None if dbias is None else dbias.astype(cfg.bias_dtype)
     if cfg.stochastic and rng is None:
         raise ValueError(
             "dense: NVFP4BlockScaling rounds gradients stochastically and needs an rng key "
@@ -151,7 +164,7 @@ def quantize_grad(cfg: _Config, dy, state, rng):
             "or NVFP4BlockScaling(disable_stochastic_rounding=True))"
         )
     kw = dict(rht=cfg.rht, rng_key=rng if cfg.stochastic else None)
-    q_kw = _quantize_role(cfg, "grad", state, **kw)
+    q_kw = quantize_kwargs(cfg, "grad", state, **kw)
     if cfg.bias_dtype is None:
         return poison_nonfinite(quantize(dy, **q_kw)), None
     mode, q = q_kw.pop("scaling_mode"), q_kw.pop("q_dtype")

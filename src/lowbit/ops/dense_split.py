@@ -18,8 +18,7 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
 from lowbit.ops import dense as dense_mod
-from lowbit.ops.nonfinite import poison_nonfinite
-from lowbit.ops.quantize import check_input, parts_fusable, quantize_parts
+from lowbit.ops.quantize import check_input, parts_fusable
 from lowbit.quantization.tensor import prod
 from lowbit.recipe import Recipe
 from lowbit.sharding import plan_dense
@@ -43,17 +42,9 @@ def _split_2d_fwd(cfg, n, x, k, b, state):
 
 def _split_2d_bwd(cfg, n, res, cts):
     qx_c, qk_r, state = res
-    r = cfg.recipe
-    qdy, db = quantize_parts(
-        cts,
-        r.scaling_mode("grad"),
-        r.q_dtype("grad"),
-        scale=ds.scale_of(state, "grad"),
-        layout="both",
-        dbias=cfg.bias_dtype is not None,
-    )
-    dx, dk, state_ct = dense_mod.backward_quantized(cfg, qx_c, qk_r, state, poison_nonfinite(qdy))
-    return dx, dk, None if db is None else db.astype(cfg.bias_dtype), state_ct
+    qdy, db = dense_mod.quantize_grad(cfg, tuple(cts), state, None)  # the n parts, not concatenated
+    dx, dk, state_ct = dense_mod.backward_quantized(cfg, qx_c, qk_r, state, qdy)
+    return dx, dk, db, state_ct
 
 
 _split_2d.defvjp(_split_2d_fwd, _split_2d_bwd)
@@ -88,8 +79,7 @@ def split_dense(
     M = prod(lead)
     probe = [jax.ShapeDtypeStruct((M, F), out_dtype or x.dtype)] * n
     fused = (
-        isinstance(recipe, Recipe)
-        and all(recipe.scaling_mode(role).is_tensor_scaling for role in ds.ROLES)
+        dense_mod.tensor_scaled(recipe)
         and plan_dense(recipe, M, K, n * F) is None
         and parts_fusable(probe, recipe.scaling_mode("grad"))
     )

@@ -41,10 +41,9 @@ class _MlpConfig:
 
 
 def _spec(cfg: dense_mod._Config, state, role: str, dtype) -> QuantizeSpec:
-    r = cfg.recipe
-    return parse_quantize_spec(
-        (r.scaling_mode(role), r.q_dtype(role), ds.scale_of(state, role), "both"), dtype
-    )
+    """The fused kernel's quantize spec: what ``dense`` would quantize ``role`` with."""
+    kw = dense_mod.quantize_kwargs(cfg, role, state)
+    return parse_quantize_spec((kw["scaling_mode"], kw["q_dtype"], kw["scale"], kw["layout"]), dtype)
 
 
 def _forward(cfg: _MlpConfig, x, k1, b1, k2, b2, s1, s2):
@@ -84,9 +83,7 @@ _mlp_2d.defvjp(_mlp_2d_fwd, _mlp_2d_bwd)
 def fusable(recipe: Optional[Recipe], activations) -> bool:
     """Whether :func:`mlp` runs fused for this recipe and activation (tensor-scaled FP8 input and
     gradient, an activation lowbit's kernel computes)."""
-    if not isinstance(recipe, Recipe):
-        return False
-    if not all(recipe.scaling_mode(r).is_tensor_scaling for r in ds.ROLES):
+    if not dense_mod.tensor_scaled(recipe):
         return False
     try:
         parse_activations(activations)

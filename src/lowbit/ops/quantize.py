@@ -224,21 +224,11 @@ def quantize_parts(
     if not parts:
         raise ValueError("quantize_parts: parts must hold at least one array")
     mode = check_scaling_mode(scaling_mode)
-    if not parts_fusable(parts, mode):
-        x = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
-        return _quantize_impl(x, mode, q_dtype, scale, layout, -1, None, False, DEFAULT_RHT_SIGN_MASK, dbias)
+    x, extra = parts[0], tuple(parts[1:])
+    if extra and not parts_fusable(parts, mode):
+        x, extra = jnp.concatenate(parts, axis=-1), ()
     return _quantize_impl(
-        parts[0],
-        mode,
-        q_dtype,
-        scale,
-        layout,
-        -1,
-        None,
-        False,
-        DEFAULT_RHT_SIGN_MASK,
-        dbias,
-        extra_parts=parts[1:],
+        x, mode, q_dtype, scale, layout, -1, None, False, DEFAULT_RHT_SIGN_MASK, dbias, extra_parts=extra
     )
 
 
