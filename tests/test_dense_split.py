@@ -72,6 +72,14 @@ def test_quantize_parts_falls_back_to_concatenation(on_cpu, rng):
     assert not parts_fusable([parts[0], jnp.ones((32, 64), jnp.bfloat16)], SM.CURRENT_TENSOR_SCALING)
 
 
+def test_quantize_parts_errors(on_cpu):
+    CT = SM.CURRENT_TENSOR_SCALING
+    with pytest.raises(ValueError, match=r"parts must share every axis but the last.*\(32, 64\), \(16, 64\)"):
+        quantize_parts([jnp.ones((32, 64)), jnp.ones((16, 64))], CT)
+    with pytest.raises(ValueError, match="at least one array"):
+        quantize_parts([], CT)
+
+
 def _operands(rng, n, bias, M=64, K=48, F=64):
     x = jnp.asarray(rng.standard_normal((2, M // 2, K)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((K, n, F)) / np.sqrt(K), jnp.float32)

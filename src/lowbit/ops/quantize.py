@@ -223,6 +223,11 @@ def quantize_parts(
     parts = [check_input(p, "parts") for p in parts]
     if not parts:
         raise ValueError("quantize_parts: parts must hold at least one array")
+    if len({p.shape[:-1] for p in parts}) != 1 or any(p.ndim < 1 for p in parts):
+        raise ValueError(
+            "quantize_parts: parts must share every axis but the last (..., C_i), got shapes "
+            f"{[tuple(p.shape) for p in parts]}"
+        )
     mode = check_scaling_mode(scaling_mode)
     x, extra = parts[0], tuple(parts[1:])
     if extra and not parts_fusable(parts, mode):
