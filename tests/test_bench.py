@@ -94,3 +94,29 @@ def test_layer_cudnn_dropout_case_runs_where_cudnn_dropout_is_allowed(monkeypatc
     # The fast-accumulation case sets TransformerEngine's switches in its child only.
     fast = layer._CHILD_ENV[layer._FAST_ACC_CHILD]
     assert fast == {"NVTE_JAX_FP8_2X_ACC_DGRAD": "0", "NVTE_JAX_FP8_2X_ACC_WGRAD": "0"}
+
+
+def test_docs_dense_case_is_the_tutorial_block():
+    """The "docs dense" rows time TransformerEngine's Dense tutorial block as its harness does:
+    float32 kernel, bf16 output, no bias, loss vdot(out, dy) with a bf16 dy; lowbit's rows
+    differ from plain Flax's only by FP8 rounding (gradients within FP8's error of Flax's)."""
+    import jax
+    import numpy as np
+
+    from lowbit.bench import dense
+
+    cfg = dict(dense.SMALL, tokens_dense=(1, 32), dense_in=64, dense_out=128)
+    key = jax.random.PRNGKey(0)
+    grads = {}
+    for name in ("flax", "lowbit current"):
+        step, (v, x, dy, rngs) = dense.build_case("docs dense", name, cfg, key, key)
+        assert (
+            set(v["params"]["Dense_0"]) == {"kernel"} and v["params"]["Dense_0"]["kernel"].dtype == np.float32
+        )
+        assert dy.dtype == np.dtype("bfloat16")
+        loss, (gv, gx) = step(v, x, dy, rngs)
+        assert np.isfinite(float(loss))
+        grads[name] = np.asarray(gv["params"]["Dense_0"]["kernel"], np.float64)
+    ref, got = grads["flax"], grads["lowbit current"]
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert 0 < err < 0.1, err  # FP8 (E4M3 x, E5M2 dy) rounding, not another computation

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_on, to_cpu
+from conftest import is_gpu, run_on, to_cpu
 
 import lowbit
 from lowbit import flax as lf
@@ -118,19 +118,26 @@ def _sliced(x, k, b, recipe, state):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_split_dense_equals_sliced_dense(device, rng, recipe_name, n, bias):
     """Two steps (DelayedScaling: the second with the first's new state): outputs, gradients of
-    x, kernel and bias, and the new state are the bits of dense followed by slicing."""
+    x, kernel and bias, and the new state are the bits of dense followed by slicing (on the GPU
+    the outputs agree to rounding: the forward's narrower GEMMs may take another algorithm)."""
     recipe = RECIPES[recipe_name]
     x, k, b, dys = _operands(rng, n, bias)
     state = lowbit.init_delayed_state(recipe) if isinstance(recipe, lowbit.DelayedScaling) else None
     for _ in range(2):
         got = to_cpu(run_on(device, _loss(_split, recipe), x, k, b, state, dys))
         want = to_cpu(run_on(device, _loss(_sliced, recipe), x, k, b, state, dys))
+        assert all(np.abs(o).max() > 0 for o in got[0])
+        if is_gpu(device):  # cuBLASLt may pick another algorithm for the narrower GEMMs
+            for o, w in zip(got[0], want[0], strict=True):
+                np.testing.assert_allclose(
+                    np.asarray(o, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2
+                )
+            got, want = got[1], want[1]  # gradients and state do not read the outputs: exact
         for a, c in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
             np.testing.assert_array_equal(a, c)
-        assert all(np.abs(o).max() > 0 for o in got[0])
         if state is None:
             break
-        state = got[1][3]
+        state = (got if is_gpu(device) else got[1])[3]
 
 
 def test_split_dense_errors(on_cpu):
@@ -156,3 +163,6 @@ def test_attention_qkv_gradients_quantized_in_parts(on_cpu):
     part = r"tensor<128x64xbf16>"
     calls = re.findall(r"@lowbit_quantize\(.*?\) \{.*?\} : \((.*?)\) ->", text)
     assert any(c.startswith(", ".join([part] * 3)) for c in calls), calls
+    # and the forward GEMM writes q, k and v as three results (no slices of one product)
+    gemms = re.findall(r"@lowbit_gemm\(.*?\) \{.*?\} : \(.*?\) -> \((.*?)\)", text)
+    assert any(g.startswith(", ".join([part] * 3)) for g in gemms), gemms

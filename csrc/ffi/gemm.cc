@@ -1,4 +1,8 @@
 // FFI handler of the GEMM family: out(M, N) = A(M, K) . B(N, K)^T * scales (+ bias).
+// With n > 1 outputs (results 0..n-1; the workspace is always the last result), each is an
+// (M, N/n) column block of
+// that product, computed in place from B's rows and the bias's entries: the fused QKV projection
+// hands q, k and v to attention without slicing copies.
 // Written once (ffi_common.h); compiled into liblowbit_cpu and, with LOWBIT_WITH_CUDA, into
 // liblowbit_cuda (cuBLASLt). The handler only decodes buffers and attributes.
 #include "lowbit/gemm.h"
@@ -37,14 +41,24 @@ Status check_scales(const ffi::AnyBuffer& s, int block, int64_t rows, int64_t k,
   return Status::Ok();
 }
 
+size_t dtype_bytes(DType t) {
+  return t == DType::kF32 ? 4 : (t == DType::kBF16 || t == DType::kF16) ? 2 : 1;
+}
+
 ffi::Error Gemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, Buf a_scale_inv, Buf b_scale_inv, Buf bias,
-                Ret out, Ret workspace, int32_t flags) {
+                Ret out, ffi::RemainingRets more, int32_t flags) {
+  if (more.size() < 1) return to_error(Status::Invalid("gemm: missing the workspace result"));
+  auto ws = more.get<ffi::AnyBuffer>(more.size() - 1);
+  if (!ws.has_value()) return ws.error();
+  Ret workspace = *ws;
   GemmParams p;
   int64_t m, ka, n, kb, om, on;
   if (!dims_2d(a, &m, &ka) || !dims_2d(b, &n, &kb) || !dims_2d(*out, &om, &on))
     return to_error(Status::Invalid("gemm: a, b and out must be 2-D"));
   if (ka != kb) return to_error(Status::Invalid("gemm: a and b have different contraction sizes"));
-  if (om != m || on != n) return to_error(Status::Invalid("gemm: output shape must be (M, N)"));
+  const int64_t parts = static_cast<int64_t>(more.size());  // outputs (the last result: workspace)
+  if (om != m || on * parts != n)
+    return to_error(Status::Invalid("gemm: each of the n outputs must be (M, N / n)"));
   if (!to_dtype(a.element_type(), &p.a_dtype) || !to_dtype(b.element_type(), &p.b_dtype) ||
       !to_dtype(out->element_type(), &p.out_dtype))
     return to_error(Status::Invalid("gemm: unsupported dtype"));
@@ -73,23 +87,50 @@ ffi::Error Gemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, Buf a_scale_inv, Buf b_scale_i
   p.fast_accum = flags & kFastAccum;
   p.workspace = ptr_or_null<void>(workspace);
   p.workspace_bytes = workspace->size_bytes();
-  if (auto err = to_error(validate(p)); err.failure()) return err;
-  return to_error(LOWBIT_RUN(gemm, p));
+  if (parts == 1) {
+    if (auto err = to_error(validate(p)); err.failure()) return err;
+    return to_error(LOWBIT_RUN(gemm, p));
+  }
+  // Column blocks: block i reads B's rows [i*w, (i+1)*w) and the bias's entries there; the
+  // per-tensor decode scales apply to every block (block-scaled operands are not split).
+  if (p.a_block || p.b_block)
+    return to_error(Status::Invalid("gemm: split outputs need per-tensor or BF16 operands"));
+  const int64_t w = on;
+  p.n = w;
+  for (int64_t i = 0; i < parts; ++i) {
+    GemmParams q = p;
+    q.b = static_cast<const char*>(p.b) + i * w * ka * dtype_bytes(p.b_dtype);
+    if (p.bias) q.bias = static_cast<const char*>(p.bias) + i * w * dtype_bytes(p.bias_dtype);
+    if (i > 0) {
+      auto r = more.get<ffi::AnyBuffer>(i - 1);
+      if (!r.has_value()) return r.error();
+      int64_t rm, rn;
+      DType rt;
+      if (!dims_2d(**r, &rm, &rn) || rm != m || rn != w || !to_dtype((*r)->element_type(), &rt) ||
+          rt != p.out_dtype)
+        return to_error(
+            Status::Invalid("gemm: every split output must be (M, N / n) of one dtype"));
+      q.out = (*r)->untyped_data();
+    }
+    if (auto err = to_error(validate(q)); err.failure()) return err;
+    if (auto err = to_error(LOWBIT_RUN(gemm, q)); err.failure()) return err;
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace
 
 #pragma GCC visibility push(default)
 
-#define LOWBIT_GEMM_BINDING                            \
-  LOWBIT_BIND()                                        \
-      .Arg<Buf>() /* a (M, K) */                       \
-      .Arg<Buf>() /* b (N, K) */                       \
-      .Arg<Buf>() /* a_scale_inv (1,) f32 or (0,) */   \
-      .Arg<Buf>() /* b_scale_inv (1,) f32 or (0,) */   \
-      .Arg<Buf>() /* bias (N,) or (0,) */              \
-      .Ret<Buf>() /* out (M, N) */                     \
-      .Ret<Buf>() /* workspace (bytes; (0,) on CPU) */ \
+#define LOWBIT_GEMM_BINDING                               \
+  LOWBIT_BIND()                                           \
+      .Arg<Buf>()      /* a (M, K) */                     \
+      .Arg<Buf>()      /* b (N, K) */                     \
+      .Arg<Buf>()      /* a_scale_inv (1,) f32 or (0,) */ \
+      .Arg<Buf>()      /* b_scale_inv (1,) f32 or (0,) */ \
+      .Arg<Buf>()      /* bias (N,) or (0,) */            \
+      .Ret<Buf>()      /* out (M, N), or (M, N/n) */      \
+      .RemainingRets() /* outputs 1..n-1, workspace */    \
       .Attr<int32_t>("flags")
 
 #if LOWBIT_WITH_CUDA

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -259,7 +260,8 @@ struct QCase {
   DType qdt;
   bool row, col, sr, rht, dbias;
   int special;
-  int misalign;  // elements by which x is offset from an aligned address (forces the generic path)
+  int misalign;   // elements by which x is offset from an aligned address (forces the generic path)
+  int parts = 0;  // > 0: the GPU reads x as this many column blocks in separate buffers (x_parts)
 };
 
 std::string qname(const QCase& q) {
@@ -268,7 +270,9 @@ std::string qname(const QCase& q) {
                 dname(q.xdt), dname(q.qdt), (long long)q.R, (long long)q.C, q.row ? "row" : "",
                 q.col ? "+col" : "", q.sr ? " sr" : "", q.rht ? " rht" : "",
                 q.dbias ? " dbias" : "", q.special, q.misalign ? " misaligned" : "");
-  return b;
+  std::string out = b;
+  if (q.parts) out += " in " + std::to_string(q.parts) + " parts";
+  return out;
 }
 
 // Dequantizes one CPU-quantized copy on both backends and compares.
@@ -369,6 +373,24 @@ void run_quantize_case(const QCase& q, uint64_t seed, cudaStream_t st, bool with
   d_seed.up(seed2, 8);
   QuantizeParams pg = pc;
   pg.x = static_cast<uint8_t*>(dx.p) + xoff;
+  // In parts: column block i of x in its own buffer (the CPU reference reads x whole).
+  std::vector<std::unique_ptr<Dev>> d_parts;
+  if (q.parts) {
+    const int64_t P = C / q.parts;
+    const size_t pb = size_t(P) * esize(q.xdt);
+    for (int i = 0; i < q.parts; ++i) {
+      std::vector<uint8_t> block(size_t(R) * pb);
+      for (int64_t r = 0; r < R; ++r)
+        std::memcpy(block.data() + size_t(r) * pb,
+                    xptr + (size_t(r * C) + size_t(i * P)) * esize(q.xdt), pb);
+      d_parts.push_back(std::make_unique<Dev>(block.size()));
+      d_parts.back()->up(block.data(), block.size());
+    }
+    for (int i = 0; i < q.parts; ++i) pg.x_parts[i] = d_parts[i]->p;
+    pg.x = d_parts[0]->p;
+    pg.n_parts = q.parts;
+    pg.part_cols = P;
+  }
   pg.scale = static_cast<const float*>(d_scale.p);
   pg.sr_seed = q.sr ? static_cast<const uint32_t*>(d_seed.p) : nullptr;
   pg.data = d_data.p;
@@ -660,6 +682,20 @@ int run_checks(bool quick) {
               1};
       run_quantize_case(q, seed++, st, false);
     }
+  // x in separate column blocks (the PARTS cast: dq, dk, dv of a fused QKV projection).
+  for (ScalingMode mode : {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor})
+    for (DType xdt : {DType::kBF16, DType::kF32})
+      for (int parts : {2, 3})
+        for (const Layout& lay : layouts)
+          for (int dbias = 0; dbias < 2; ++dbias) {
+            if (quick && (counter++ % 3) != 0) continue;
+            QCase q{xdt,   64,         64 * parts,    mode, DType::kE5M2, lay.row, lay.col, false,
+                    false, dbias == 1, dbias ? 2 : 1, 0,    parts};
+            run_quantize_case(q, seed++, st, false);
+            q.R = 32;
+            q.C = 128 * parts;
+            run_quantize_case(q, seed++, st, false);
+          }
   std::printf("%s quantize/dequantize: %d cases, %d failures\n", g_failures ? "FAIL" : "PASS",
               g_cases, g_failures);
 

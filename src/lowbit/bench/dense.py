@@ -46,6 +46,22 @@ class DenseBlock(nn.Module):
         return nn.Dense(features=self.features, use_bias=True, dot_general=self.dot_general_cls())(x)
 
 
+class DocsDenseBlock(nn.Module):
+    """TransformerEngine's JAX Dense tutorial block (the issue's "seed Dense" row): float32
+    params computed in bf16 (Flax casts the kernel), no bias; its harness takes ``vdot(out, dy)``
+    with a bf16 ``dy``."""
+
+    features: int
+    dot_general_cls: Callable = lambda: None
+
+    @nn.compact
+    def __call__(self, x):
+        dense = nn.Dense(
+            self.features, use_bias=False, dtype=jnp.bfloat16, dot_general=self.dot_general_cls()
+        )
+        return dense(x)
+
+
 class MLP(nn.Module):
     hidden_size: int
     ffn_hidden_size: int
@@ -119,11 +135,13 @@ def _cases():
     return out
 
 
-def _fwd_bwd(model, variables, x, dy, rngs, kwargs):
+def _fwd_bwd(model, variables, x, dy, rngs, kwargs, out_dtype=jnp.float32):
     # dy and the RNG keys are arguments, not closure constants: XLA would otherwise constant-fold
     # work on them at compile time (slow, and it prints "Constant folding ... is taking > 1s").
+    # out_dtype None: the loss takes the output as it comes (the tutorial's harness).
     def loss(v, x, dy, rngs):
-        return jnp.vdot(model.apply(v, x, rngs=rngs, **kwargs).astype(jnp.float32), dy)
+        y = model.apply(v, x, rngs=rngs, **kwargs)
+        return jnp.vdot(y if out_dtype is None else y.astype(out_dtype), dy)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (variables, x, dy, rngs)
 
@@ -156,8 +174,23 @@ def _model(kind: str, cfg: dict):
     )
 
 
+def _docs_cases():
+    """(name, dot_general_cls, recipe) of the tutorial block (float32 params, bf16 compute)."""
+    out = [("flax", lambda: None, None)]
+    for label, recipe in (("delayed", lowbit.DelayedScaling()), ("current", lowbit.Float8CurrentScaling())):
+        out.append((f"lowbit {label}", lowbit_flax.make_dot_general_cls(recipe), recipe))
+    return out
+
+
 def build_case(kind: str, name: str, cfg: dict, key, drop):
-    """The jitted fwd+bwd of one case (a ``_cases()`` name) and its arguments."""
+    """The jitted fwd+bwd of one case (a ``_cases()`` name, or a ``_docs_cases()`` name for kind
+    "docs dense") and its arguments."""
+    if kind == "docs dense":
+        shape = cfg["tokens_dense"] + (cfg["dense_in"],)
+        x = jax.random.normal(key, shape).astype(jnp.bfloat16)
+        dy = jax.random.normal(key, cfg["tokens_dense"] + (cfg["dense_out"],)).astype(jnp.bfloat16)
+        model = DocsDenseBlock(cfg["dense_out"], case_named(_docs_cases(), name, kind)[1])
+        return _fwd_bwd(model, model.init(key, x), x, dy, {}, {}, out_dtype=None)
     make, shape, out_shape, kwargs, _ = _model(kind, cfg)
     _, cls, pdtype, _, _ = case_named(_cases(), name, kind)
     x = jax.random.normal(key, shape).astype(jnp.bfloat16)
@@ -184,6 +217,27 @@ def _model_rows(kind: str, cfg: dict, small: bool, progress) -> list[dict]:
         r["speedup"] = base["flax bf16 params"] / r["ms"]
         r["speedup_vs"] = "flax bf16 params"
         r["speedup_vs_f32_params"] = base["flax f32 params"] / r["ms"]
+    return rows
+
+
+def _docs_dense_rows(cfg: dict, small: bool, progress) -> list[dict]:
+    """TransformerEngine's Dense tutorial (``DocsDenseBlock``, its harness); speedup against the
+    same block in plain Flax."""
+    key = jax.random.PRNGKey(42)
+    tokens = cfg["tokens_dense"][0] * cfg["tokens_dense"][1]
+    label = f"docs dense {tokens}x{cfg['dense_in']}->{cfg['dense_out']} (f32 params, bf16 compute, no bias)"
+    rows = []
+    for name, _, _ in _docs_cases():
+        step, args = build_case("docs dense", name, cfg, key, key)
+        ms = time_fn(step, *args, warmup=2, iters=2 if small else 20, repeats=3 if small else 5)
+        rows.append(
+            dict(model=label, name=f"docs dense: {name}", ms=ms, note="TE's JAX Dense tutorial harness")
+        )
+        if progress:
+            progress()
+    for r in rows:
+        r["speedup"] = rows[0]["ms"] / r["ms"]
+        r["speedup_vs"] = "docs dense: flax"
     return rows
 
 
@@ -230,6 +284,7 @@ def _gemm_rows(cfg: dict, small: bool, progress) -> list[dict]:
 def run(small: bool, progress=None) -> list[dict]:
     cfg = SMALL if small else FULL
     rows = _model_rows("dense", cfg, small, progress)
+    rows += _docs_dense_rows(cfg, small, progress)
     rows += _model_rows("layer", cfg, small, progress)
     rows += _gemm_rows(cfg, small, progress)
     if not on_gpu():
@@ -239,4 +294,4 @@ def run(small: bool, progress=None) -> list[dict]:
 
 
 def count(small: bool) -> int:
-    return 2 * len(_cases()) + 4 * 3
+    return 2 * len(_cases()) + len(_docs_cases()) + 4 * 3

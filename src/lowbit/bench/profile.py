@@ -3,8 +3,10 @@
 Traces a few steps of a case from ``lowbit.bench.dense`` or ``lowbit.bench.layer`` (the same
 model, parameters and jitted fwd+bwd as the timed run) with ``jax.profiler`` and prints the GPU
 kernels by total time per step, then per group (GEMM, attention, lowbit kernels, XLA fusions).
-SUITE is ``dense``, ``layer`` (the seed layer, dot_general swapped) or ``module`` (lowbit's
-TransformerLayer); CASE is a row name of that suite, e.g. ``"lowbit delayed bf16 params"``.
+SUITE is ``dense``, ``docs`` (TransformerEngine's Dense tutorial block), ``layer`` (the seed
+layer, dot_general swapped) or ``module`` (lowbit's TransformerLayer); CASE is a row name of
+that suite, e.g. ``"lowbit delayed bf16 params"``. ``--host`` adds the host's events and the
+GPU's idle gaps between steps.
 """
 
 from __future__ import annotations
@@ -60,6 +62,49 @@ def _gpu_events(trace_dir: str) -> list:
     return sorted(events)
 
 
+def _host_events(trace_dir: str) -> list:
+    """(start_ns, duration_ns, name, thread) of every host-side event (runtime API calls, XLA's
+    execution scopes) in the trace."""
+    from jax.profiler import ProfileData
+
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    events = []
+    for plane in ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                events.append((ev.start_ns, ev.duration_ns, ev.name, line.name))
+    return sorted(events)
+
+
+def _host_summary(events: list, steps: int, top: int) -> None:
+    """Host events by total time per step: a synchronising call (stream/event synchronise, a
+    blocking copy) shows up here when the GPU idles between steps."""
+    totals: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0, 0.0])
+    for _, dur, name, thread in events:
+        t = totals[(name[:90], thread[:30])]
+        t[0] += dur / steps / 1e6
+        t[1] += 1
+        t[2] = max(t[2], dur / 1e6)
+    print("  host events by time per step (ms per step, calls in all, longest ms, thread):")
+    for (name, thread), (ms, n, mx) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {ms:8.3f}  {n:6d}  {mx:8.3f}  {thread:30s}  {name}")
+
+
+def _step_gaps(events: list, steps: int) -> None:
+    """The GPU's idle time between consecutive steps: gaps over 50 us between kernels."""
+    end, gaps = None, []
+    for start, dur, name, _ in events:
+        if end is not None and start - end > 50_000:
+            gaps.append(((start - end) / 1e6, name[:60]))
+        end = start + dur if end is None else max(end, start + dur)
+    print(
+        f"  gaps over 50 us between kernels ({steps} steps): "
+        + ", ".join(f"{g:.3f} ms before {n}" for g, n in gaps)
+    )
+
+
 def _timeline(events: list, steps: int) -> None:
     """The last step's kernels in order (offset, gap before, duration, name, launch shape) and
     the step's idle time between kernels: what CUDA graphs or fewer launches could recover."""
@@ -85,10 +130,10 @@ def _build(suite: str, case: str):
     cfg = dense_bench.FULL if on_gpu() else dense_bench.SMALL
     if suite == "module":
         return layer_bench.build_case(case, cfg, key, drop)
-    return dense_bench.build_case(suite, case, cfg, key, drop)
+    return dense_bench.build_case("docs dense" if suite == "docs" else suite, case, cfg, key, drop)
 
 
-def profile(suite: str, case: str, top: int = 25, timeline: bool = False) -> None:
+def profile(suite: str, case: str, top: int = 25, timeline: bool = False, host: bool = False) -> None:
     fn, args = _build(suite, case)
     wall = time_fn(fn, *args, warmup=2, iters=10, repeats=3)
     with tempfile.TemporaryDirectory() as d:
@@ -98,6 +143,7 @@ def profile(suite: str, case: str, top: int = 25, timeline: bool = False) -> Non
                 out = fn(*args)
             jax.block_until_ready(out)
         events = _gpu_events(d)
+        hosts = _host_events(d) if host else []
     totals: dict[str, float] = collections.defaultdict(float)
     for _, dur, name, _ in events:
         totals[name] += dur
@@ -114,17 +160,21 @@ def profile(suite: str, case: str, top: int = 25, timeline: bool = False) -> Non
         print(f"  {ms:8.3f} ms  {k[:140]}")
     if timeline:
         _timeline(events, STEPS)
+    if host:
+        _step_gaps(events, STEPS)
+        _host_summary(hosts, STEPS, top)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lowbit.bench.profile", description=__doc__)
-    ap.add_argument("suite", choices=["dense", "layer", "module"])
+    ap.add_argument("suite", choices=["dense", "docs", "layer", "module"])
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeline", action="store_true", help="list the last step's kernels in order")
+    ap.add_argument("--host", action="store_true", help="the host's events and the GPU's idle gaps")
     a = ap.parse_args(argv)
     for case in a.cases:
-        profile(a.suite, case, a.top, a.timeline)
+        profile(a.suite, case, a.top, a.timeline, a.host)
     return 0
 
 

@@ -126,8 +126,9 @@ def quantize_input(cfg: _Config, x, state):
     return poison_nonfinite(quantize(x, **quantize_kwargs(cfg, "x", state, rht=cfg.rht)))
 
 
-def forward_quantized(cfg: _Config, qx, kernel, bias, state):
-    """``y = qx . kernel (+ bias)`` from x's quantized copies; returns y and the kernel's copies."""
+def forward_quantized(cfg: _Config, qx, kernel, bias, state, parts: int = 1):
+    """``y = qx . kernel (+ bias)`` from x's quantized copies; returns y and the kernel's copies.
+    With ``parts`` > 1, y is the tuple of its ``parts`` column blocks (``gemm(parts=)``)."""
     qk = poison_nonfinite(quantize(kernel, **quantize_kwargs(cfg, "kernel", state)))
     y = gemm(
         qx,
@@ -137,7 +138,10 @@ def forward_quantized(cfg: _Config, qx, kernel, bias, state):
         b_layout="colwise",
         out_dtype=gemm_out_dtype(cfg.out_dtype),
         fast_accum=cfg.fast_accum,
+        parts=parts,
     )
+    if parts > 1:
+        return tuple(o.astype(cfg.out_dtype) for o in y), qk
     return y.astype(cfg.out_dtype), qk
 
 

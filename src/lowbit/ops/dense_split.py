@@ -1,10 +1,12 @@
 """split_dense: ``x . kernel (+ bias)`` for a kernel (K, n, F), returned as the n slots (..., F).
 
 The fused QKV projection's path: its three outputs feed attention as q, k and v, and their
-gradients come back as three arrays. Under tensor scaling the backward quantizes them where they
-lie (``quantize_parts``) instead of concatenating them first (a (M, 3F) copy per step); the
-results equal ``dense`` followed by slicing, bit for bit. Other recipes and sharded GEMMs take
-that composition.
+gradients come back as three arrays. Under tensor scaling the forward GEMM writes the n slots as
+n arrays (``gemm(parts=n)``: no slicing copies) and the backward quantizes the gradients where
+they lie (``quantize_parts``) instead of concatenating them first (a (M, 3F) copy per step); the
+results equal ``dense`` followed by slicing (bit for bit on the CPU; on the GPU cuBLASLt may pick
+another algorithm for the narrower GEMMs, so the outputs agree to rounding). Other recipes and
+sharded GEMMs take that composition.
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ def _split_2d(cfg, n: int, x, k, b, state):
 
 def _forward(cfg, n, x, k, b, state):
     qx = dense_mod.quantize_input(cfg, x, state)
-    y, qk = dense_mod.forward_quantized(cfg, qx, k, b, state)
-    F = y.shape[1] // n
-    return tuple(y[:, i * F : (i + 1) * F] for i in range(n)), (*dense_mod.backward_residuals(qx, qk), state)
+    ys, qk = dense_mod.forward_quantized(cfg, qx, k, b, state, parts=n)  # the n slots, in place
+    return ys, (*dense_mod.backward_residuals(qx, qk), state)
 
 
 def _split_2d_fwd(cfg, n, x, k, b, state):

@@ -190,16 +190,18 @@ def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, blocks=(0, 0)):
-    """One FFI call: a2 (M, K), b2 (N, K) -> (M, N). bias is (N,) or None. ``blocks``: the
-    operands' FP8 block scaling (0 per-tensor, 1 = 1x128, 2 = 128x128)."""
+def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, blocks=(0, 0), parts=1):
+    """One FFI call: a2 (M, K), b2 (N, K) -> (M, N), or with ``parts`` > 1 the tuple of its
+    ``parts`` column blocks (M, N / parts), each computed in place. bias is (N,) or None.
+    ``blocks``: the operands' FP8 block scaling (0 per-tensor, 1 = 1x128, 2 = 128x128)."""
     M, N = a2.shape[0], b2.shape[0]
     flags = (
         (FLAG_FAST_ACCUM if fast_accum else 0) | (blocks[0] << _A_BLOCK_SHIFT) | (blocks[1] << _B_BLOCK_SHIFT)
     )
+    out = jax.ShapeDtypeStruct((M, N // parts), out_dtype)
     return _native.ffi_call(
         "gemm",
-        jax.ShapeDtypeStruct((M, N), out_dtype),
+        out if parts == 1 else (out,) * parts,
         a2,
         b2,
         EMPTY_F32 if a_s is None else a_s,
@@ -210,8 +212,18 @@ def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, blocks=(0, 0)):
     )
 
 
-def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8):
-    """Pads FP8 operands to cuBLASLt's alignment (zeros add nothing) and routes the bias."""
+def _splits_in_place(M, N, K, parts, fp8):
+    """Whether the GEMM's ``parts`` column blocks can be written in place (else: slices of the
+    whole): whole blocks, and for FP8 no padding of B's rows and blocks of 16-element multiples
+    (cuBLASLt's alignment)."""
+    if parts == 1:
+        return True
+    return N % parts == 0 and (not fp8 or (N // parts) % _FP8_ALIGN == 0)
+
+
+def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8, parts=1):
+    """Pads FP8 operands to cuBLASLt's alignment (zeros add nothing) and routes the bias. With
+    ``parts`` > 1 returns the tuple of the product's column blocks."""
     _M, N = a2.shape[0], b2.shape[0]
     if fp8:
         a2 = pad_to(a2, 1, _FP8_ALIGN)
@@ -230,12 +242,16 @@ def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8):
     if fused_bias is not None and b2.shape[0] != N:
         fused_bias = pad_to(fused_bias, 0, _FP8_ALIGN)
     ffi_out = out_dtype if outer_bias is None else _F32
-    out = _ffi_gemm(a2, b2, a_s, b_s, fused_bias, ffi_out, fast_accum)
-    if b2.shape[0] != N:
-        out = out[:, :N]
+    in_place = parts > 1 and _splits_in_place(a2.shape[0], N, a2.shape[1], parts, fp8)
+    out = _ffi_gemm(a2, b2, a_s, b_s, fused_bias, ffi_out, fast_accum, parts=parts if in_place else 1)
+    w = N // parts
+    outs = list(out) if in_place else [out[:, i * w : (i + 1) * w] for i in range(parts)]
     if outer_bias is not None:
-        out = (out + outer_bias.astype(jnp.float32)).astype(out_dtype)
-    return out
+        outs = [
+            (o + outer_bias[i * w : (i + 1) * w].astype(jnp.float32)).astype(out_dtype)
+            for i, o in enumerate(outs)
+        ]
+    return tuple(outs) if parts > 1 else outs[0]
 
 
 def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
@@ -361,7 +377,8 @@ def gemm(
     b_layout: Optional[str] = None,
     out_dtype: DTypeLike = jnp.bfloat16,
     fast_accum: bool = False,
-) -> jax.Array:
+    parts: int = 1,
+) -> Union[jax.Array, tuple]:
     """``out = a . b^T (+ bias)``, contracting the last axis of both operands.
 
     Args:
@@ -373,9 +390,13 @@ def gemm(
       bias: optional ``(N,)`` (N = product of b's non-contracted dims), bfloat16 or float32.
       out_dtype: bfloat16 or float32.
       fast_accum: FP8 on the GPU only: cuBLASLt's fast accumulation (for forward GEMMs).
+      parts: return the output's b dims (flattened, N) as this many equal contiguous blocks,
+        each written in place where the operands allow it (per-tensor FP8 or BF16; else sliced
+        from the whole): the fused QKV projection's q, k and v without copies.
 
     Returns:
-      an array of shape ``a_lead + b_lead`` (the non-contracted dims of a, then of b).
+      an array of shape ``a_lead + b_lead`` (the non-contracted dims of a, then of b); with
+      ``parts`` > 1 a tuple of ``parts`` arrays ``a_lead + (N / parts,)``.
 
     Both operands must be of one kind: BF16, per-tensor FP8 (E4M3 x E4M3, E4M3 x E5M2 or
     E5M2 x E4M3; delayed and current scaling mix freely), FP8 block-scaled (BLOCK_1D/2D_SCALING,
@@ -398,6 +419,24 @@ def gemm(
             )
         bias = bias.reshape(N)
     shape = pa.lead + pb.lead
+    if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1 or N % parts:
+        raise ValueError(
+            f"gemm: parts must be a positive int dividing N={N} (b's non-contracted dims {pb.lead}), "
+            f"got {parts!r}"
+        )
+    if parts > 1:
+        part_shape = pa.lead + (N // parts,)
+        if pa.kind in ("bf16", "fp8") and M and N and K:
+            fp8 = pa.kind == "fp8"
+            outs = _gemm_2d(
+                pa.data, pb.data, pa.scale_inv, pb.scale_inv, bias, out_dtype, fast_accum and fp8, fp8, parts
+            )
+        else:  # the whole product, then its blocks
+            whole = gemm(
+                a, b, bias, a_layout=a_layout, b_layout=b_layout, out_dtype=out_dtype, fast_accum=fast_accum
+            )
+            outs = jnp.split(whole.reshape(pa.lead + (N,)), parts, axis=-1)
+        return tuple(checkpoint_name(o.reshape(part_shape), GEMM_CHECKPOINT_NAME) for o in outs)
 
     if M == 0 or N == 0 or K == 0:
         out = jnp.zeros((M, N), jnp.float32)
