@@ -120,3 +120,29 @@ def test_docs_dense_case_is_the_tutorial_block():
     ref, got = grads["flax"], grads["lowbit current"]
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     assert 0 < err < 0.1, err  # FP8 (E4M3 x, E5M2 dy) rounding, not another computation
+
+
+def test_charts_name_each_baseline_without_punctuation(tmp_path, monkeypatch):
+    """One chart per baseline; a baseline named like a row ("docs dense: flax") gives a file
+    name without ':' and its own row is not drawn as a bar against itself."""
+    from lowbit.bench import __main__ as bench_main
+
+    drawn = {}
+
+    def fake_chart(path, rows, *a, **k):
+        drawn[path] = [r["bar"] for r in rows]
+        return path
+
+    monkeypatch.setattr(bench_main, "ratio_chart", fake_chart)
+    rows = [
+        dict(model="m", name="dense: flax bf16 params", ms=2.0, speedup=1.0, speedup_vs="flax bf16 params"),
+        dict(model="m", name="dense: lowbit", ms=1.0, speedup=2.0, speedup_vs="flax bf16 params"),
+        dict(model="d", name="docs dense: flax", ms=2.0, speedup=1.0, speedup_vs="docs dense: flax"),
+        dict(
+            model="d", name="docs dense: lowbit delayed", ms=1.0, speedup=2.0, speedup_vs="docs dense: flax"
+        ),
+    ]
+    paths = bench_main._charts("dense", rows, str(tmp_path), "full", "dev")
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["dense-full.png", "dense-vs-docs-dense-flax-full.png"]
+    assert drawn[paths[1]] == ["docs dense: lowbit delayed"]
+    assert drawn[paths[0]] == ["dense: lowbit"]

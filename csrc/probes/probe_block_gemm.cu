@@ -107,10 +107,7 @@ __global__ void fill_kernel(uint8_t* q, int64_t nbytes, bool bf16, float* sc, in
                             uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nbytes;
        i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
+    const uint32_t h = probe_hash(uint64_t(i), seed);
     uint8_t b = uint8_t(h) & 0xBF;
     if (bf16 && (i & 1))
       b = uint8_t(0x3C | (h >> 8 & 0x80)) |

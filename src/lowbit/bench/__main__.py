@@ -101,9 +101,9 @@ def _charts(name: str, rows: list, out: str, suffix: str, device: str) -> list:
             part = [
                 dict(r, bar=r["name"])
                 for r in rows
-                if r.get("speedup_vs") == base and r["name"].split(": ")[-1] != base
+                if r.get("speedup_vs") == base and base not in (r["name"], r["name"].split(": ")[-1])
             ]
-            tag = "" if i == 0 else "-vs-" + "-".join(base.replace(".", "").split())
+            tag = "" if i == 0 else "-vs-" + "-".join(base.replace(".", "").replace(":", "").split())
             specs.append((tag, part, f"speed-up over {base}", "speedup", "model"))
     paths = []
     for tag, part, xlabel, value, group in specs:
