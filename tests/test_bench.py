@@ -146,3 +146,41 @@ def test_charts_name_each_baseline_without_punctuation(tmp_path, monkeypatch):
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["dense-full.png", "dense-vs-docs-dense-flax-full.png"]
     assert drawn[paths[1]] == ["docs dense: lowbit delayed"]
     assert drawn[paths[0]] == ["dense: lowbit"]
+
+
+def test_clock_samples_parse_to_medians():
+    """nvidia-smi's "clock, power" lines become median clock and power; lines it prints for an
+    unsupported field ("[N/A]") or anything else are skipped; nothing parsed gives no columns."""
+    from lowbit.bench.clocks import parse
+
+    text = "1980, 120.5\n1350, 699.1\n1500, 695.0\n[N/A], [N/A]\nnot a sample\n"
+    assert parse(text) == {"sm_mhz": 1500, "power_w": 695.0}
+    assert parse("") == {} and parse("[N/A], [N/A]\n") == {}
+
+
+def test_timing_fills_clocks_only_where_sampled(monkeypatch, tmp_path):
+    """time_fn hands the sampler's result to the caller's dict: a stand-in nvidia-smi that prints
+    two samples gives their medians; without a GPU (the CPU suite) the dict stays empty."""
+    import os
+    import stat
+    import time
+
+    import jax.numpy as jnp
+
+    from lowbit.bench import common
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '1700, 650.0'\necho '1500, 700.0'\nexec sleep 30\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+    def step(x):  # long enough for the stand-in to print before the sampler stops it
+        time.sleep(0.5)
+        return x + 1
+
+    clocks = {}
+    common.time_fn(step, jnp.ones(4), warmup=1, iters=1, repeats=1, clocks=clocks)
+    assert clocks == {}  # no GPU: not sampled
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    common.time_fn(step, jnp.ones(4), warmup=1, iters=1, repeats=1, clocks=clocks)
+    assert clocks == {"sm_mhz": 1600, "power_w": 675.0}

@@ -20,7 +20,7 @@ SUITES = {
     "gemm": ("lowbit.bench.gemm", ["shape", "format", "ms", "tflops", "vs_bf16", "vs_fp8"]),
     "dense": ("lowbit.bench.dense", None),
     "grouped": ("lowbit.bench.grouped", None),
-    "layer": ("lowbit.bench.layer", ["model", "name", "ms", "speedup", "note"]),
+    "layer": ("lowbit.bench.layer", ["model", "name", "ms", "speedup", "sm_mhz", "power_w", "note"]),
 }
 
 

@@ -7,11 +7,12 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 
 from lowbit._native import has_cuda_backend as on_gpu  # noqa: F401  (the suites import it from here)
+from lowbit.bench.clocks import Sampler
 
 
 def device_name() -> str:
@@ -47,20 +48,26 @@ def case_named(cases: Sequence[tuple], name: str, suite: str) -> tuple:
     raise ValueError(f"{suite}: no case named {name!r}; cases are {[c[0] for c in cases]}")
 
 
-def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 20, repeats: int = 5) -> float:
+def time_fn(
+    fn: Callable, *args, warmup: int = 3, iters: int = 20, repeats: int = 5, clocks: Optional[dict] = None
+) -> float:
     """Median milliseconds per call of an already-jitted fn. Calls are queued back to back
-    (dispatch is asynchronous) and the device is synchronised once per repeat."""
+    (dispatch is asynchronous) and the device is synchronised once per repeat. ``clocks``: a dict
+    that receives the GPU's median SM clock and power during the repeats (lowbit.bench.clocks)."""
     out = None
     for _ in range(warmup):
         out = fn(*args)
     jax.block_until_ready(out)
     samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    with Sampler(clocks is not None and on_gpu()) as sampler:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    if clocks is not None:
+        clocks.update(sampler.result)
     return statistics.median(samples)
 
 

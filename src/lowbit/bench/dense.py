@@ -207,8 +207,9 @@ def _model_rows(kind: str, cfg: dict, small: bool, progress) -> list[dict]:
     rows = []
     for name, _, _, _, note in _cases():
         fn, args = build_case(kind, name, cfg, key, drop)
-        ms = time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5)
-        rows.append(dict(model=label, name=f"{kind}: {name}", ms=ms, note=note))
+        clocks = {}
+        ms = time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5, clocks=clocks)
+        rows.append(dict(model=label, name=f"{kind}: {name}", ms=ms, note=note, **clocks))
         del fn, args
         if progress:
             progress()
@@ -229,10 +230,12 @@ def _docs_dense_rows(cfg: dict, small: bool, progress) -> list[dict]:
     rows = []
     for name, _, _ in _docs_cases():
         step, args = build_case("docs dense", name, cfg, key, key)
-        ms = time_fn(step, *args, warmup=2, iters=2 if small else 20, repeats=3 if small else 5)
-        rows.append(
-            dict(model=label, name=f"docs dense: {name}", ms=ms, note="TE's JAX Dense tutorial harness")
+        clocks = {}
+        ms = time_fn(
+            step, *args, warmup=2, iters=2 if small else 20, repeats=3 if small else 5, clocks=clocks
         )
+        note = "TE's JAX Dense tutorial harness"
+        rows.append(dict(model=label, name=f"docs dense: {name}", ms=ms, note=note, **clocks))
         if progress:
             progress()
     for r in rows:

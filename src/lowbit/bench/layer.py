@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -127,22 +128,24 @@ def build_case(name: str, cfg: dict, key, drop):
     return fn, args
 
 
-def time_case(name: str, small: bool) -> float:
-    """Milliseconds per step of one case in this process."""
+def time_case(name: str, small: bool, clocks: Optional[dict] = None) -> float:
+    """Milliseconds per step of one case in this process (``clocks``: see ``time_fn``)."""
     cfg = SMALL if small else FULL
     key, drop = jax.random.split(jax.random.PRNGKey(42))
     fn, args = build_case(name, cfg, key, drop)
-    return time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5)
+    return time_fn(fn, *args, warmup=2, iters=2 if small else 10, repeats=3 if small else 5, clocks=clocks)
 
 
-def _time_in_child(name: str, small: bool) -> float:
+def _time_in_child(name: str, small: bool, clocks: dict) -> float:
     env = dict(os.environ, **_CHILD_ENV[name])
     cmd = [sys.executable, "-m", "lowbit.bench.layer", name] + (["--small"] if small else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"layer case {name!r} failed in its child process:\n{out.stderr[-2000:]}")
-    return json.loads(lines[-1])["ms"]
+    result = json.loads(lines[-1])
+    clocks.update({k: v for k, v in result.items() if k != "ms"})
+    return result["ms"]
 
 
 def run(small: bool, progress=None) -> list[dict]:
@@ -150,8 +153,9 @@ def run(small: bool, progress=None) -> list[dict]:
     label = f"layer b{cfg['batch']} s{cfg['seq']} h{cfg['hidden']} ffn{cfg['ffn']} heads{cfg['heads']}"
     rows = []
     for name, _, _, _, note in _cases():
-        ms = _time_in_child(name, small) if name in _CHILD_ENV else time_case(name, small)
-        rows.append(dict(model=label, name=name, ms=ms, note=note))
+        clocks = {}
+        ms = _time_in_child(name, small, clocks) if name in _CHILD_ENV else time_case(name, small, clocks)
+        rows.append(dict(model=label, name=name, ms=ms, note=note, **clocks))
         if progress:
             progress()
     base = {r["name"]: r["ms"] for r in rows}
@@ -169,5 +173,7 @@ def count(small: bool) -> int:
     return len(_cases())
 
 
-if __name__ == "__main__":  # one case, for a child process: prints {"ms": ...}
-    print(json.dumps({"ms": time_case(sys.argv[1], "--small" in sys.argv[2:])}))
+if __name__ == "__main__":  # one case, for a child process: prints {"ms": ..., clocks}
+    _clocks = {}
+    _ms = time_case(sys.argv[1], "--small" in sys.argv[2:], _clocks)
+    print(json.dumps({"ms": _ms, **_clocks}))

@@ -1,0 +1,66 @@
+"""The GPU's SM clock and power draw while a benchmark case is timed.
+
+FP8 GEMMs on random data hold an H100 at its 700 W cap (SM clock 1.2-1.75 GHz instead of 1.98),
+so a case's time depends on the clock the cap leaves it and drifts with the GPU's temperature.
+Rows carry the median SM clock (MHz) and power (W) that ``nvidia-smi`` reported during their
+timing loop, so tables from different runs, or from different points of one run, can be read
+against each other. Without ``nvidia-smi`` (or without a GPU) nothing is sampled.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+from typing import Optional
+
+_QUERY = ["--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"]
+
+
+def parse(text: str) -> dict:
+    """``{"sm_mhz", "power_w"}`` medians of nvidia-smi's ``clock, power`` lines (other lines,
+    e.g. "[N/A]", are skipped); empty when no line parses."""
+    clocks, power = [], []
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 2:
+            continue
+        try:
+            c, p = float(fields[0]), float(fields[1])
+        except ValueError:
+            continue
+        clocks.append(c)
+        power.append(p)
+    if not clocks:
+        return {}
+    return {"sm_mhz": round(statistics.median(clocks)), "power_w": round(statistics.median(power), 1)}
+
+
+class Sampler:
+    """``with Sampler(enabled) as s: <timing loop>``, then ``s.result`` (see :func:`parse`)."""
+
+    def __init__(self, enabled: bool = True):
+        self._exe = shutil.which("nvidia-smi") if enabled else None
+        self._proc: Optional[subprocess.Popen] = None
+        self.result: dict = {}
+
+    def __enter__(self) -> Sampler:
+        if self._exe:
+            try:
+                self._proc = subprocess.Popen(
+                    [self._exe, *_QUERY], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                )
+            except OSError:
+                self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            out, _ = self._proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        self.result = parse(out or "")
