@@ -170,7 +170,11 @@ def test_timing_fills_clocks_only_where_sampled(monkeypatch, tmp_path):
     from lowbit.bench import common
 
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\necho '1700, 650.0'\necho '1500, 700.0'\nexec sleep 30\n")
+    fake.write_text(  # a driver with power.draw.instant (asked once), then two samples
+        "#!/bin/sh\n"
+        'case "$1" in --query-gpu=power.draw.instant) echo 42.0; exit 0;; esac\n'
+        "echo '1700, 650.0'\necho '1500, 700.0'\nexec sleep 30\n"
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 

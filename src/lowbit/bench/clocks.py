@@ -9,12 +9,30 @@ against each other. Without ``nvidia-smi`` (or without a GPU) nothing is sampled
 
 from __future__ import annotations
 
+import functools
 import shutil
 import statistics
 import subprocess
 from typing import Optional
 
-_QUERY = ["--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"]
+_FORMAT = ["--format=csv,noheader,nounits"]
+
+
+@functools.cache
+def _power_field(exe: str) -> str:
+    """``power.draw.instant`` where the driver has it (``power.draw`` averages over about a
+    second, too long for a half-second timing loop), else ``power.draw``."""
+    try:
+        probe = subprocess.run(
+            [exe, "--query-gpu=power.draw.instant", *_FORMAT], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "power.draw"
+    return (
+        "power.draw.instant"
+        if probe.returncode == 0 and parse(f"0, {probe.stdout.strip()}")
+        else "power.draw"
+    )
 
 
 def parse(text: str) -> dict:
@@ -47,8 +65,12 @@ class Sampler:
     def __enter__(self) -> Sampler:
         if self._exe:
             try:
+                query = f"--query-gpu=clocks.sm,{_power_field(self._exe)}"
                 self._proc = subprocess.Popen(
-                    [self._exe, *_QUERY], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                    [self._exe, query, *_FORMAT, "-lms", "100"],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
                 )
             except OSError:
                 self._proc = None
