@@ -212,7 +212,7 @@ def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, blocks=(0, 0), part
     )
 
 
-def _splits_in_place(M, N, K, parts, fp8):
+def _splits_in_place(N, parts, fp8):
     """Whether the GEMM's ``parts`` column blocks can be written in place (else: slices of the
     whole): whole blocks, and for FP8 no padding of B's rows and blocks of 16-element multiples
     (cuBLASLt's alignment)."""
@@ -242,7 +242,7 @@ def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8, parts=1):
     if fused_bias is not None and b2.shape[0] != N:
         fused_bias = pad_to(fused_bias, 0, _FP8_ALIGN)
     ffi_out = out_dtype if outer_bias is None else _F32
-    in_place = parts > 1 and _splits_in_place(a2.shape[0], N, a2.shape[1], parts, fp8)
+    in_place = parts > 1 and _splits_in_place(N, parts, fp8)
     out = _ffi_gemm(a2, b2, a_s, b_s, fused_bias, ffi_out, fast_accum, parts=parts if in_place else 1)
     w = N // parts
     outs = list(out) if in_place else [out[:, i * w : (i + 1) * w] for i in range(parts)]
