@@ -1,8 +1,7 @@
 // FFI handler of the GEMM family: out(M, N) = A(M, K) . B(N, K)^T * scales (+ bias).
 // With n > 1 outputs (results 0..n-1; the workspace is always the last result), each is an
-// (M, N/n) column block of
-// that product, computed in place from B's rows and the bias's entries: the fused QKV projection
-// hands q, k and v to attention without slicing copies.
+// (M, N/n) column block of that product, computed in place from B's rows and the bias's
+// entries: the fused QKV projection hands q, k and v to attention without slicing copies.
 // Written once (ffi_common.h); compiled into liblowbit_cpu and, with LOWBIT_WITH_CUDA, into
 // liblowbit_cuda (cuBLASLt). The handler only decodes buffers and attributes.
 #include "lowbit/gemm.h"
@@ -39,10 +38,6 @@ Status check_scales(const ffi::AnyBuffer& s, int block, int64_t rows, int64_t k,
                            std::to_string(s.element_count()) + " elements, the operand needs " +
                            std::to_string(want));
   return Status::Ok();
-}
-
-size_t dtype_bytes(DType t) {
-  return t == DType::kF32 ? 4 : (t == DType::kBF16 || t == DType::kF16) ? 2 : 1;
 }
 
 ffi::Error Gemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, Buf a_scale_inv, Buf b_scale_inv, Buf bias,
@@ -87,13 +82,10 @@ ffi::Error Gemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, Buf a_scale_inv, Buf b_scale_i
   p.fast_accum = flags & kFastAccum;
   p.workspace = ptr_or_null<void>(workspace);
   p.workspace_bytes = workspace->size_bytes();
-  if (parts == 1) {
-    if (auto err = to_error(validate(p)); err.failure()) return err;
-    return to_error(LOWBIT_RUN(gemm, p));
-  }
-  // Column blocks: block i reads B's rows [i*w, (i+1)*w) and the bias's entries there; the
-  // per-tensor decode scales apply to every block (block-scaled operands are not split).
-  if (p.a_block || p.b_block)
+  // Column blocks (one when not split): block i reads B's rows [i*w, (i+1)*w) and the bias's
+  // entries there; the per-tensor decode scales apply to every block (block-scaled operands are
+  // not split).
+  if (parts > 1 && (p.a_block || p.b_block))
     return to_error(Status::Invalid("gemm: split outputs need per-tensor or BF16 operands"));
   const int64_t w = on;
   p.n = w;

@@ -18,6 +18,18 @@ enum class DType : int32_t {
   kE8M0 = 6,
 };
 
+// Bytes per element of an unpacked dtype. E2M1 is stored two codes per byte: 0 here, its
+// callers size it themselves.
+inline size_t dtype_bytes(DType t) {
+  switch (t) {
+    case DType::kF32: return 4;
+    case DType::kBF16:
+    case DType::kF16: return 2;
+    case DType::kE2M1: return 0;
+    default: return 1;
+  }
+}
+
 // Scaling modes; values mirror lowbit.ScalingMode.
 enum class ScalingMode : int32_t {
   kNoScaling = 0,

@@ -68,8 +68,6 @@ float act_grad(ActKind k, float x) {
   return g;
 }
 
-size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
-
 // Quantizes the rounded result `v` (rows, cols) into the FP8 outputs of the fused op.
 Status quantize_result(const void* v, DType dt, int64_t rows, int64_t cols, ScalingMode mode,
                        DType q_dtype, const float* scale, uint8_t* data, uint8_t* cw, float* si,
@@ -117,7 +115,7 @@ Status act_fwd_cpu(const ActFwdParams& p) {
   std::vector<uint8_t> tmp;
   void* y = p.y;
   if (y == nullptr) {
-    tmp.resize(size_t(R * H) * elem_bytes(p.x_dtype));
+    tmp.resize(size_t(R * H) * dtype_bytes(p.x_dtype));
     y = tmp.data();
   }
   for (int64_t r = 0; r < R; ++r)
@@ -139,7 +137,7 @@ Status act_bwd_cpu(const ActBwdParams& p) {
   std::vector<uint8_t> tmp;
   void* dx = p.dx;
   if (dx == nullptr) {
-    tmp.resize(size_t(R * W) * elem_bytes(p.x_dtype));
+    tmp.resize(size_t(R * W) * dtype_bytes(p.x_dtype));
     dx = tmp.data();
   }
   for (int64_t r = 0; r < R; ++r)

@@ -20,7 +20,7 @@ Status norm_fwd_cpu(const NormFwdParams& p) {
   std::vector<uint8_t> tmp;
   void* y = p.y;
   if (y == nullptr && fp8) {
-    tmp.resize(size_t(R * C) * (p.x_dtype == DType::kF32 ? 4 : 2));
+    tmp.resize(size_t(R * C) * dtype_bytes(p.x_dtype));
     y = tmp.data();
   }
   std::vector<float> row(static_cast<size_t>(C));

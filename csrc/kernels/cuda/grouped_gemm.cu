@@ -64,7 +64,7 @@ Problem make_problem(const GroupedGemmParams& p, void* info_area, void* realign_
     char* r = static_cast<char*>(realign_area);
     if (p.a_kmajor) {
       q.realign_a = r;
-      r += align_up(size_t(p.m * q.realign_ld * elem_bytes(p.a_dtype)), 256);
+      r += align_up(size_t(p.m * q.realign_ld * dtype_bytes(p.a_dtype)), 256);
     }
     if (p.b_kmajor) q.realign_b = r;
   }
@@ -106,7 +106,7 @@ const Config* pick_config(const GroupedGemmParams& p) {
 #if LOWBIT_HAVE_CUTLASS
 // Whether every stride keeps 16-byte alignment (TMA) and the extents fit CUTLASS's int shapes.
 bool strides_fit_cutlass(const GroupedGemmParams& p) {
-  const int64_t ea = elem_bytes(p.a_dtype), eb = elem_bytes(p.b_dtype);
+  const int64_t ea = dtype_bytes(p.a_dtype), eb = dtype_bytes(p.b_dtype);
   const int64_t lim = int64_t(1) << 31;
   return (p.lda * ea) % 16 == 0 && (p.ldb * eb) % 16 == 0 && (p.n * 2) % 16 == 0 &&
          (p.b_group_stride * eb) % 16 == 0 && p.m < lim && p.n < lim && p.k < lim;
@@ -123,8 +123,8 @@ size_t realign_bytes(const GroupedGemmParams& p) {
   if (p.mode != GroupedGemmMode::kRaggedK || !(p.a_kmajor || p.b_kmajor)) return 0;
   const size_t cols = size_t(realign_cols(p.k, p.num_groups));
   size_t bytes = 0;
-  if (p.a_kmajor) bytes += align_up(size_t(p.m) * cols * elem_bytes(p.a_dtype), 256);
-  if (p.b_kmajor) bytes += align_up(size_t(p.n) * cols * elem_bytes(p.b_dtype), 256);
+  if (p.a_kmajor) bytes += align_up(size_t(p.m) * cols * dtype_bytes(p.a_dtype), 256);
+  if (p.b_kmajor) bytes += align_up(size_t(p.n) * cols * dtype_bytes(p.b_dtype), 256);
   return bytes;
 }
 

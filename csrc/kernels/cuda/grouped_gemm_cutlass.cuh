@@ -60,8 +60,6 @@ inline size_t info_bytes(int64_t groups) {
   return align_up(size_t(groups) * sizeof(GroupInfo) + 2 * sizeof(int64_t), 256);
 }
 
-inline int elem_bytes(DType t) { return t == DType::kBF16 ? 2 : 1; }
-
 // Ragged K reads each group's K-major operands from column start_g, which TMA can only take at
 // a 16-byte boundary. Groups that start elsewhere are copied to 16-aligned slots of a scratch
 // (rows x realign_cols) first; the slots hold at most k + 15 * G columns.

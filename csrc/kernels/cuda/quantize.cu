@@ -8,8 +8,8 @@
 //   (cast_kernels.cuh, cast_tile_kernel) reads x once and writes both copies; modes that do not
 //   need the amax up front (delayed, MXFP8) fold the amax into it. FP8 block scaling (1x128 /
 //   128x128): memset amax -> block cast (fp8_block_cast_kernel, both copies and amax(x) from one
-//   read) -> [dbias]; shapes the fast kernel cannot take: memset amax
-//   -> amax -> fill scale padding -> fp8_block_cast_generic_kernel -> [dbias].
+//   read) -> [dbias]; shapes the fast kernel cannot take: memset amax -> amax -> fill scale
+//   padding -> fp8_block_cast_generic_kernel -> [dbias].
 #include "cast_kernels.cuh"
 
 namespace lowbit {
