@@ -39,15 +39,19 @@ def _group(kernel: str) -> str:
     return "other"
 
 
-def _gpu_events(trace_dir: str) -> list:
-    """(start_ns, duration_ns, name, details) of every kernel on the trace's GPU stream lines,
-    in start order; details are the event's stats (grid/block sizes where the trace has them)."""
+def _trace(trace_dir: str):
+    """The trace jax.profiler wrote under ``trace_dir`` (its newest xplane file), read once."""
     from jax.profiler import ProfileData
 
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
-    data = ProfileData.from_file(path)
+    return ProfileData.from_file(path)
+
+
+def _gpu_events(trace) -> list:
+    """(start_ns, duration_ns, name, details) of every kernel on the trace's GPU stream lines,
+    in start order; details are the event's stats (grid/block sizes where the trace has them)."""
     events = []
-    for plane in data.planes:
+    for plane in trace.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
@@ -62,14 +66,11 @@ def _gpu_events(trace_dir: str) -> list:
     return sorted(events)
 
 
-def _host_events(trace_dir: str) -> list:
+def _host_events(trace) -> list:
     """(start_ns, duration_ns, name, thread) of every host-side event (runtime API calls, XLA's
     execution scopes) in the trace."""
-    from jax.profiler import ProfileData
-
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
     events = []
-    for plane in ProfileData.from_file(path).planes:
+    for plane in trace.planes:
         if plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
@@ -142,8 +143,9 @@ def profile(suite: str, case: str, top: int = 25, timeline: bool = False, host: 
             for _ in range(STEPS):
                 out = fn(*args)
             jax.block_until_ready(out)
-        events = _gpu_events(d)
-        hosts = _host_events(d) if host else []
+        trace = _trace(d)
+        events = _gpu_events(trace)
+        hosts = _host_events(trace) if host else []
     totals: dict[str, float] = collections.defaultdict(float)
     for _, dur, name, _ in events:
         totals[name] += dur
