@@ -141,8 +141,9 @@ def _quantize_calls(module, variables, x, recipe):
 
 @pytest.mark.parametrize("recipe_name", sorted(RECIPES))
 def test_layernorm_mlp_takes_fused_path(on_cpu, recipe_name):
-    """The step quantizes x, two kernels and the output's gradient: 4 quantize calls. The
-    composed path had 6 (the activation and its gradient quantized again)."""
+    """The step quantizes two kernels and the output's gradient: 3 quantize calls (x's FP8 copies
+    come from the norm kernel, inside the same VJP). The composed path had 6 (x, the activation
+    and its gradient quantized separately)."""
     recipe = RECIPES[recipe_name]
     x = jnp.ones((2, 8, 32), jnp.bfloat16)
     m = lf.LayerNormMLP(
@@ -150,7 +151,7 @@ def test_layernorm_mlp_takes_fused_path(on_cpu, recipe_name):
     )
     with lowbit.autocast(recipe):
         v = nn.unbox(m.init(jax.random.PRNGKey(0), x))
-    assert _quantize_calls(m, v, x, recipe) == 4
+    assert _quantize_calls(m, v, x, recipe) == 3
     if isinstance(recipe, lowbit.DelayedScaling):  # the same state variables as two DenseOps
         assert set(v[lf.OVERWRITE_WITH_GRADIENT]) == {"wi_op", "wo_op"}
     # Active intermediate dropout sits between the GEMMs: the composed path, 6 calls.

@@ -724,9 +724,11 @@ int main(int argc, char** argv) {
   const ScalingMode modes[] = {ScalingMode::kNoScaling, ScalingMode::kDelayedTensor,
                                ScalingMode::kCurrentTensor};
 
-  // norm: fast path (vectorised rows), partial bands, generic path (odd C, too-long rows).
+  // norm: fast path (vectorised rows), partial bands, generic path (odd C, too-long rows); FP8
+  // copies through the tile cast where rows and columns are multiples of 16 ({144, 1040}: a
+  // partial 128x64 tile on both axes), through the norm kernel's own stores otherwise.
   std::vector<std::pair<int64_t, int64_t>> norm_shapes = {
-      {64, 256}, {37, 1024}, {48, 200}, {16, 33}};
+      {64, 256}, {37, 1024}, {48, 200}, {16, 33}, {144, 1040}};
   if (!quick) {
     norm_shapes.push_back({256, 4096});
     norm_shapes.push_back({40, 8192});

@@ -3,6 +3,8 @@
 // rowwise / colwise kernels for any shape, and amax(x).
 #pragma once
 
+#include <type_traits>
+
 #include "device_common.cuh"
 #include "lowbit/block_scaling.h"
 
@@ -83,9 +85,25 @@ template <int IN, int KIND, bool GROUPED>
 constexpr int tile_min_blocks() {
   return IN != 0 && (KIND == kTensor || KIND == kMx) ? (GROUPED ? 2 : 3) : 1;
 }
-template <int IN, int KIND, int FMT, bool GROUPED, bool PARTS = false>
+// What the tile kernel casts is what it loads, unless a Load functor maps each loaded chunk
+// first (norm.cu's NormLoad: the LayerNorm output recomputed from x and the row statistics).
+// `stage` fills the Load's shared memory for
+// the tile at (r0, c0) (issued after the tile's own loads, so both are in flight together);
+// `apply(shared, raw, tile_row, tile_col)` gets in-range chunks only (padding stays zero);
+// `publish(scale)` runs once per launch (block 0, thread 0) with the tensor scale.
+struct PlainLoad {
+  struct Shared {};
+  __device__ __forceinline__ void stage(Shared&, int64_t, int64_t, int64_t, int64_t, int) const {}
+  template <int IN>
+  __device__ __forceinline__ uint4 apply(const Shared&, uint4 raw, int, int) const {
+    return raw;
+  }
+  __device__ __forceinline__ void publish(float) const {}
+};
+
+template <int IN, int KIND, int FMT, bool GROUPED, bool PARTS = false, typename Load = PlainLoad>
 __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPED>())
-    cast_tile_kernel(const CastArgs a) {
+    cast_tile_kernel(const CastArgs a, const Load load = Load{}) {
   using T = typename In<IN>::T;
   constexpr int CH = 16 / int(sizeof(T));           // elements per 16-byte chunk
   constexpr int CPR = kTileC / CH;                  // chunks per tile row (8 or 16)
@@ -124,6 +142,16 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
     const int64_t gr = r0 + lr, gc = c0 + lc;
     raw[i] = (gr < R && gc < C) ? __ldg(reinterpret_cast<const uint4*>(x + gr * ld + (gc - xc0)))
                                 : make_uint4(0u, 0u, 0u, 0u);
+  }
+  if constexpr (!std::is_same<Load, PlainLoad>::value) {
+    __shared__ typename Load::Shared lsh;
+    load.stage(lsh, r0, c0, R, C, t);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int id = i * kTileThreads + t, lr = id / CPR, lc = (id % CPR) * CH;
+      if (r0 + lr < R && c0 + lc < C) raw[i] = load.template apply<IN>(lsh, raw[i], lr, lc);
+    }
   }
   if constexpr (GROUPED) {
     if (t < kTileR) {
@@ -188,6 +216,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
 
   float scale = 1.0f, S_row = 1.0f, S_col = 1.0f;
   if constexpr (KIND == kTensor && !GROUPED) scale = tensor_scale<FMT>(a, 0);
+  if (blockIdx.x == 0 && t == 0) load.publish(scale);
   if constexpr (KIND == kNv1 || KIND == kNv2) {
     S_row = nvfp4_tensor_scale(*a.amax_in);
     S_col = nvfp4_tensor_scale(*a.amax_col);

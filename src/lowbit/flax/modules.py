@@ -27,6 +27,7 @@ from lowbit.flax.state_module import QuantizeContext, wrap_function_in_state_mod
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
 from lowbit.ops.dense import dense as _dense
+from lowbit.ops.dense_norm import NormInput
 from lowbit.ops.dense_split import split_dense as _split_dense
 from lowbit.ops.mlp import mlp as _mlp
 from lowbit.ops.mlp import runs_fused as _mlp_runs_fused
@@ -48,8 +49,8 @@ DenseOp = wrap_function_in_state_module(_dense_op, None, "dense")
 DenseContext = wrap_function_in_state_module(lambda ctx: ctx, None, "dense")
 
 
-def _split_dense_op(ctx: QuantizeContext, x, kernel, bias):
-    return _split_dense(x, kernel, bias, recipe=ctx.recipe, state=ctx.state, out_dtype=x.dtype)
+def _split_dense_op(ctx: QuantizeContext, x, kernel, bias, norm=None):
+    return _split_dense(x, kernel, bias, recipe=ctx.recipe, state=ctx.state, out_dtype=x.dtype, norm=norm)
 
 
 #: DenseOp (same variables) returning the slots of the kernel's first feature axis separately.
@@ -112,6 +113,22 @@ def _norm_params(
     return gamma, beta
 
 
+def _ln_params(m, C):
+    """The norm parameters of a LayerNorm* module (fields ``scale_init``, ``ln_bias_init``,
+    ``scale_axes``, ``ln_bias_axes``)."""
+    return _norm_params(
+        m,
+        C,
+        m.layernorm_type,
+        m.zero_centered_gamma,
+        m.scale_init,
+        m.ln_bias_init,
+        m.scale_axes,
+        m.ln_bias_axes,
+        m.dtype,
+    )
+
+
 def _norm(x, gamma, beta, layernorm_type, zero_centered_gamma, epsilon):
     return _layernorm(
         x,
@@ -120,6 +137,13 @@ def _norm(x, gamma, beta, layernorm_type, zero_centered_gamma, epsilon):
         norm_type=layernorm_type,
         zero_centered_gamma=bool(zero_centered_gamma),
         epsilon=float(epsilon),
+    )
+
+
+def _norm_input(m, gamma, beta, return_output: bool) -> NormInput:
+    """Module m's norm as the input stage of a fused dense (``lowbit.ops.dense_norm``)."""
+    return NormInput(
+        gamma, beta, m.layernorm_type, bool(m.zero_centered_gamma), float(m.epsilon), bool(return_output)
     )
 
 
@@ -193,9 +217,11 @@ class Softmax(nn.Module):
         return _softmax(inputs, float(self.scale_factor), mask=mask, softmax_type=st)
 
 
-def _dense_general(m, x, features, axis, owner: str):
+def _dense_general(m, x, features, axis, owner: str, norm: Optional[NormInput] = None):
     """Kernel (+ bias, + LoRA) of module ``m`` (its params, so they sit where TransformerEngine
-    puts them) and the GEMM; shared by DenseGeneral and LayerNormDenseGeneral."""
+    puts them) and the GEMM; shared by DenseGeneral and LayerNormDenseGeneral. With ``norm`` the
+    GEMM reads x's norm and the result is ``(y, norm output or None)``: the fused QKV path
+    (split features over x's last axis, no LoRA) runs the norm inside the GEMM's VJP."""
     features, axis = _canon_tuple(features, "features"), _canon_tuple(axis, "axis")
     if any(f < 1 for f in features):
         raise ValueError(f"{owner}: features must be positive, got {features}")
@@ -203,6 +229,11 @@ def _dense_general(m, x, features, axis, owner: str):
     axis = tuple(a + nd if a < 0 else a for a in axis)
     if any(not 0 <= a < nd for a in axis) or len(set(axis)) != len(axis):
         raise ValueError(f"{owner}: axis {axis} is out of range or repeats for inputs of rank {nd}")
+    split = _SPLIT_FEATURES.get() and len(axis) == 1 and len(features) == 2
+    split = split and not m.enable_low_rank_adaptation
+    if norm is not None and not (split and axis == (nd - 1,)):
+        y = _norm(x, norm.gamma, norm.beta, norm.norm_type, norm.zero_centered_gamma, norm.epsilon)
+        return _dense_general(m, y, features, axis, owner), (y if norm.return_output else None)
     # lowbit.dense contracts trailing axes: move the contracted ones to the end, in order.
     rest = [a for a in range(nd) if a not in axis]
     if rest + list(axis) != list(range(nd)):
@@ -213,8 +244,8 @@ def _dense_general(m, x, features, axis, owner: str):
     bias = _param(m, "bias", m.bias_init, features, m.dtype, m.bias_axes) if m.use_bias else None
     k, b = _cast_for_math(x, kernel, bias)
     dims = (tuple(range(nd - c, nd)), tuple(range(c)))
-    if _SPLIT_FEATURES.get() and c == 1 and len(features) == 2 and not m.enable_low_rank_adaptation:
-        return SplitDenseOp(name="dense_op")(x, k, b)
+    if split:
+        return SplitDenseOp(name="dense_op")(x, k, b, norm=norm)
     y = DenseOp(name="dense_op")(x, k, b, dims)
     if m.enable_low_rank_adaptation:
         y = y + _lora(m, x, in_shape, features, owner)
@@ -302,22 +333,13 @@ class LayerNormDenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
-        y = inputs
-        if self.enable_layernorm:
-            gamma, beta = _norm_params(
-                self,
-                inputs.shape[-1],
-                self.layernorm_type,
-                self.zero_centered_gamma,
-                self.scale_init,
-                self.ln_bias_init,
-                self.scale_axes,
-                self.ln_bias_axes,
-                self.dtype,
-            )
-            y = _norm(inputs, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
-        out = _dense_general(self, y, self.features, self.axis, "LayerNormDenseGeneral")
-        return out, (y if self.return_layernorm_output else None)
+        owner = "LayerNormDenseGeneral"
+        if not self.enable_layernorm:
+            out = _dense_general(self, inputs, self.features, self.axis, owner)
+            return out, (inputs if self.return_layernorm_output else None)
+        gamma, beta = _ln_params(self, inputs.shape[-1])
+        norm = _norm_input(self, gamma, beta, self.return_layernorm_output)
+        return _dense_general(self, inputs, self.features, self.axis, owner, norm=norm)
 
 
 #: TransformerEngine's default MLP kernel init (its ``kernel_init=None``).
@@ -553,19 +575,7 @@ class LayerNormMLP(nn.Module):
         y = inputs
         if self.enable_layernorm:
             y = _constrain(inputs, self.layernorm_input_axes)
-            gamma, beta = _norm_params(
-                self,
-                H,
-                self.layernorm_type,
-                self.zero_centered_gamma,
-                self.scale_init,
-                self.ln_bias_init,
-                self.scale_axes,
-                self.ln_bias_axes,
-                self.dtype,
-            )
-            y = _norm(y, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
-        ln_output = y if self.return_layernorm_output else None
+            gamma, beta = _ln_params(self, H)
         init = self.kernel_init or _default_mlp_kernel_init(self.dtype)
         ax1 = tuple(self.kernel_axes_1 or ())
         if len(ax1) == 2:  # (embed, mlp) names the 2-D view; the activation axis is unsharded
@@ -590,10 +600,20 @@ class LayerNormMLP(nn.Module):
                 _param(self, "wo_lora_b_kernel", nn.initializers.zeros, (r, H), self.dtype, ()),
             )
         wi, wi_b, wo, wo_b = _cast_for_math(inputs, wi, wi_b, wo, wo_b)
-        y1 = _constrain(y, self.dot_1_input_axes)
         dropout = self.intermediate_dropout_rate > 0 and not deterministic
-        M = int(np.prod(y1.shape[:-1]))
-        if lora is None and not dropout and _mlp_runs_fused(get_recipe(), acts, M, H, n_act * F):
+        M = int(np.prod(inputs.shape[:-1]))
+        fused = lora is None and not dropout and _mlp_runs_fused(get_recipe(), acts, M, H, n_act * F)
+        # Fused, the norm runs inside the MLP's VJP (its kernel writes the first GEMM's FP8 input),
+        # unless the GEMM's input carries a sharding constraint of its own.
+        norm = None
+        if self.enable_layernorm:
+            if fused and self.dot_1_input_axes is None:
+                norm = _norm_input(self, gamma, beta, self.return_layernorm_output)
+            else:
+                y = _norm(y, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
+        ln_output = y if self.return_layernorm_output else None
+        y1 = _constrain(y, self.dot_1_input_axes)
+        if fused:
             # One VJP for both GEMMs: the activation kernels write the FP8 operands themselves.
             c1, c2 = DenseContext(name="wi_op")(), DenseContext(name="wo_op")()
             b1 = None if wi_b is None else wi_b.reshape(-1)
@@ -607,7 +627,10 @@ class LayerNormMLP(nn.Module):
                 recipe=c1.recipe,
                 states=(c1.state, c2.state),
                 hidden_checkpoint_name=self.ffn1_ckpt_name,
+                norm=norm,
             )
+            if norm is not None:
+                out, ln_output = out
             return checkpoint_name(out, self.ffn2_ckpt_name), ln_output
         # (H, n_act, F) -> (H, n_act*F): the output's last axis holds the activation slots in order.
         h = DenseOp(name="wi_op")(

@@ -26,6 +26,7 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
 from lowbit.ops import dense_sharded
+from lowbit.ops.fused_quantize import QuantizeSpec, parse_quantize_spec
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
 from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import check_input, quantize, quantize_dbias, quantize_parts
@@ -119,6 +120,12 @@ def quantize_kwargs(cfg: _Config, role: str, state, **kw):
         layout="both",
         **kw,
     )
+
+
+def fused_spec(cfg: _Config, state, role: str, dtype) -> QuantizeSpec:
+    """A fused kernel's quantize spec (norm, activation): what ``dense`` quantizes ``role`` with."""
+    kw = quantize_kwargs(cfg, role, state)
+    return parse_quantize_spec((kw["scaling_mode"], kw["q_dtype"], kw["scale"], kw["layout"]), dtype)
 
 
 def quantize_input(cfg: _Config, x, state):

@@ -6,7 +6,8 @@ n arrays (``gemm(parts=n)``: no slicing copies) and the backward quantizes the g
 they lie (``quantize_parts``) instead of concatenating them first (a (M, 3F) copy per step); the
 results equal ``dense`` followed by slicing (bit for bit on the CPU; on the GPU cuBLASLt may pick
 another algorithm for the narrower GEMMs, so the outputs agree to rounding). Other recipes and
-sharded GEMMs take that composition.
+sharded GEMMs take that composition. A LayerNorm in front (``norm=``) runs inside the same VJP
+(``lowbit.ops.dense_norm``): its kernel writes the GEMM's FP8 input.
 """
 
 from __future__ import annotations
@@ -20,32 +21,38 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
 from lowbit.ops import dense as dense_mod
+from lowbit.ops import dense_norm
+from lowbit.ops.dense_norm import NormInput
 from lowbit.ops.quantize import check_input, parts_fusable
 from lowbit.quantization.tensor import prod
 from lowbit.recipe import Recipe
 from lowbit.sharding import plan_dense
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _split_2d(cfg, n: int, x, k, b, state):
-    return _forward(cfg, n, x, k, b, state)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _split_2d(cfg, n: int, ncfg, x, k, b, state, gamma, beta):
+    ys, y_norm, _ = _forward(cfg, n, ncfg, x, k, b, state, gamma, beta)
+    return ys, y_norm
 
 
-def _forward(cfg, n, x, k, b, state):
-    qx = dense_mod.quantize_input(cfg, x, state)
+def _forward(cfg, n, ncfg, x, k, b, state, gamma, beta):
+    qx, y_norm, norm_res = dense_norm.quantize_input(cfg, ncfg, x, gamma, beta, state)
     ys, qk = dense_mod.forward_quantized(cfg, qx, k, b, state, parts=n)  # the n slots, in place
-    return ys, (*dense_mod.backward_residuals(qx, qk), state)
+    return ys, y_norm, (*dense_mod.backward_residuals(qx, qk), state, norm_res)
 
 
-def _split_2d_fwd(cfg, n, x, k, b, state):
-    return _forward(cfg, n, x, k, b, state)
+def _split_2d_fwd(cfg, n, ncfg, x, k, b, state, gamma, beta):
+    ys, y_norm, res = _forward(cfg, n, ncfg, x, k, b, state, gamma, beta)
+    return (ys, y_norm), res
 
 
-def _split_2d_bwd(cfg, n, res, cts):
-    qx_c, qk_r, state = res
+def _split_2d_bwd(cfg, n, ncfg, res, cts):
+    qx_c, qk_r, state, norm_res = res
+    cts, ct_norm = cts
     qdy, db = dense_mod.quantize_grad(cfg, tuple(cts), state, None)  # the n parts, not concatenated
     dx, dk, state_ct = dense_mod.backward_quantized(cfg, qx_c, qk_r, state, qdy)
-    return dx, dk, db, state_ct
+    dx, dgamma, dbeta = dense_norm.input_grad(ncfg, norm_res, dx, ct_norm)
+    return dx, dk, db, state_ct, dgamma, dbeta
 
 
 _split_2d.defvjp(_split_2d_fwd, _split_2d_bwd)
@@ -59,9 +66,14 @@ def split_dense(
     recipe: Optional[Recipe] = None,
     state: Optional[dict] = None,
     out_dtype: Optional[DTypeLike] = None,
+    norm: Optional[NormInput] = None,
 ) -> tuple:
     """``x (..., K) . kernel (K, n, F) (+ bias (n, F))`` as a tuple of n arrays (..., F): slot
-    i is ``dense(x, kernel, bias)[..., i, :]``. Arguments as :func:`lowbit.dense`."""
+    i is ``dense(x, kernel, bias)[..., i, :]``. Arguments as :func:`lowbit.dense`.
+
+    ``norm`` (a :class:`lowbit.ops.dense_norm.NormInput`): the GEMM reads ``layernorm(x, ...)``
+    instead of x, the norm fused into the GEMM's input quantization; the result is then
+    ``(slots, norm_output)``, norm_output None unless ``norm.return_output``."""
     x = check_input(x, "split_dense: x")
     kernel = check_input(kernel, "split_dense: kernel")
     if kernel.ndim != 3 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
@@ -74,6 +86,7 @@ def split_dense(
         bias = check_input(bias, "split_dense: bias")
         if tuple(bias.shape) not in ((n, F), (n * F,)):
             raise ValueError(f"split_dense: bias must have shape ({n}, {F}), got {tuple(bias.shape)}")
+    ncfg, gamma, beta = dense_norm.check_norm_input(norm, x, "split_dense")
     if recipe is None:
         recipe = get_recipe()
     lead = tuple(x.shape[:-1])
@@ -85,15 +98,22 @@ def split_dense(
         and parts_fusable(probe, recipe.scaling_mode("grad"))
     )
     if not fused:
-        y = dense_mod.dense(x, kernel, bias, recipe=recipe, state=state, out_dtype=out_dtype)
-        return tuple(y[..., i, :] for i in range(n))
+        y_norm = dense_norm.apply_norm(ncfg, x, gamma, beta)
+        y = dense_mod.dense(y_norm, kernel, bias, recipe=recipe, state=state, out_dtype=out_dtype)
+        slots = tuple(y[..., i, :] for i in range(n))
+        if ncfg is None:
+            return slots
+        return slots, (y_norm if ncfg.return_output else None)
     state = ds.check_state_arg("split_dense", recipe, state, "lowbit.init_delayed_state(recipe)")
     out_dtype = out_dtype if out_dtype is not None else x.dtype
     k2 = kernel.reshape(K, n * F)
     b2 = None if bias is None else bias.reshape(n * F)
     cfg = dense_mod.make_config(recipe, out_dtype, x.dtype, k2, b2, True)
-    outs = _split_2d(cfg, n, x.reshape(M, K), k2, b2, state)
-    return tuple(o.reshape(lead + (F,)) for o in outs)
+    outs, y_norm = _split_2d(cfg, n, ncfg, x.reshape(M, K), k2, b2, state, gamma, beta)
+    slots = tuple(o.reshape(lead + (F,)) for o in outs)
+    if ncfg is None:
+        return slots
+    return slots, (None if y_norm is None else y_norm.reshape(x.shape))
 
 
 __all__ = ["split_dense"]

@@ -22,8 +22,8 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
 from lowbit.ops import dense as dense_mod
+from lowbit.ops import dense_norm
 from lowbit.ops.activation import _act_lu, _dact, activation, parse_activations
-from lowbit.ops.fused_quantize import QuantizeSpec, parse_quantize_spec
 from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import check_input
 from lowbit.quantization.tensor import prod
@@ -38,43 +38,42 @@ class _MlpConfig:
     act: int
     gated: bool
     hidden_name: str
+    norm: Optional[dense_norm.NormConfig] = None  # a norm in front of the first GEMM
 
 
-def _spec(cfg: dense_mod._Config, state, role: str, dtype) -> QuantizeSpec:
-    """The fused kernel's quantize spec: what ``dense`` would quantize ``role`` with."""
-    kw = dense_mod.quantize_kwargs(cfg, role, state)
-    return parse_quantize_spec((kw["scaling_mode"], kw["q_dtype"], kw["scale"], kw["layout"]), dtype)
-
-
-def _forward(cfg: _MlpConfig, x, k1, b1, k2, b2, s1, s2):
-    qx = dense_mod.quantize_input(cfg.first, x, s1)
+def _forward(cfg: _MlpConfig, x, k1, b1, k2, b2, s1, s2, gamma, beta):
+    qx, y_norm, norm_res = dense_norm.quantize_input(cfg.first, cfg.norm, x, gamma, beta, s1)
     h, qk1 = dense_mod.forward_quantized(cfg.first, qx, k1, b1, s1)
     h = checkpoint_name(h, cfg.hidden_name)  # a residual: remat policies may save it by name
-    qz = poison_nonfinite(_act_lu(h, cfg.act, cfg.gated, _spec(cfg.second, s2, "x", h.dtype), False))
+    qz = poison_nonfinite(
+        _act_lu(h, cfg.act, cfg.gated, dense_mod.fused_spec(cfg.second, s2, "x", h.dtype), False)
+    )
     y, qk2 = dense_mod.forward_quantized(cfg.second, qz, k2, b2, s2)
     res = (*dense_mod.backward_residuals(qx, qk1), s1, h, *dense_mod.backward_residuals(qz, qk2), s2)
-    return y, res
+    return (y, y_norm), (*res, norm_res)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mlp_2d(cfg: _MlpConfig, x, k1, b1, k2, b2, s1, s2):
-    return _forward(cfg, x, k1, b1, k2, b2, s1, s2)[0]
+def _mlp_2d(cfg: _MlpConfig, x, k1, b1, k2, b2, s1, s2, gamma, beta):
+    return _forward(cfg, x, k1, b1, k2, b2, s1, s2, gamma, beta)[0]
 
 
-def _mlp_2d_fwd(cfg: _MlpConfig, x, k1, b1, k2, b2, s1, s2):
-    return _forward(cfg, x, k1, b1, k2, b2, s1, s2)
+def _mlp_2d_fwd(cfg: _MlpConfig, x, k1, b1, k2, b2, s1, s2, gamma, beta):
+    return _forward(cfg, x, k1, b1, k2, b2, s1, s2, gamma, beta)
 
 
-def _mlp_2d_bwd(cfg: _MlpConfig, res, dy):
-    qx_c, qk1_r, s1, h, qz_c, qk2_r, s2 = res
+def _mlp_2d_bwd(cfg: _MlpConfig, res, cts):
+    qx_c, qk1_r, s1, h, qz_c, qk2_r, s2, norm_res = res
+    dy, ct_norm = cts
     qd2, db2 = dense_mod.quantize_grad(cfg.second, dy, s2, None)
     dz, dk2, ct2 = dense_mod.backward_quantized(cfg.second, qz_c, qk2_r, s2, qd2)
     has_b1 = cfg.first.bias_dtype is not None
-    qd1, db1 = _dact(dz, h, cfg.act, cfg.gated, _spec(cfg.first, s1, "grad", h.dtype), has_b1)
+    qd1, db1 = _dact(dz, h, cfg.act, cfg.gated, dense_mod.fused_spec(cfg.first, s1, "grad", h.dtype), has_b1)
     qd1 = poison_nonfinite(qd1)
     dx, dk1, ct1 = dense_mod.backward_quantized(cfg.first, qx_c, qk1_r, s1, qd1)
+    dx, dgamma, dbeta = dense_norm.input_grad(cfg.norm, norm_res, dx, ct_norm)
     db1 = None if db1 is None else db1.astype(cfg.first.bias_dtype)
-    return dx, dk1, db1, dk2, db2, ct1, ct2
+    return dx, dk1, db1, dk2, db2, ct1, ct2, dgamma, dbeta
 
 
 _mlp_2d.defvjp(_mlp_2d_fwd, _mlp_2d_bwd)
@@ -119,7 +118,8 @@ def mlp(
     states: tuple = (None, None),
     out_dtype: Optional[DTypeLike] = None,
     hidden_checkpoint_name: str = "ffn1",
-) -> jax.Array:
+    norm: Optional[dense_norm.NormInput] = None,
+):
     """``act(x . kernel_1 + bias_1) . kernel_2 + bias_2``, fused where :func:`fusable`.
 
     Args:
@@ -131,8 +131,11 @@ def mlp(
       states: DelayedScaling: the two GEMMs' states (``lowbit.init_delayed_state``).
       out_dtype: of the hidden activation and the output; default x's dtype.
       hidden_checkpoint_name: ``checkpoint_name`` of the first GEMM's output (TE's ffn1).
+      norm: a :class:`lowbit.ops.dense_norm.NormInput`: the first GEMM reads ``layernorm(x,
+        ...)``, the norm fused into its input quantization.
     Returns ``(..., N)``; gradients flow to x, both kernels, both biases (and the states, as
-    :func:`lowbit.dense`).
+    :func:`lowbit.dense`). With ``norm``: ``(out, norm_output)``, norm_output None unless
+    ``norm.return_output``.
     """
     act, gated = parse_activations(activations)
     x = check_input(x, "mlp: x")
@@ -152,6 +155,7 @@ def mlp(
             f"{tuple(k1.shape)}, kernel_2 {tuple(k2.shape)}"
         )
     N = k2.shape[1]
+    ncfg, gamma, beta = dense_norm.check_norm_input(norm, x, "mlp")
     b1 = _check_vector(bias_1, W, "bias_1")
     b2 = _check_vector(bias_2, N, "bias_2")
     out_dtype = np.dtype(out_dtype if out_dtype is not None else x.dtype)
@@ -164,17 +168,24 @@ def mlp(
         # Under tensor parallelism kernel_1 is column-parallel and kernel_2 row-parallel (as in
         # TransformerEngine): no gather between the GEMMs.
         kw = dict(recipe=recipe, out_dtype=out_dtype)
-        h = checkpoint_name(dense_mod.dense(x, k1, b1, state=states[0], **kw), hidden_checkpoint_name)
+        y_norm = dense_norm.apply_norm(ncfg, x, gamma, beta)
+        h = checkpoint_name(dense_mod.dense(y_norm, k1, b1, state=states[0], **kw), hidden_checkpoint_name)
         with tensor_parallel_layout("row"):
-            return dense_mod.dense(activation(h, activations), k2, b2, state=states[1], **kw)
+            out = dense_mod.dense(activation(h, activations), k2, b2, state=states[1], **kw)
+        if ncfg is None:
+            return out
+        return out, (y_norm if ncfg.return_output else None)
     s1 = ds.check_state_arg("mlp", recipe, states[0], "lowbit.init_delayed_state(recipe)")
     s2 = ds.check_state_arg("mlp", recipe, states[1], "lowbit.init_delayed_state(recipe)")
 
     first = dense_mod.make_config(recipe, out_dtype, x.dtype, k1, b1, True)
     second = dense_mod.make_config(recipe, out_dtype, out_dtype, k2, b2, True)
-    cfg = _MlpConfig(first, second, act, gated, hidden_checkpoint_name)
-    y = _mlp_2d(cfg, x.reshape(M, K), k1, b1, k2, b2, s1, s2)
-    return y.reshape(lead + (N,))
+    cfg = _MlpConfig(first, second, act, gated, hidden_checkpoint_name, ncfg)
+    y, y_norm = _mlp_2d(cfg, x.reshape(M, K), k1, b1, k2, b2, s1, s2, gamma, beta)
+    y = y.reshape(lead + (N,))
+    if ncfg is None:
+        return y
+    return y, (None if y_norm is None else y_norm.reshape(x.shape))
 
 
 __all__ = ["fusable", "mlp", "runs_fused"]
