@@ -92,21 +92,22 @@ def test_split_dense_norm_equals_composition(device, rng, recipe_name, norm, ret
         state = got[1][5]
 
 
-def _mlp_fused(x, gamma, beta, k1, b1, k2, b2, recipe, states, norm_type):
-    out, _ = mlp(
-        x, k1, b1, k2, b2, ("gelu",), recipe=recipe, states=states, norm=NormInput(gamma, beta, norm_type)
-    )
-    return out
+def _mlp_fused(x, gamma, beta, k1, b1, k2, b2, recipe, states, norm_type, ret):
+    norm = NormInput(gamma, beta, norm_type, return_output=ret)
+    return mlp(x, k1, b1, k2, b2, ("gelu",), recipe=recipe, states=states, norm=norm)
 
 
-def _mlp_composed(x, gamma, beta, k1, b1, k2, b2, recipe, states, norm_type):
+def _mlp_composed(x, gamma, beta, k1, b1, k2, b2, recipe, states, norm_type, ret):
     y = layernorm(x, gamma, beta, norm_type=norm_type, epsilon=1e-6)
-    return mlp(y, k1, b1, k2, b2, ("gelu",), recipe=recipe, states=states)
+    return mlp(y, k1, b1, k2, b2, ("gelu",), recipe=recipe, states=states), (y if ret else None)
 
 
 @pytest.mark.parametrize("recipe_name", sorted(RECIPES))
 @pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
-def test_mlp_norm_equals_composition(device, rng, recipe_name, norm_type):
+@pytest.mark.parametrize("ret", [False, True], ids=["", "ret"])
+def test_mlp_norm_equals_composition(device, rng, recipe_name, norm_type, ret):
+    """Two steps; with ``ret`` the norm output is returned and a cotangent flows into it (as
+    LayerNormMLP's ``return_layernorm_output``, TE's default)."""
     recipe = RECIPES[recipe_name]
     M, K, F, N = 64, 64, 96, 48
     x = jnp.asarray(rng.standard_normal((2, M // 2, K)), jnp.bfloat16)
@@ -118,11 +119,13 @@ def test_mlp_norm_equals_composition(device, rng, recipe_name, norm_type):
     dy = jnp.asarray(rng.standard_normal((2, M // 2, N)), jnp.float32)
     states = (_state(recipe), _state(recipe))
 
+    dn = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+
     def grads(fn):
         def loss(x, gamma, beta, k1, b1, k2, b2, states):
-            return jnp.vdot(
-                fn(x, gamma, beta, k1, b1, k2, b2, recipe, states, norm_type).astype(jnp.float32), dy
-            )
+            out, y = fn(x, gamma, beta, k1, b1, k2, b2, recipe, states, norm_type, ret)
+            total = jnp.vdot(out.astype(jnp.float32), dy)
+            return total + jnp.vdot(y.astype(jnp.float32), dn) if ret else total
 
         return jax.value_and_grad(loss, argnums=tuple(range(8)))
 
