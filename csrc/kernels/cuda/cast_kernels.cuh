@@ -45,6 +45,14 @@ struct CastArgs {
   int64_t part_cols = 0;
 };
 
+// Whether the fused cast takes an (R, C) input: whole 16-element chunks, 16-byte aligned rows of
+// x (`x_ok`, the caller's check of its source buffers) and of the copies it writes (null: not
+// written). quantize.cu and norm.cu (NormLoad) both ask this.
+inline bool tile_cast_fits(int64_t R, int64_t C, bool x_ok, const void* q_row, const void* q_col) {
+  return R % 16 == 0 && C % 16 == 0 && x_ok && (!q_row || aligned16(q_row)) &&
+         (!q_col || aligned16(q_col));
+}
+
 // Tile count of the fused cast; false when it does not fit a 1-D grid.
 inline bool set_tiles(CastArgs& a, int64_t* tiles) {
   const int64_t tr = (a.R + kTileR - 1) / kTileR, tc = (a.C + kTileC - 1) / kTileC;

@@ -299,9 +299,8 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
     row_group_kernel<<<grid_for(M, 256, 8192), 256, 0, st>>>(starts, ends, G, M, row_group);
     if (auto s = launch_status("row_group_kernel"); !s.ok()) return s;
   }
-  const bool fast = M % 16 == 0 && K % 16 == 0 && aligned16(p.x) &&
-                    (!p.rowwise || aligned16(p.data)) &&
-                    (!(p.colwise && tensor) || aligned16(p.colwise_data));
+  const bool fast = tile_cast_fits(M, K, aligned16(p.x), p.rowwise ? p.data : nullptr,
+                                   p.colwise && tensor ? p.colwise_data : nullptr);
   // Delayed scaling needs no amax before the cast: the tile kernel accumulates it in the same read.
   const bool fused_amax = fast && tensor && p.mode == ScalingMode::kDelayedTensor;
   if (n > 0 && G > 0 && !fused_amax && !block) {

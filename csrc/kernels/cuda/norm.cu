@@ -417,11 +417,10 @@ Status launch_fwd(const FwdArgs& a, cudaStream_t st) {
 }
 
 // The FP8 copies of y through the tile cast (NormLoad), after a first pass has written the
-// statistics: whole 16-row/16-column tiles and 16-byte aligned buffers only.
-bool tile_cast_fits(const NormFwdParams& p) {
-  return p.rows > 0 && p.rows % 16 == 0 && p.cols % 16 == 0 && aligned16(p.x) &&
-         aligned16(p.gamma) && (!p.beta || aligned16(p.beta)) && (!p.data || aligned16(p.data)) &&
-         (!p.colwise_data || aligned16(p.colwise_data));
+// statistics: the tile cast's own conditions, and at least one row.
+bool norm_tile_cast_fits(const NormFwdParams& p) {
+  const bool x_ok = aligned16(p.x) && aligned16(p.gamma) && (!p.beta || aligned16(p.beta));
+  return p.rows > 0 && tile_cast_fits(p.rows, p.cols, x_ok, p.data, p.colwise_data);
 }
 
 template <int IN, int FMT>
@@ -724,7 +723,7 @@ Status norm_fwd_cuda(const NormFwdParams& p, void* stream) {
   if (auto s = cuda::api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "norm: memset amax");
       !s.ok())
     return s;
-  if (cuda::tile_cast_fits(p)) {
+  if (cuda::norm_tile_cast_fits(p)) {
     // Pass 1: statistics (and y when asked; current scaling: amax(y)); pass 2: the tile cast.
     cuda::FwdArgs first = a;
     first.amax_out = p.mode == ScalingMode::kCurrentTensor ? p.amax : nullptr;

@@ -215,8 +215,8 @@ bool fast_path(const QuantizeParams& p) {
     x_ok = p.part_cols % kTileC == 0;
     for (int i = 0; i < p.n_parts; ++i) x_ok = x_ok && aligned16(p.x_parts[i]);
   }
-  return p.rows % 16 == 0 && p.cols % 16 == 0 && x_ok && (!p.rowwise || aligned16(p.data)) &&
-         (!p.colwise || aligned16(p.colwise_data));
+  return tile_cast_fits(p.rows, p.cols, x_ok, p.rowwise ? p.data : nullptr,
+                        p.colwise ? p.colwise_data : nullptr);
 }
 
 template <int IN, int KIND, int FMT>

@@ -71,6 +71,14 @@ def apply_norm(ncfg: Optional[NormConfig], x, gamma, beta):
     )
 
 
+def with_norm_output(ncfg: Optional[NormConfig], out, y_norm):
+    """A fused dense's result: ``out`` alone without a norm, else ``(out, norm output)``, the
+    norm output None unless ``return_output``."""
+    if ncfg is None:
+        return out
+    return out, (y_norm if ncfg.return_output else None)
+
+
 def quantize_input(cfg, ncfg: Optional[NormConfig], x, gamma, beta, state):
     """The dense's FP8 input copies: of x (``dense.quantize_input``), or of its norm written by
     the norm kernel. Returns ``(qx, y, residual)``: y the norm output when ``return_output`` (else
@@ -104,4 +112,12 @@ def input_grad(ncfg: Optional[NormConfig], res, dy: jax.Array, ct_y=None):
     return dx, dg.astype(gamma.dtype), (None if beta is None else db.astype(beta.dtype))
 
 
-__all__ = ["NormConfig", "NormInput", "apply_norm", "check_norm_input", "input_grad", "quantize_input"]
+__all__ = [
+    "NormConfig",
+    "NormInput",
+    "apply_norm",
+    "check_norm_input",
+    "input_grad",
+    "quantize_input",
+    "with_norm_output",
+]

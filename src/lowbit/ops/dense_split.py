@@ -100,10 +100,7 @@ def split_dense(
     if not fused:
         y_norm = dense_norm.apply_norm(ncfg, x, gamma, beta)
         y = dense_mod.dense(y_norm, kernel, bias, recipe=recipe, state=state, out_dtype=out_dtype)
-        slots = tuple(y[..., i, :] for i in range(n))
-        if ncfg is None:
-            return slots
-        return slots, (y_norm if ncfg.return_output else None)
+        return dense_norm.with_norm_output(ncfg, tuple(y[..., i, :] for i in range(n)), y_norm)
     state = ds.check_state_arg("split_dense", recipe, state, "lowbit.init_delayed_state(recipe)")
     out_dtype = out_dtype if out_dtype is not None else x.dtype
     k2 = kernel.reshape(K, n * F)
@@ -111,9 +108,7 @@ def split_dense(
     cfg = dense_mod.make_config(recipe, out_dtype, x.dtype, k2, b2, True)
     outs, y_norm = _split_2d(cfg, n, ncfg, x.reshape(M, K), k2, b2, state, gamma, beta)
     slots = tuple(o.reshape(lead + (F,)) for o in outs)
-    if ncfg is None:
-        return slots
-    return slots, (None if y_norm is None else y_norm.reshape(x.shape))
+    return dense_norm.with_norm_output(ncfg, slots, None if y_norm is None else y_norm.reshape(x.shape))
 
 
 __all__ = ["split_dense"]

@@ -172,9 +172,7 @@ def mlp(
         h = checkpoint_name(dense_mod.dense(y_norm, k1, b1, state=states[0], **kw), hidden_checkpoint_name)
         with tensor_parallel_layout("row"):
             out = dense_mod.dense(activation(h, activations), k2, b2, state=states[1], **kw)
-        if ncfg is None:
-            return out
-        return out, (y_norm if ncfg.return_output else None)
+        return dense_norm.with_norm_output(ncfg, out, y_norm)
     s1 = ds.check_state_arg("mlp", recipe, states[0], "lowbit.init_delayed_state(recipe)")
     s2 = ds.check_state_arg("mlp", recipe, states[1], "lowbit.init_delayed_state(recipe)")
 
@@ -182,10 +180,8 @@ def mlp(
     second = dense_mod.make_config(recipe, out_dtype, out_dtype, k2, b2, True)
     cfg = _MlpConfig(first, second, act, gated, hidden_checkpoint_name, ncfg)
     y, y_norm = _mlp_2d(cfg, x.reshape(M, K), k1, b1, k2, b2, s1, s2, gamma, beta)
-    y = y.reshape(lead + (N,))
-    if ncfg is None:
-        return y
-    return y, (None if y_norm is None else y_norm.reshape(x.shape))
+    y_norm = None if y_norm is None else y_norm.reshape(x.shape)
+    return dense_norm.with_norm_output(ncfg, y.reshape(lead + (N,)), y_norm)
 
 
 __all__ = ["fusable", "mlp", "runs_fused"]
