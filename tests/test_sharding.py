@@ -26,6 +26,7 @@ CASES = (
     "row_parallel",
     "column_hlo",
     "flax_dot_general",
+    "partial_sums_bf16",
 )
 
 
@@ -49,6 +50,20 @@ def test_sharded(case):
 # ---------------------------------------------------------------------------------------------
 # The worker (runs only in the subprocess)
 # ---------------------------------------------------------------------------------------------
+def _primitive_inputs(jaxpr, name: str) -> list:
+    """The input variables of every ``name`` equation in ``jaxpr`` and its nested jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found += list(eqn.invars)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _primitive_inputs(inner, name)
+    return found
+
+
 def _worker(case: str) -> None:
     import jax
     import jax.numpy as jnp
@@ -108,7 +123,8 @@ def _worker(case: str) -> None:
                     np.testing.assert_allclose(lg, lr, rtol=2.0**-7, atol=1e-6 * np.abs(lr).max(), err_msg=n)
 
     mesh22 = Mesh(np.array(jax.devices()).reshape(2, 2), ("dp", "tp"))
-    dp_tp = MeshResource(dp_resource="dp", tp_resource="tp")
+    # float32 partial sums: the split contractions then match one device to one output rounding.
+    dp_tp = MeshResource(dp_resource="dp", tp_resource="tp", partial_sum_dtype="float32")
     seed_specs = (("dp", None, None), (None, "tp"), ("tp",), ("dp", None, "tp"))
 
     if case in ("column_block", "row_block"):
@@ -154,7 +170,7 @@ def _worker(case: str) -> None:
             got = run(
                 recipe,
                 mesh,
-                MeshResource(dp_resource="dp"),
+                MeshResource(dp_resource="dp", partial_sum_dtype="float32"),
                 (("dp", None, None), (None, None), (None,), ("dp", None, None)),
             )
             compare(ref, got, exact={"y", "dx"})
@@ -221,6 +237,29 @@ def _worker(case: str) -> None:
                     np.testing.assert_allclose(
                         g, r, rtol=2.0**-7, atol=1e-6 * np.abs(r).max(), err_msg=str(path)
                     )
+    elif case == "partial_sums_bf16":
+        # The default: split contractions all-reduce bf16 partials (XLA's bytes for a sharded dot),
+        # so dx (over tp) and dk (over dp) are within a rounding of the partials, not the result.
+        recipe = recipes["current"]
+        ref = jax.jit(step_for(recipe))(x, w, b, dy, None)
+        res = MeshResource(dp_resource="dp", tp_resource="tp")
+        got = run(recipe, mesh22, res, seed_specs)
+        with jax.set_mesh(mesh22), global_shard_guard(res):
+            args = [
+                jax.device_put(a, NamedSharding(mesh22, P(*s))) for a, s in zip((x, w, b, dy), seed_specs)
+            ]
+            jaxpr = jax.make_jaxpr(step_for(recipe))(*args, None)
+        # The psums in the jaxpr (XLA's CPU backend promotes bf16 all-reduces to f32 later; GPUs
+        # reduce bf16 natively): the 2-D ones (dx's and dk's partials) are bf16.
+        psums = [v.aval for v in _primitive_inputs(jaxpr.jaxpr, "psum")]
+        big = [a for a in psums if a.ndim == 2]
+        assert len(big) >= 2 and all(a.dtype == jnp.bfloat16 for a in big), big
+        for n, r, g in zip(("y", "dx", "dk", "db"), ref, got):
+            r, g = np.asarray(r, np.float32), np.asarray(g, np.float32)
+            if n == "y":
+                assert np.array_equal(r, g)
+            else:
+                np.testing.assert_allclose(g, r, rtol=2.0**-7, atol=2.0**-7 * np.abs(r).max(), err_msg=n)
     else:
         raise SystemExit(f"unknown case {case}")
     print(f"OK {case}")

@@ -32,12 +32,26 @@ class MeshResource:
     pp_resource: Optional[str] = None  # pipeline stages
     cp_resource: Optional[str] = None  # context parallel (sequence)
     ep_resource: Optional[str] = None  # expert parallel (MoE dispatch)
+    # lowbit: the dtype in which a GEMM whose contraction is split over devices (wgrad over the
+    # batch axes, dgrad in a column layout, y in a row layout) has its partial sums all-reduced.
+    # None: the GEMM's input dtype (bf16 for bf16 activations), as XLA does for a sharded dot
+    # and as plain Flax moves them; "float32": exact to one rounding of the output, twice the bytes.
+    partial_sum_dtype: Optional[str] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v is not None and not isinstance(v, str):
+            if f.name == "partial_sum_dtype":
+                if v is not None and v not in PARTIAL_SUM_DTYPES:
+                    raise ValueError(
+                        f"MeshResource.partial_sum_dtype must be None or one of {PARTIAL_SUM_DTYPES}, "
+                        f"got {v!r}"
+                    )
+            elif v is not None and not isinstance(v, str):
                 raise TypeError(f"MeshResource.{f.name} must be a mesh axis name (str) or None, got {v!r}")
+
+
+PARTIAL_SUM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 # Read at trace time, so both are part of jax.jit's cache key (lowbit._trace_context).
@@ -110,14 +124,21 @@ def current_mesh():
 
 
 def shard_map(f, mesh, in_specs, out_specs):
-    """``jax.shard_map`` without the replication check: lowbit's FFI calls carry no
-    varying-axes rules, and the collectives inside make every replicated output truly
-    replicated. Inputs replicated over an axis get their cotangents summed over it."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map as _legacy  # jax < 0.7
+    """``jax.shard_map`` without the replication check (lowbit's FFI calls carry no varying-axes
+    rules, and the collectives inside make every replicated output truly replicated), under
+    ``jax.jit``. Inputs replicated over an axis get their cotangents summed over it.
 
-    return _legacy(f, mesh, in_specs, out_specs, check_rep=False)
+    The jit matters outside a traced step (an eager ``model.init`` under a mesh): an eager
+    shard_map compiles each primitive of its body as its own manual computation, and on jax
+    0.11.2 with CUDA, Shardy's canonicalizer crashed (SIGSEGV) on those holding an FFI call.
+    Jitted, the body compiles as one program; inside an outer jit the call is inlined."""
+    if hasattr(jax, "shard_map"):
+        mapped = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    else:
+        from jax.experimental.shard_map import shard_map as _legacy  # jax < 0.7
+
+        mapped = _legacy(f, mesh, in_specs, out_specs, check_rep=False)
+    return jax.jit(mapped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,6 +152,7 @@ class ShardPlan:
     batch: tuple  # mesh axes splitting M
     k_axes: tuple  # mesh axes splitting K
     n_axes: tuple  # mesh axes splitting N
+    partial_sum_dtype: Optional[str] = None  # MeshResource.partial_sum_dtype
 
     @staticmethod
     def _entry(axes):
@@ -195,7 +217,9 @@ def plan_dense(recipe, M: int, K: int, N: int) -> Optional[ShardPlan]:
         return None
     mesh, batch, tp = found
     row = tp_layout() == "row"
-    plan = ShardPlan(mesh, batch, tp if row else (), () if row else tp)
+    plan = ShardPlan(
+        mesh, batch, tp if row else (), () if row else tp, global_mesh_resource().partial_sum_dtype
+    )
     if not (plan.batch or plan.k_axes or plan.n_axes):
         return None
     # Every shard must hold whole scaling blocks (MXFP8: 32 along each quantized axis; FP8 block

@@ -7,9 +7,11 @@ lowbit.ops.dense asks for the plan and calls :func:`dense_2d` with it. Per shard
 
 * per-tensor scales stay global: a tensor's amax is the pmax of the shard amaxes; current scaling
   quantizes with scale_from_amax(global amax) through the delayed path (the same encode);
-* a GEMM whose contraction is split (y over K in "row", dgrad over N in "column", wgrad and
-  dbias over M) is computed in float32 per shard and psum'd, then cast: the order of that sum
-  differs from one device's, so those results match to float32 rounding, not bit for bit.
+* a GEMM whose contraction is split (y over K in "row", dgrad over N in "column", wgrad over M)
+  writes its partial sums in ``plan.partial_sum_dtype`` (default: the inputs' dtype, bf16 for
+  bf16 activations, the bytes XLA moves for a sharded dot), which are psum'd and cast to the
+  output dtype; with "float32" the results match one device's to one rounding of the output.
+  The dbias partial sums stay float32 (a vector: no bytes worth saving).
 
 NVFP4 (its per-tensor scale comes from the amax inside the kernel) and shapes whose shards would
 split a scaling block run the unsharded op (no plan). FP8 block scaling (Float8BlockScaling)
@@ -80,8 +82,16 @@ def _quantize(cfg, role, v, scale, axes, dbias=False):
     return poison_nonfinite(qt), db
 
 
-def _mm(a, b, a_layout, b_layout, out_dtype, sum_axes, bias=None, fast_accum=False):
-    """a . b^T (+ bias); a split contraction is summed over ``sum_axes`` in float32."""
+def _partial_dtype(plan, a, b, out_dtype):
+    """The dtype a split contraction's partial sums are written and all-reduced in."""
+    if plan.partial_sum_dtype is not None:
+        return np.dtype(plan.partial_sum_dtype)
+    inputs = jnp.promote_types(a.dq_dtype, b.dq_dtype)
+    return np.dtype(inputs if np.dtype(inputs).itemsize < np.dtype(out_dtype).itemsize else out_dtype)
+
+
+def _mm(plan, a, b, a_layout, b_layout, out_dtype, sum_axes, bias=None, fast_accum=False):
+    """a . b^T (+ bias); a split contraction is summed over ``sum_axes`` (see the module doc)."""
     if not sum_axes:
         y = gemm(
             a,
@@ -93,10 +103,13 @@ def _mm(a, b, a_layout, b_layout, out_dtype, sum_axes, bias=None, fast_accum=Fal
             fast_accum=fast_accum,
         )
         return y.astype(out_dtype)
-    y = gemm(a, b, a_layout=a_layout, b_layout=b_layout, out_dtype=_F32, fast_accum=fast_accum)
-    y = jax.lax.psum(y, sum_axes)
+    part = _partial_dtype(plan, a, b, out_dtype)
+    y = gemm(
+        a, b, a_layout=a_layout, b_layout=b_layout, out_dtype=gemm_out_dtype(part), fast_accum=fast_accum
+    )
+    y = jax.lax.psum(y.astype(part), sum_axes)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y.astype(jnp.float32) + bias.astype(jnp.float32)
     return y.astype(out_dtype)
 
 
@@ -135,7 +148,7 @@ def _fwd(cfg, plan: ShardPlan, x, k, bias, state):
     def body(x, k, bias, sx, sk):
         qx, _ = _quantize(cfg, "x", x, sx, _amax_axes(plan, "batch", "k_axes"))
         qk, _ = _quantize(cfg, "kernel", k, sk, _amax_axes(plan, "k_axes", "n_axes"))
-        y = _mm(qx, qk, "rowwise", "colwise", cfg.out_dtype, plan.k_axes, bias, cfg.fast_accum)
+        y = _mm(plan, qx, qk, "rowwise", "colwise", cfg.out_dtype, plan.k_axes, bias, cfg.fast_accum)
         return y, (qx.colwise_data, qx.colwise_scale_inv, qk.data, qk.scale_inv), (qx.amax, qk.amax)
 
     res_specs = (
@@ -188,8 +201,12 @@ def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
             db = jnp.sum(dy.astype(jnp.float32), axis=0)
         qx = _local_tensor(cfg, "x", xc, xcs, colwise=True)
         qk = _local_tensor(cfg, "kernel", kr, krs, colwise=False)
-        dx = _mm(qdy, qk, "rowwise", "rowwise", cfg.x_dtype, plan.n_axes, fast_accum=cfg.fast_accum_dgrad)
-        dk = _mm(qx, qdy, "colwise", "colwise", cfg.kernel_dtype, plan.batch, fast_accum=cfg.fast_accum_wgrad)
+        dx = _mm(
+            plan, qdy, qk, "rowwise", "rowwise", cfg.x_dtype, plan.n_axes, fast_accum=cfg.fast_accum_dgrad
+        )
+        dk = _mm(
+            plan, qx, qdy, "colwise", "colwise", cfg.kernel_dtype, plan.batch, fast_accum=cfg.fast_accum_wgrad
+        )
         if db is not None:
             db = (jax.lax.psum(db, plan.batch) if plan.batch else db).astype(cfg.bias_dtype)
         return dx, dk, db, qdy.amax
