@@ -14,7 +14,7 @@ from conftest import run_on
 
 import lowbit
 from lowbit.ops.dense import dense, split_accumulation
-from lowbit.ops.mlp import mlp
+from lowbit.ops.fused.mlp import mlp
 
 pytestmark = pytest.mark.usefixtures("on_cpu")
 VARS = ("NVTE_JAX_FP8_2X_ACC_FPROP", "NVTE_JAX_FP8_2X_ACC_DGRAD", "NVTE_JAX_FP8_2X_ACC_WGRAD")

@@ -1,4 +1,4 @@
-"""A norm fused into the input of split_dense / mlp (lowbit.ops.dense_norm): the norm kernel
+"""A norm fused into the input of split_dense / mlp (lowbit.ops.fused.dense_norm): the norm kernel
 writes the GEMM's FP8 input and its backward runs inside the GEMM's VJP. Equal bit for bit to
 layernorm followed by the unfused op (outputs, the norm output when returned, every gradient,
 the DelayedScaling state), near a float64 reference; LayerNormMLP and MultiHeadAttention take it."""
@@ -16,9 +16,9 @@ from conftest import run_on, to_cpu
 
 import lowbit
 from lowbit import flax as lf
-from lowbit.ops.dense_norm import NormInput
-from lowbit.ops.dense_split import split_dense
-from lowbit.ops.mlp import mlp
+from lowbit.ops.fused.dense_norm import NormInput
+from lowbit.ops.fused.dense_split import split_dense
+from lowbit.ops.fused.mlp import mlp
 from lowbit.ops.norm import layernorm
 
 RECIPES = {"delayed": lowbit.DelayedScaling(amax_history_len=4), "current": lowbit.Float8CurrentScaling()}
@@ -182,7 +182,7 @@ def test_norm_input_errors(on_cpu):
         split_dense(x, k, norm=NormInput(jnp.ones(16)))
     with pytest.raises(ValueError, match="beta must be None for norm_type='rmsnorm'"):
         split_dense(x, k, norm=NormInput(jnp.ones(32), jnp.zeros(32), "rmsnorm"))
-    with pytest.raises(TypeError, match="norm must be a lowbit.ops.dense_norm.NormInput"):
+    with pytest.raises(TypeError, match="norm must be a lowbit.ops.fused.dense_norm.NormInput"):
         mlp(x, jnp.ones((32, 64)), None, jnp.ones((64, 16)), None, norm=(jnp.ones(32),))
 
 

@@ -16,7 +16,7 @@ from conftest import is_gpu, run_on, to_cpu
 import lowbit
 from lowbit import flax as lf
 from lowbit.ops.dense import dense
-from lowbit.ops.dense_split import split_dense
+from lowbit.ops.fused.dense_split import split_dense
 from lowbit.ops.quantize import parts_fusable, quantize_dbias, quantize_parts
 
 SM = lowbit.ScalingMode

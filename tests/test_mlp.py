@@ -1,4 +1,4 @@
-"""lowbit.ops.mlp.mlp: the fused two-GEMM MLP (activation kernels writing the FP8 operands)
+"""lowbit.ops.fused.mlp.mlp: the fused two-GEMM MLP (activation kernels writing the FP8 operands)
 equals dense(activation(dense(x))) bit for bit, and a float64 reference within FP8 rounding;
 LayerNormMLP takes it; argument errors; non-finite input."""
 
@@ -17,7 +17,7 @@ import lowbit
 from lowbit import flax as lf
 from lowbit.ops.activation import activation
 from lowbit.ops.dense import dense
-from lowbit.ops.mlp import fusable, mlp
+from lowbit.ops.fused.mlp import fusable, mlp
 
 RECIPES = {"delayed": lowbit.DelayedScaling(amax_history_len=4), "current": lowbit.Float8CurrentScaling()}
 ACTS = [("gelu",), ("relu",), ("silu", "linear"), ("gelu", "linear")]

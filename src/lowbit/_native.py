@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import sys
 import threading
 from typing import Optional, Sequence
 
@@ -46,10 +47,9 @@ _state: dict = {}
 def _lib_dirs() -> list[str]:
     """Where the libraries may be: $LOWBIT_LIBRARY_DIR, then every folder of the package (an
     editable install keeps the sources and the built libraries in different folders)."""
-    import lowbit
-
+    package = sys.modules[__package__]  # imported before this module; importing it would be a cycle
     dirs = [os.environ["LOWBIT_LIBRARY_DIR"]] if os.environ.get("LOWBIT_LIBRARY_DIR") else []
-    return dirs + [os.path.abspath(d) for d in getattr(lowbit, "__path__", [])]
+    return dirs + [os.path.abspath(d) for d in getattr(package, "__path__", [])]
 
 
 def _find(name: str) -> str | None:

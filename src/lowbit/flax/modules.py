@@ -27,10 +27,10 @@ from lowbit.flax.state_module import QuantizeContext, wrap_function_in_state_mod
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
 from lowbit.ops.dense import dense as _dense
-from lowbit.ops.dense_norm import NormInput
-from lowbit.ops.dense_split import split_dense as _split_dense
-from lowbit.ops.mlp import mlp as _mlp
-from lowbit.ops.mlp import runs_fused as _mlp_runs_fused
+from lowbit.ops.fused.dense_norm import NormInput
+from lowbit.ops.fused.dense_split import split_dense as _split_dense
+from lowbit.ops.fused.mlp import mlp as _mlp
+from lowbit.ops.fused.mlp import runs_fused as _mlp_runs_fused
 from lowbit.ops.norm import NORM_TYPES
 from lowbit.ops.norm import layernorm as _layernorm
 from lowbit.ops.softmax import softmax as _softmax
@@ -141,7 +141,7 @@ def _norm(x, gamma, beta, layernorm_type, zero_centered_gamma, epsilon):
 
 
 def _norm_input(m, gamma, beta, return_output: bool) -> NormInput:
-    """Module m's norm as the input stage of a fused dense (``lowbit.ops.dense_norm``)."""
+    """Module m's norm as the input stage of a fused dense (``lowbit.ops.fused.dense_norm``)."""
     return NormInput(
         gamma, beta, m.layernorm_type, bool(m.zero_centered_gamma), float(m.epsilon), bool(return_output)
     )

@@ -22,38 +22,35 @@ from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
-from lowbit import _native
-from lowbit._native import NO_RESULT_U8
+from lowbit.ops._ffi import activation as ffi
 from lowbit.ops.fused_quantize import (
     QuantizeArg,
     finish_output,
-    fused_operands,
-    fused_outputs,
     fused_scaled_tensor,
     is_fused,
+    kernel_quant,
     parse_quantize_spec,
     quantize_output,
     scales_only,
     straight_through_grad,
 )
-from lowbit.ops.quantize import check_input
+from lowbit.quantization.checks import check_input
 from lowbit.quantization.tensor import ScaledTensor, prod
 from lowbit.sharding import plan_rows, shard_map
 
-# ActKind codes of csrc/include/lowbit/activation.h.
+# The kernel's activations by name.
 _ACTS = {
-    "linear": 0,
-    "gelu": 1,
-    "gelu_tanh": 1,
-    "gelu_exact": 2,
-    "relu": 3,
-    "silu": 4,
-    "swish": 4,
-    "quick_gelu": 5,
-    "squared_relu": 6,
+    "linear": ffi.LINEAR,
+    "gelu": ffi.GELU_TANH,
+    "gelu_tanh": ffi.GELU_TANH,
+    "gelu_exact": ffi.GELU_EXACT,
+    "relu": ffi.RELU,
+    "silu": ffi.SILU,
+    "swish": ffi.SILU,
+    "quick_gelu": ffi.QUICK_GELU,
+    "squared_relu": ffi.SQUARED_RELU,
 }
 _GATED = {
     "geglu": ("gelu", "linear"),
@@ -112,28 +109,19 @@ def act_lu(x, activations=("gelu",), quantize=None, return_hp: bool = False):
     act, gated = parse_activations(activations)
     x = _check_x(x, gated)
     spec = parse_quantize_spec(quantize, x.dtype)
-    return _act_lu(x, act, gated, spec, return_hp)
+    return act_forward(x, act, gated, spec, return_hp)
 
 
-def _act_lu(x, act, gated, spec, return_hp):
+def act_forward(x, act: int, gated: bool, spec, return_hp: bool):
+    """:func:`act_lu` of checked arguments (``act``, ``gated`` as :func:`parse_activations`
+    returns them, ``spec`` a parsed QuantizeSpec or None)."""
     shape = tuple(x.shape)
     W = shape[-1]
     H = W // 2 if gated else W
     R = prod(shape[:-1])
     out_shape = shape[:-1] + (H,)
     want_y = not is_fused(spec) or return_hp
-    y_type = jax.ShapeDtypeStruct((R, H), x.dtype) if want_y else NO_RESULT_U8
-    out_types = (y_type, *fused_outputs(spec, R, H))
-    scale, q_attrs = fused_operands(spec)
-    y, *fp8 = _native.ffi_call(
-        "act_fwd",
-        out_types,
-        x.reshape(R, W),
-        scale,
-        act=np.int32(act),
-        gated=np.int32(bool(gated)),
-        **q_attrs,
-    )
+    y, *fp8 = ffi.act_fwd(x.reshape(R, W), act=act, gated=gated, want_y=want_y, **kernel_quant(spec))
     y = y.reshape(out_shape) if want_y else None
     out = finish_output(spec, y, tuple(fp8), out_shape, x.dtype)
     return (out, y) if return_hp else out
@@ -157,32 +145,19 @@ def dact_dbias(dy, x, activations=("gelu",), quantize=None, with_dbias: bool = F
             f"got {dy.dtype} {tuple(dy.shape)}"
         )
     spec = parse_quantize_spec(quantize, x.dtype)
-    return _dact(dy, x, act, gated, spec, with_dbias)
+    return act_backward(dy, x, act, gated, spec, with_dbias)
 
 
-def _dact(dy, x, act, gated, spec, with_dbias):
+def act_backward(dy, x, act: int, gated: bool, spec, with_dbias: bool):
+    """:func:`dact_dbias` of checked arguments (as :func:`act_forward`)."""
     shape = tuple(x.shape)
     W = shape[-1]
     H = W // 2 if gated else W
     R = prod(shape[:-1])
     fused = is_fused(spec)
     kernel_dbias = with_dbias and (spec is None or fused)
-    out_types = (
-        NO_RESULT_U8 if fused else jax.ShapeDtypeStruct((R, W), x.dtype),
-        *fused_outputs(spec, R, W),
-        jax.ShapeDtypeStruct((W,), x.dtype) if kernel_dbias else NO_RESULT_U8,
-    )
-    scale, q_attrs = fused_operands(spec)
-    dx, *fp8, db = _native.ffi_call(
-        "act_bwd",
-        out_types,
-        dy.reshape(R, H),
-        x.reshape(R, W),
-        scale,
-        workspace=(R, H, int(gated), int(kernel_dbias)),
-        act=np.int32(act),
-        gated=np.int32(bool(gated)),
-        **q_attrs,
+    dx, *fp8, db = ffi.act_bwd(
+        dy.reshape(R, H), x.reshape(R, W), act=act, gated=gated, want_dbias=kernel_dbias, **kernel_quant(spec)
     )
     if spec is None:
         return dx.reshape(shape), (db if with_dbias else None)
@@ -215,7 +190,7 @@ def activation(
 
     @jax.custom_vjp
     def f(x, scale):
-        return _act_lu(x, act, gated, None if spec is None else spec._replace(scale=scale), False)
+        return act_forward(x, act, gated, None if spec is None else spec._replace(scale=scale), False)
 
     def f_fwd(x, scale):
         out = f(x, scale)
@@ -224,7 +199,7 @@ def activation(
     def f_bwd(res, ct):
         x, res_q, scale = res
         dy = ct if res_q is None else straight_through_grad(ct, res_q)
-        dx, _ = _dact(dy.astype(x.dtype), x, act, gated, None, False)
+        dx, _ = act_backward(dy.astype(x.dtype), x, act, gated, None, False)
         return dx, (None if scale is None else jnp.zeros_like(scale))
 
     f.defvjp(f_fwd, f_bwd)

@@ -29,8 +29,8 @@ from lowbit.ops import dense_sharded
 from lowbit.ops.fused_quantize import QuantizeSpec, parse_quantize_spec
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
 from lowbit.ops.nonfinite import poison_nonfinite
-from lowbit.ops.quantize import check_input, quantize, quantize_dbias, quantize_parts
-from lowbit.quantization.checks import as_dtype
+from lowbit.ops.quantize import quantize, quantize_dbias, quantize_parts
+from lowbit.quantization.checks import as_dtype, check_input
 from lowbit.quantization.scaling_modes import INPUT_DTYPES, ScalingMode
 from lowbit.quantization.tensor import prod
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, NVFP4BlockScaling, Recipe

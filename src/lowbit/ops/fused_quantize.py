@@ -11,16 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit._native import EMPTY_F32, NO_RESULT_F32, NO_RESULT_U8
-from lowbit.ops.quantize import (
-    check_layout,
-    check_q_dtype,
-    check_scaling_mode,
-    check_tensor_scale,
-    quantize,
-    quantize_dbias,
-)
-from lowbit.quantization.scaling_modes import ScalingMode, dtype_code
+from lowbit._native import EMPTY_F32
+from lowbit.ops.quantize import quantize, quantize_dbias
+from lowbit.quantization.checks import check_layout, check_q_dtype, check_scaling_mode, check_tensor_scale
+from lowbit.quantization.scaling_modes import LAYOUT_FLAGS, ScalingMode
 from lowbit.quantization.tensor import ScaledTensor
 
 
@@ -72,32 +66,14 @@ def is_fused(spec: Optional[QuantizeSpec]) -> bool:
     return spec is not None and spec.scaling_mode.is_tensor_scaling
 
 
-def fused_outputs(spec: Optional[QuantizeSpec], rows: int, cols: int) -> tuple:
-    """Result types of a fused kernel's FP8 outputs: data, scale_inv, colwise data, colwise
-    scale_inv, amax (zero-length where not requested, all of them when not fused)."""
+def kernel_quant(spec: Optional[QuantizeSpec]) -> dict:
+    """What a fused kernel's FFI call (lowbit.ops._ffi.norm / activation) writes: the encode
+    ``scale`` operand, ``mode``, ``q`` (the FP8 dtype; None when not fused) and the layout
+    ``flags``."""
     if not is_fused(spec):
-        return (NO_RESULT_U8, NO_RESULT_F32, NO_RESULT_U8, NO_RESULT_F32, NO_RESULT_F32)
-    row = spec.layout in ("rowwise", "both")
-    col = spec.layout in ("colwise", "both")
-    one = jax.ShapeDtypeStruct((1,), jnp.float32)
-    return (
-        jax.ShapeDtypeStruct((rows, cols), spec.q_dtype) if row else NO_RESULT_U8,
-        one,
-        jax.ShapeDtypeStruct((cols, rows), spec.q_dtype) if col else NO_RESULT_U8,
-        one,
-        one,
-    )
-
-
-def fused_operands(spec: Optional[QuantizeSpec]) -> tuple[Any, dict]:
-    """The encode-scale operand and the ``mode``/``q_dtype`` attributes of a fused kernel."""
-    fused = is_fused(spec)
-    scale = spec.scale if (fused and spec.scale is not None) else EMPTY_F32
-    attrs = dict(
-        mode=np.int32(int(spec.scaling_mode) if fused else int(ScalingMode.NO_SCALING)),
-        q_dtype=np.int32(dtype_code(spec.q_dtype) if fused else 0),
-    )
-    return scale, attrs
+        return dict(scale=EMPTY_F32, mode=ScalingMode.NO_SCALING, q=None, flags=0)
+    scale = spec.scale if spec.scale is not None else EMPTY_F32
+    return dict(scale=scale, mode=spec.scaling_mode, q=spec.q_dtype, flags=LAYOUT_FLAGS[spec.layout])
 
 
 def quantize_output(spec: QuantizeSpec, y: jax.Array, dbias: bool = False):
@@ -186,10 +162,9 @@ __all__ = [
     "QuantizeArg",
     "QuantizeSpec",
     "finish_output",
-    "fused_operands",
-    "fused_outputs",
     "fused_scaled_tensor",
     "is_fused",
+    "kernel_quant",
     "parse_quantize_spec",
     "quantize_output",
     "scales_only",

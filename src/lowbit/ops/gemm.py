@@ -19,8 +19,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike, DTypeLike
 
-from lowbit import _native
-from lowbit._native import EMPTY_F32
+from lowbit.ops._ffi import gemm as ffi
 from lowbit.ops.quantize import dequantize
 from lowbit.quantization.checks import as_array, as_dtype, validate
 from lowbit.quantization.scaling_modes import FP8_DTYPES, ScalingMode
@@ -28,9 +27,7 @@ from lowbit.quantization.tensor import ScaledTensor, prod
 
 # Name given to every GEMM output, so remat policies can save it (lowbit.checkpoint_policies).
 GEMM_CHECKPOINT_NAME = "lowbit_gemm"
-FLAG_FAST_ACCUM = 1
-_A_BLOCK_SHIFT, _B_BLOCK_SHIFT = 1, 3  # GemmParams::a_block / b_block in the flags (csrc/ffi/gemm.cc)
-_BLOCK_FLAG = {ScalingMode.BLOCK_1D_SCALING: 1, ScalingMode.BLOCK_2D_SCALING: 2}
+_BLOCK_FLAG = {ScalingMode.BLOCK_1D_SCALING: ffi.BLOCK_1D, ScalingMode.BLOCK_2D_SCALING: ffi.BLOCK_2D}
 _BLOCK_K_ALIGN = 128  # block-scaled GEMMs get K in whole 128-blocks (zero padding: same result)
 
 _BF16 = np.dtype(jnp.bfloat16)
@@ -190,28 +187,6 @@ def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _ffi_gemm(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, blocks=(0, 0), parts=1):
-    """One FFI call: a2 (M, K), b2 (N, K) -> (M, N), or with ``parts`` > 1 the tuple of its
-    ``parts`` column blocks (M, N / parts), each computed in place. bias is (N,) or None.
-    ``blocks``: the operands' FP8 block scaling (0 per-tensor, 1 = 1x128, 2 = 128x128)."""
-    M, N = a2.shape[0], b2.shape[0]
-    flags = (
-        (FLAG_FAST_ACCUM if fast_accum else 0) | (blocks[0] << _A_BLOCK_SHIFT) | (blocks[1] << _B_BLOCK_SHIFT)
-    )
-    out = jax.ShapeDtypeStruct((M, N // parts), out_dtype)
-    return _native.ffi_call(
-        "gemm",
-        out if parts == 1 else (out,) * parts,
-        a2,
-        b2,
-        EMPTY_F32 if a_s is None else a_s,
-        EMPTY_F32 if b_s is None else b_s,
-        EMPTY_F32 if bias is None else bias,
-        workspace=(),
-        flags=np.int32(flags),
-    )
-
-
 def _splits_in_place(N, parts, fp8):
     """Whether the GEMM's ``parts`` column blocks can be written in place (else: slices of the
     whole): whole blocks, and for FP8 no padding of B's rows and blocks of 16-element multiples
@@ -243,7 +218,9 @@ def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8, parts=1):
         fused_bias = pad_to(fused_bias, 0, _FP8_ALIGN)
     ffi_out = out_dtype if outer_bias is None else _F32
     in_place = parts > 1 and _splits_in_place(N, parts, fp8)
-    out = _ffi_gemm(a2, b2, a_s, b_s, fused_bias, ffi_out, fast_accum, parts=parts if in_place else 1)
+    out = ffi.gemm(
+        a2, b2, a_s, b_s, fused_bias, ffi_out, fast_accum=fast_accum, parts=parts if in_place else 1
+    )
     w = N // parts
     outs = list(out) if in_place else [out[:, i * w : (i + 1) * w] for i in range(parts)]
     if outer_bias is not None:
@@ -276,7 +253,8 @@ def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
 
     sa, sb = pad_rows_of_1d(sa, a, a2.shape[0]), pad_rows_of_1d(sb, b, b2.shape[0])
     ffi_out = out_dtype if bias is None else _F32
-    out = _ffi_gemm(a2, b2, sa, sb, None, ffi_out, False, blocks=(_BLOCK_FLAG[a.mode], _BLOCK_FLAG[b.mode]))
+    blocks = (_BLOCK_FLAG[a.mode], _BLOCK_FLAG[b.mode])
+    out = ffi.gemm(a2, b2, sa, sb, None, ffi_out, fast_accum=False, blocks=blocks)
     if out.shape != (M, N):
         out = out[:M, :N]
     if bias is not None:

@@ -31,81 +31,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from lowbit import _native
 from lowbit import delayed_scaling as ds
 from lowbit._native import EMPTY_F32
+from lowbit.ops._ffi import grouped_gemm as ffi
 from lowbit.ops.gemm import pad_to
 from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import grouped_quantize, quantize
 from lowbit.quantization.checks import as_array, as_dtype
-from lowbit.quantization.scaling_modes import ScalingMode, dtype_code
+from lowbit.quantization.scaling_modes import ScalingMode
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 
-_RAGGED_M, _RAGGED_K = 0, 1
-# Flag bits of the FFI `flags` attribute (csrc/ffi/grouped_gemm.cc).
-_A_KMAJOR, _B_KMAJOR, _FAST_ACCUM, _BLOCK_SCALED, _BLOCK_N128 = 1, 2, 4, 8, 16
 _BF16 = np.dtype(jnp.bfloat16)
 _F32 = np.dtype(jnp.float32)
 _IN_DTYPES = (_BF16, _F32)
 
 
-# ---------------------------------------------------------------------------------------------
-# The FFI call: one grouped GEMM in one of the two shapes of csrc/include/lowbit/grouped_gemm.h
-# ---------------------------------------------------------------------------------------------
-def _call(
-    mode,
-    a,
-    b,
-    group_sizes,
-    a_s,
-    b_s,
-    *,
-    m,
-    n,
-    k,
-    lda,
-    ldb,
-    bgs=0,
-    a_kmajor,
-    b_kmajor,
-    fast_accum=False,
-    b_block_n=0,
-):
-    # b_block_n: 0 = per-group scales; 1 / 128 = FP8 block scales, B's blocks 1x128 / 128x128.
-    G = group_sizes.shape[0]
-    flags = (
-        (_A_KMAJOR if a_kmajor else 0)
-        | (_B_KMAJOR if b_kmajor else 0)
-        | (_FAST_ACCUM if fast_accum else 0)
-        | (_BLOCK_SCALED if b_block_n else 0)
-        | (_BLOCK_N128 if b_block_n == 128 else 0)
-    )
-    out_shape = (m, n) if mode == _RAGGED_M else (G, m, n)
-    return _native.ffi_call(
-        "grouped_gemm",
-        jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
-        a,
-        b,
-        group_sizes,
-        a_s,
-        b_s,
-        workspace=(mode, dtype_code(a.dtype), dtype_code(b.dtype), flags, m, n, k, G),
-        mode=np.int32(mode),
-        m=np.int64(m),
-        n=np.int64(n),
-        k=np.int64(k),
-        lda=np.int64(lda),
-        ldb=np.int64(ldb),
-        b_group_stride=np.int64(bgs),
-        flags=np.int32(flags),
-    )
-
-
 # BF16: lhs (M, K), rhs (G, K, N), dout (M, N), all row-major.
 def _bf16_fwd(lhs, rhs, gs):
     (M, K), (_G, _, N) = lhs.shape, rhs.shape
-    return _call(
-        _RAGGED_M,
+    return ffi.grouped_gemm(
+        ffi.RAGGED_M,
         lhs,
         rhs,
         gs,
@@ -130,8 +75,8 @@ def _bf16_dlhs(dout, rhs, gs):
 def _bf16_drhs(lhs, dout, gs):
     # lhs_g^T . dout_g, contraction over the group's rows: A(i, c) = lhs[c, i] (M-major).
     (M, K), (_, N) = lhs.shape, dout.shape
-    return _call(
-        _RAGGED_K,
+    return ffi.grouped_gemm(
+        ffi.RAGGED_K,
         lhs,
         dout,
         gs,
@@ -206,8 +151,8 @@ def fp8_fprop(x, x_s, w_col, w_col_s, gs, fast_accum: bool = True):
     """y (M, N) = x (M, K) . rhs[g]; w_col is the (N, G*K) colwise copy of rhs viewed as (G*K, N):
     B(c, j) = w_col[j, g*K + c], row stride G*K, group stride K."""
     (M, K), (N, GK) = x.shape, w_col.shape
-    return _call(
-        _RAGGED_M,
+    return ffi.grouped_gemm(
+        ffi.RAGGED_M,
         x,
         w_col,
         gs,
@@ -229,8 +174,8 @@ def ragged_dgrad(g, g_s, w_row, w_row_s, gs):
     """dlhs (M, K) = g (M, N) . rhs[g]^T, FP8 or BF16 (empty scales); w_row is rhs viewed as
     (G*K, N) (FP8: its rowwise copy): B(c, j) = w_row[g*K + j, c], K-major with row stride N."""
     (M, N), K = g.shape, w_row.shape[0] // gs.shape[0]
-    return _call(
-        _RAGGED_M,
+    return ffi.grouped_gemm(
+        ffi.RAGGED_M,
         g,
         w_row,
         gs,
@@ -251,8 +196,8 @@ def fp8_wgrad(x_col, x_col_s, g_col, g_col_s, gs):
     """drhs (G, K, N) = x_g^T . g_g, contracted over each group's rows: A(i, c) = x_col[i, c],
     B(c, j) = g_col[j, c], both K-major with row stride M."""
     (K, M), N = x_col.shape, g_col.shape[0]
-    return _call(
-        _RAGGED_K,
+    return ffi.grouped_gemm(
+        ffi.RAGGED_K,
         x_col,
         g_col,
         gs,
@@ -370,8 +315,8 @@ def _w_scales_dgrad(w_2d, rs, G, K, N):
 def block_fprop(x, x_s, w_col, w_s, gs, b_block_n):
     """y (M, N) = x . rhs[g], block scales (see _w_scales_fprop); w_col as fp8_fprop's."""
     (M, K), (N, GK) = x.shape, w_col.shape
-    return _call(
-        _RAGGED_M, x, w_col, gs, x_s, w_s, m=M, n=N, k=K, lda=K, ldb=GK, bgs=K,
+    return ffi.grouped_gemm(
+        ffi.RAGGED_M, x, w_col, gs, x_s, w_s, m=M, n=N, k=K, lda=K, ldb=GK, bgs=K,
         a_kmajor=True, b_kmajor=True, b_block_n=b_block_n,
     )  # fmt: skip
 
@@ -379,8 +324,8 @@ def block_fprop(x, x_s, w_col, w_s, gs, b_block_n):
 def block_dgrad(g, g_s, w_row, w_s, gs, b_block_n):
     """dlhs (M, K) = g . rhs[g]^T, block scales (see _w_scales_dgrad)."""
     (M, N), K = g.shape, w_row.shape[0] // gs.shape[0]
-    return _call(
-        _RAGGED_M, g, w_row, gs, g_s, w_s, m=M, n=K, k=N, lda=N, ldb=N, bgs=K * N,
+    return ffi.grouped_gemm(
+        ffi.RAGGED_M, g, w_row, gs, g_s, w_s, m=M, n=K, k=N, lda=N, ldb=N, bgs=K * N,
         a_kmajor=True, b_kmajor=True, b_block_n=b_block_n,
     )  # fmt: skip
 
@@ -389,8 +334,8 @@ def block_wgrad(x_col, x_col_s, g_col, g_col_s, gs):
     """drhs (G, K, N) = x_g^T . g_g: both colwise copies with 1x128 blocks along each group's
     tokens (grouped_quantize's grouped colwise layout)."""
     (K, M), N = x_col.shape, g_col.shape[0]
-    return _call(
-        _RAGGED_K, x_col, g_col, gs, x_col_s.reshape(-1), g_col_s.reshape(-1), m=K, n=N, k=M,
+    return ffi.grouped_gemm(
+        ffi.RAGGED_K, x_col, g_col, gs, x_col_s.reshape(-1), g_col_s.reshape(-1), m=K, n=N, k=M,
         lda=M, ldb=M, a_kmajor=True, b_kmajor=True, b_block_n=1,
     )  # fmt: skip
 

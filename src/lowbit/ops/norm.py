@@ -21,30 +21,28 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
-from lowbit import _native
-from lowbit._native import EMPTY_F32, NO_RESULT_F32, NO_RESULT_U8
+from lowbit.ops._ffi import norm as ffi
 from lowbit.ops.fused_quantize import (
     QuantizeArg,
     QuantizeSpec,
     finish_output,
-    fused_operands,
-    fused_outputs,
     is_fused,
+    kernel_quant,
     parse_quantize_spec,
     scales_only,
     straight_through_grad,
 )
-from lowbit.ops.quantize import check_input
+from lowbit.quantization.checks import check_input
 from lowbit.quantization.tensor import ScaledTensor, prod
 from lowbit.sharding import plan_rows, shard_map
 
-NORM_TYPES = {"layernorm": 0, "rmsnorm": 1}
+NORM_TYPES = {"layernorm": ffi.LAYERNORM, "rmsnorm": ffi.RMSNORM}
 
 
 # ------------------------------------------------------------------------------------------------
 # argument checks
 # ------------------------------------------------------------------------------------------------
-def _check_norm_args(x, gamma, beta, norm_type, zero_centered_gamma, epsilon):
+def check_norm_args(x, gamma, beta, norm_type, zero_centered_gamma, epsilon):
     x = check_input(x, "x")
     if x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError(f"x must have a non-empty last axis to normalize over, got shape {tuple(x.shape)}")
@@ -72,56 +70,6 @@ def _check_norm_args(x, gamma, beta, norm_type, zero_centered_gamma, epsilon):
 
 
 # ------------------------------------------------------------------------------------------------
-# FFI calls
-# ------------------------------------------------------------------------------------------------
-def _fwd_call(x2, gamma, beta, spec, norm_type, zc, eps, want_y):
-    R, C = x2.shape
-    ln = norm_type == "layernorm"
-    out_types = (
-        jax.ShapeDtypeStruct((R, C), x2.dtype) if want_y else NO_RESULT_U8,
-        *fused_outputs(spec, R, C),
-        jax.ShapeDtypeStruct((R,), jnp.float32) if ln else NO_RESULT_F32,
-        jax.ShapeDtypeStruct((R,), jnp.float32),
-    )
-    scale, q_attrs = fused_operands(spec)
-    return _native.ffi_call(
-        "norm_fwd",
-        out_types,
-        x2,
-        gamma.astype(jnp.float32),
-        EMPTY_F32 if beta is None else beta.astype(jnp.float32),
-        scale,
-        norm_type=np.int32(NORM_TYPES[norm_type]),
-        zero_centered_gamma=np.int32(bool(zc)),
-        epsilon=np.float32(eps),
-        **q_attrs,
-    )
-
-
-def _bwd_call(dy2, x2, mean, rsigma, gamma, norm_type, zc):
-    R, C = x2.shape
-    ln = norm_type == "layernorm"
-    out_types = (
-        jax.ShapeDtypeStruct((R, C), x2.dtype),
-        jax.ShapeDtypeStruct((C,), jnp.float32),
-        jax.ShapeDtypeStruct((C,), jnp.float32) if ln else NO_RESULT_F32,
-    )
-    dx, dg, db = _native.ffi_call(
-        "norm_bwd",
-        out_types,
-        dy2,
-        x2,
-        mean.reshape(R) if ln else EMPTY_F32,
-        rsigma.reshape(R),
-        gamma.astype(jnp.float32),
-        workspace=(R, C),
-        norm_type=np.int32(NORM_TYPES[norm_type]),
-        zero_centered_gamma=np.int32(bool(zc)),
-    )
-    return dx, dg, (db if ln else None)
-
-
-# ------------------------------------------------------------------------------------------------
 # public API
 # ------------------------------------------------------------------------------------------------
 def layernorm_fwd(
@@ -140,17 +88,27 @@ def layernorm_fwd(
     ``out`` is the normalized ``x`` in its dtype, or a ScaledTensor when ``quantize`` is given;
     ``norm_output`` is the unquantized output when ``return_norm_output`` (else None); ``mean``
     (None for rmsnorm) and ``rsigma`` are float32 of shape ``x.shape[:-1]``."""
-    x, gamma, beta = _check_norm_args(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    x, gamma, beta = check_norm_args(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     spec = parse_quantize_spec(quantize, x.dtype)
-    return _fwd(x, gamma, beta, spec, norm_type, zero_centered_gamma, epsilon, return_norm_output)
+    return norm_forward(x, gamma, beta, spec, norm_type, zero_centered_gamma, epsilon, return_norm_output)
 
 
-def _fwd(x, gamma, beta, spec, norm_type, zc, eps, return_norm_output):
+def norm_forward(x, gamma, beta, spec, norm_type, zc, eps, return_norm_output):
+    """:func:`layernorm_fwd` of checked arguments (``spec`` a parsed QuantizeSpec or None)."""
     shape = tuple(x.shape)
     C = shape[-1]
     x2 = x.reshape(prod(shape[:-1]), C)
     want_y = not is_fused(spec) or return_norm_output
-    y, *fp8, mean, rsigma = _fwd_call(x2, gamma, beta, spec, norm_type, zc, eps, want_y)
+    y, *fp8, mean, rsigma = ffi.norm_fwd(
+        x2,
+        gamma,
+        beta,
+        norm_type=NORM_TYPES[norm_type],
+        zero_centered=zc,
+        epsilon=eps,
+        want_y=want_y,
+        **kernel_quant(spec),
+    )
     y = y.reshape(shape) if want_y else None
     mean = mean.reshape(shape[:-1]) if norm_type == "layernorm" else None
     rsigma = rsigma.reshape(shape[:-1])
@@ -184,8 +142,14 @@ def layernorm_bwd(
             f"{None if rsigma is None else tuple(jnp.shape(rsigma))}"
         )
     C = x.shape[-1]
-    dx, dg, db = _bwd_call(
-        dy.reshape(R, C), x.reshape(R, C), mean, rsigma, gamma, norm_type, zero_centered_gamma
+    dx, dg, db = ffi.norm_bwd(
+        dy.reshape(R, C),
+        x.reshape(R, C),
+        mean,
+        rsigma,
+        gamma,
+        norm_type=NORM_TYPES[norm_type],
+        zero_centered=zero_centered_gamma,
     )
     return dx.reshape(x.shape), dg.astype(gamma.dtype), (None if db is None else db.astype(gamma.dtype))
 
@@ -213,7 +177,7 @@ def layernorm(
         ``lowbit.quantize`` of the unquantized output (fused into the kernel for tensor
         scaling). Its cotangent is taken straight through the quantization.
     """
-    x, gamma, beta = _check_norm_args(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    x, gamma, beta = check_norm_args(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     spec = parse_quantize_spec(quantize, x.dtype)
     scale = None if spec is None else spec.scale
     has_beta = beta is not None
@@ -221,7 +185,7 @@ def layernorm(
 
     def run(x, gamma, beta_arg, scale):
         s = None if spec is None else spec._replace(scale=scale)
-        return _fwd(
+        return norm_forward(
             x, gamma, beta_arg if has_beta else None, s, norm_type, zero_centered_gamma, epsilon, False
         )
 
@@ -265,7 +229,7 @@ def _sharded(plan, x, gamma, beta_arg, has_beta, norm_type, zc, eps):
     ln = norm_type == "layernorm"
 
     def fwd_body(x, g, b):
-        out, _, mean, rsigma = _fwd(x, g, b if has_beta else None, None, norm_type, zc, eps, False)
+        out, _, mean, rsigma = norm_forward(x, g, b if has_beta else None, None, norm_type, zc, eps, False)
         return out, (mean if ln else rsigma), rsigma
 
     def bwd_body(dy, x, mean, rsigma, g):

@@ -10,7 +10,22 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import _native
-from lowbit.quantization.checks import as_array, as_dtype, as_int, check_scale_value, validate
+from lowbit.ops._ffi import quantize as ffi
+from lowbit.quantization.checks import (
+    as_array,
+    as_dtype,
+    as_int,
+    check_block_multiple,
+    check_block_options,
+    check_flatten_axis,
+    check_input,
+    check_layout,
+    check_q_dtype,
+    check_scale_value,
+    check_scaling_mode,
+    check_tensor_scale,
+    validate,
+)
 from lowbit.quantization.scaling_modes import (
     DEFAULT_RHT_SIGN_MASK,
     FLAG_COLWISE,
@@ -19,101 +34,10 @@ from lowbit.quantization.scaling_modes import (
     FLAG_RHT,
     FLAG_ROWWISE,
     FLAG_STOCHASTIC,
-    FP8_DTYPES,
     INPUT_DTYPES,
-    LAYOUT_FLAGS,
     ScalingMode,
-    dtype_code,
-    fp8_block_scale_shape,
 )
-from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod
-
-# Argument checks shared by the ops that quantize (norm, activation, their fused outputs).
-
-
-def check_input(x, name: str = "x") -> jax.Array:
-    """x as an array of an input dtype (float32, bfloat16, float16); ``name`` prefixes the error."""
-    x = as_array(x, name)
-    if np.dtype(x.dtype) not in INPUT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {np.dtype(x.dtype).name}")
-    return x
-
-
-def check_scaling_mode(scaling_mode) -> ScalingMode:
-    try:
-        return ScalingMode(scaling_mode)
-    except ValueError:
-        raise ValueError(
-            f"scaling_mode must be a lowbit.ScalingMode, got {scaling_mode!r}; "
-            f"choose one of {[m.name for m in ScalingMode]}"
-        ) from None
-
-
-def check_q_dtype(mode: ScalingMode, q_dtype, x_dtype) -> np.dtype:
-    """The quantized dtype (mode's default when None); x's dtype for NO_SCALING."""
-    if mode == ScalingMode.NO_SCALING:
-        return np.dtype(x_dtype)
-    q = as_dtype(q_dtype if q_dtype is not None else mode.default_q_dtype, "q_dtype")
-    if mode.is_nvfp4:
-        if q != np.dtype(jnp.float4_e2m1fn):
-            raise TypeError(f"q_dtype must be float4_e2m1fn for {mode.name}, got {q.name}")
-    elif q not in FP8_DTYPES:
-        raise TypeError(f"q_dtype must be float8_e4m3fn or float8_e5m2 for {mode.name}, got {q.name}")
-    return q
-
-
-def check_layout(layout: str, prefix: str = "") -> int:
-    """The FFI flag bits of a layout name."""
-    if layout not in LAYOUT_FLAGS:
-        raise ValueError(f"{prefix}layout must be one of {sorted(LAYOUT_FLAGS)}, got {layout!r}")
-    return LAYOUT_FLAGS[layout]
-
-
-def check_tensor_scale(mode: ScalingMode, scale, prefix: str = "") -> Optional[jax.Array]:
-    """The encode scale as float32 (1,): required for DELAYED_TENSOR_SCALING, refused otherwise."""
-    if mode == ScalingMode.DELAYED_TENSOR_SCALING:
-        if scale is None:
-            raise ValueError(f"{prefix}scale is required for DELAYED_TENSOR_SCALING (a float32 scalar)")
-        scale = as_array(scale, f"{prefix}scale")
-        if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
-            raise TypeError(
-                f"{prefix}scale must be a float32 scalar or shape (1,), got {scale.dtype} {scale.shape}"
-            )
-        return check_scale_value(scale.reshape(1), f"{prefix}scale")
-    if scale is not None:
-        raise ValueError(f"{prefix}scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
-    return None
-
-
-def _check_flatten_axis(flatten_axis: int, ndim: int) -> int:
-    flatten_axis = as_int(flatten_axis, "flatten_axis")
-    if ndim < 1:
-        raise ValueError("x must have at least one dimension, got a rank-0 array (shape ())")
-    axis = flatten_axis + ndim if flatten_axis < 0 else flatten_axis
-    if not 0 <= axis < ndim:
-        raise ValueError(f"flatten_axis={flatten_axis} is out of range for an array of rank {ndim}")
-    return axis
-
-
-def _check_block_multiple(mode: ScalingMode, shape, axis: int, rowwise: bool, colwise: bool) -> None:
-    if mode.is_fp8_block:
-        return  # any shape: the last block of a row (or tile) may be partial
-    b = mode.block_size
-    rows, cols = prod(shape[:axis]), prod(shape[axis:])
-    if rowwise and cols % b:
-        raise ValueError(
-            f"x: the contraction axis (dims {tuple(range(axis, len(shape)))} of shape {tuple(shape)}, "
-            f"size {cols}) must be a multiple of {b} for {mode.name}"
-        )
-    if (colwise or mode == ScalingMode.NVFP4_2D_SCALING) and rows % (16 if mode.is_nvfp4 else b):
-        raise ValueError(
-            f"x: the leading axes (dims {tuple(range(axis))} of shape {tuple(shape)}, size {rows}) "
-            f"must be a multiple of {16 if mode.is_nvfp4 else b} for the colwise copy of {mode.name}"
-        )
-    if mode == ScalingMode.NVFP4_2D_SCALING and cols % 16:
-        raise ValueError(
-            f"x: size {cols} of the contraction axis must be a multiple of 16 for NVFP4_2D_SCALING"
-        )
+from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod, register_dequantize
 
 
 def quantize(
@@ -237,22 +161,6 @@ def quantize_parts(
     )
 
 
-def _check_block_options(mode: ScalingMode, power_2_scale, amax_epsilon) -> float:
-    """power_2_scale / amax_epsilon: FP8 block scaling's options; the epsilon as a float."""
-    if not isinstance(power_2_scale, (bool, np.bool_)):
-        raise TypeError(f"power_2_scale must be a bool, got {power_2_scale!r}")
-    if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float, np.floating, np.integer)):
-        raise TypeError(f"amax_epsilon must be a Python float, got {type(amax_epsilon).__name__}")
-    eps = float(np.float32(amax_epsilon))
-    if not np.isfinite(eps) or eps < 0:
-        raise ValueError(f"amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
-    if not mode.is_fp8_block and (power_2_scale or eps != 0.0):
-        raise ValueError(
-            f"power_2_scale and amax_epsilon are only used with BLOCK_1D/2D_SCALING, not {mode.name}"
-        )
-    return eps
-
-
 def _quantize_impl(
     x,
     scaling_mode,
@@ -275,8 +183,8 @@ def _quantize_impl(
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
     n_parts = 1 + len(extra_parts)  # x and extra_parts: the columns of one tensor (quantize_parts)
     shape = tuple(x.shape[:-1]) + (x.shape[-1] * n_parts,) if extra_parts else tuple(x.shape)
-    axis = _check_flatten_axis(flatten_axis, x.ndim)
-    _check_block_multiple(mode, shape, axis, rowwise, colwise)
+    axis = check_flatten_axis(flatten_axis, x.ndim)
+    check_block_multiple(mode, shape, axis, rowwise, colwise)
     rows, cols = prod(shape[:axis]), prod(shape[axis:])
     scale = check_tensor_scale(mode, scale)
     if scale is None:
@@ -296,58 +204,22 @@ def _quantize_impl(
         flags |= FLAG_RHT
     if dbias:
         flags |= FLAG_DBIAS
-    eps = _check_block_options(mode, power_2_scale, amax_epsilon)
+    eps = check_block_options(mode, power_2_scale, amax_epsilon)
     if power_2_scale:
         flags |= FLAG_POW2
 
-    f32 = jnp.float32
-    u8 = jnp.uint8
-    if mode == ScalingMode.NO_SCALING:
-        data_dt, s_shape, s_dt = x.dtype, None, None
-    elif mode.is_tensor_scaling:
-        data_dt, s_shape, s_dt = q, lambda r, c: (1,), f32
-    elif mode == ScalingMode.MXFP8_1D_SCALING:
-        data_dt, s_shape, s_dt = q, lambda r, c: (r, c // 32), jnp.float8_e8m0fnu
-    elif mode.is_fp8_block:
-        data_dt, s_shape, s_dt = q, lambda r, c: fp8_block_scale_shape(mode, r, c), f32
-    else:
-        data_dt, s_shape, s_dt = u8, lambda r, c: (r, c // 16), jnp.float8_e4m3fn
     packed = mode.is_nvfp4
-
-    def copy_shapes(r, c, wanted):
-        if not wanted:
-            return jax.ShapeDtypeStruct((0,), u8), jax.ShapeDtypeStruct((0,), f32)
-        d = jax.ShapeDtypeStruct((r, c // 2) if packed else (r, c), data_dt)
-        s = jax.ShapeDtypeStruct(s_shape(r, c) if s_shape else (0,), s_dt if s_dt else f32)
-        return d, s
-
-    row_d, row_s = copy_shapes(rows, cols, rowwise)
-    col_d, col_s = copy_shapes(cols, rows, colwise)
-    out_types = (
-        row_d,
-        row_s,
-        col_d,
-        col_s,
-        jax.ShapeDtypeStruct((1,), f32),
-        jax.ShapeDtypeStruct((2,) if mode.is_nvfp4 else (0,), f32),
-        jax.ShapeDtypeStruct((cols,) if dbias else (0,), x.dtype),
-    )
-    data, s_inv, cw_data, cw_s_inv, amax, gsi, db = _native.ffi_call(
-        "quantize",
-        out_types,
-        x.reshape(rows, cols // n_parts),
-        *(
-            extra_parts[i].reshape(rows, cols // n_parts) if i < len(extra_parts) else _native.EMPTY_F32
-            for i in range(2)
-        ),
+    part = (rows, cols // n_parts)
+    data, s_inv, cw_data, cw_s_inv, amax, gsi, db = ffi.quantize(
+        x.reshape(part),
+        [p.reshape(part) for p in extra_parts],
         scale,
         seed,
-        workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), rows, cols),
-        mode=np.int32(int(mode)),
-        q_dtype=np.int32(dtype_code(q)),
-        flags=np.int32(flags),
-        rht_sign_mask=np.int32(rht_sign_mask & 0xFFFF),
-        amax_epsilon=np.float32(eps),
+        mode=mode,
+        q=q,
+        flags=flags,
+        rht_sign_mask=rht_sign_mask & 0xFFFF,
+        amax_epsilon=eps,
     )
 
     cw_shape = shape[axis:] + shape[:axis]
@@ -409,6 +281,9 @@ def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype: Optional[DTypeL
     )
 
 
+register_dequantize(dequantize)  # ScaledTensor.dequantize() (lowbit.quantization sits below)
+
+
 def _from_colwise(colwise, rows: int, cols: int, shape):
     """A colwise-layout array (any shape holding cols x rows) -> the original layout."""
     return colwise.reshape(cols, rows).T.reshape(shape)
@@ -417,17 +292,7 @@ def _from_colwise(colwise, rows: int, cols: int, shape):
 def _dequantize_ffi(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask):
     d = fp4_pack(data, r, c) if mode.is_nvfp4 else data.reshape(r, c)
     g = gsi[1:2] if (mode.is_nvfp4 and colwise) else (gsi[0:1] if mode.is_nvfp4 else _native.EMPTY_F32)
-    return _native.ffi_call(
-        "dequantize",
-        jax.ShapeDtypeStruct((r, c), out_dtype),
-        d,
-        s_inv,
-        g,
-        mode=np.int32(int(mode)),
-        q_dtype=np.int32(dtype_code(q)),
-        flags=np.int32(FLAG_RHT if rht else 0),
-        rht_sign_mask=np.int32(mask),
-    )
+    return ffi.dequantize(d, s_inv, g, mode=mode, q=q, out_dtype=out_dtype, rht=rht, rht_sign_mask=mask)
 
 
 def _dequantize_vjp(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask, shape, axis):
@@ -626,7 +491,7 @@ def grouped_quantize(
             f"for grouped_quantize, got {mode.name}"
             + (" (128x128 tiles would straddle groups)" if mode == ScalingMode.BLOCK_2D_SCALING else "")
         )
-    eps = _check_block_options(mode, power_2_scale, amax_epsilon)
+    eps = check_block_options(mode, power_2_scale, amax_epsilon)
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
     rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
@@ -654,36 +519,10 @@ def grouped_quantize(
     else:
         scale = _native.EMPTY_F32
 
-    f32, u8 = jnp.float32, jnp.uint8
-    empty = jax.ShapeDtypeStruct((0,), u8)
-    col_s = jax.ShapeDtypeStruct((G,), f32)
-    if mode == ScalingMode.MXFP8_1D_SCALING:
-        row_s = jax.ShapeDtypeStruct((M, K // 32), jnp.float8_e8m0fnu)
-    elif mode == ScalingMode.BLOCK_1D_SCALING:
-        row_s = jax.ShapeDtypeStruct((M * (-(-K // 128)),), f32)
-        col_s = jax.ShapeDtypeStruct((M // 128 + G, K), f32)
-        if power_2_scale:
-            flags |= FLAG_POW2
-    else:
-        row_s = jax.ShapeDtypeStruct((G,), f32)
-    out_types = (
-        jax.ShapeDtypeStruct((M, K), q) if rowwise else empty,
-        row_s if rowwise else jax.ShapeDtypeStruct((0,), f32),
-        jax.ShapeDtypeStruct((K, M), q) if colwise else empty,
-        col_s if colwise else jax.ShapeDtypeStruct((0,), f32),
-        jax.ShapeDtypeStruct((G,), f32),
-    )
-    data, s_inv, cw, cw_s, amax = _native.ffi_call(
-        "grouped_quantize",
-        out_types,
-        x,
-        group_sizes,
-        scale,
-        workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), M, K, G),
-        mode=np.int32(int(mode)),
-        q_dtype=np.int32(dtype_code(q)),
-        flags=np.int32(flags),
-        amax_epsilon=np.float32(eps),
+    if mode == ScalingMode.BLOCK_1D_SCALING and power_2_scale:
+        flags |= FLAG_POW2
+    data, s_inv, cw, cw_s, amax = ffi.grouped_quantize(
+        x, group_sizes, scale, mode=mode, q=q, flags=flags, amax_epsilon=eps
     )
     return ScaledTensor(
         data=data if rowwise else None,

@@ -22,11 +22,15 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from lowbit import _native
-from lowbit.ops.quantize import check_input
-from lowbit.quantization.checks import as_array
+from lowbit.ops._ffi import softmax as ffi
+from lowbit.quantization.checks import as_array, check_input
 from lowbit.quantization.tensor import prod
 
-_TYPES = {"scaled": 0, "scaled_masked": 1, "scaled_upper_triang_masked": 2}
+_TYPES = {
+    "scaled": ffi.SCALED,
+    "scaled_masked": ffi.SCALED_MASKED,
+    "scaled_upper_triang_masked": ffi.SCALED_UPPER_TRIANG_MASKED,
+}
 
 
 def _check_scale(scale_factor):
@@ -58,23 +62,6 @@ def _check_mask(mask, shape4):
             f"(each axis must be 1 or equal to x's)"
         )
     return (mask != 0).astype(jnp.uint8).reshape(m4)
-
-
-def _fwd_call(x4, mask4, type_code, scale):
-    return _native.ffi_call(
-        "softmax_fwd",
-        jax.ShapeDtypeStruct(x4.shape, x4.dtype),
-        x4,
-        mask4,
-        softmax_type=np.int32(type_code),
-        scale_factor=np.float32(scale),
-    )
-
-
-def _bwd_call(dy2, y2, scale):
-    return _native.ffi_call(
-        "softmax_bwd", jax.ShapeDtypeStruct(y2.shape, y2.dtype), dy2, y2, scale_factor=np.float32(scale)
-    )
 
 
 def softmax(
@@ -127,14 +114,14 @@ def softmax(
 
     @jax.custom_vjp
     def f(x):
-        return _fwd_call(x.reshape(shape4), mask4, code, scale).reshape(shape)
+        return ffi.softmax_fwd(x.reshape(shape4), mask4, softmax_type=code, scale_factor=scale).reshape(shape)
 
     def f_fwd(x):
         y = f(x)
         return y, y
 
     def f_bwd(y, dy):
-        dx = _bwd_call(dy.astype(y.dtype).reshape(rows, Sk), y.reshape(rows, Sk), scale)
+        dx = ffi.softmax_bwd(dy.astype(y.dtype).reshape(rows, Sk), y.reshape(rows, Sk), scale_factor=scale)
         return (dx.reshape(shape),)
 
     f.defvjp(f_fwd, f_bwd)

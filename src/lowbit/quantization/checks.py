@@ -1,4 +1,5 @@
-"""Trace-time checks of a ScaledTensor's fields against its scaling mode.
+"""Trace-time checks: of a ScaledTensor's fields against its scaling mode, and of the arguments
+of the ops that quantize (quantize, the fused norm and activation outputs, dense, ...).
 
 The kernels trust the buffers they are given: a scale array that is too small would be read past
 its end. Every op that takes a ScaledTensor calls :func:`validate` (shapes and dtypes are static,
@@ -7,10 +8,19 @@ so this costs nothing under jit) and gets an error naming the field and what it 
 
 from __future__ import annotations
 
+from typing import Optional
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.quantization.scaling_modes import FP8_DTYPES, INPUT_DTYPES, ScalingMode, fp8_block_scale_shape
+from lowbit.quantization.scaling_modes import (
+    FP8_DTYPES,
+    INPUT_DTYPES,
+    LAYOUT_FLAGS,
+    ScalingMode,
+    fp8_block_scale_shape,
+)
 from lowbit.quantization.tensor import ScaledTensor, prod
 
 _F32 = np.dtype(jnp.float32)
@@ -150,8 +160,6 @@ def check_scale_value(scale, name: str):
     """An encode scale that is 0, negative, NaN or Inf makes every code 0 or NaN. A concrete
     value is refused here; a traced one (unknown until run) is replaced by 1, the initial
     DelayedScaling scale, so the step stays finite and records its amax (docs/numerics.md)."""
-    import jax
-
     scale = jnp.asarray(scale)
     if not isinstance(scale, jax.core.Tracer):
         v = np.asarray(scale, np.float64)
@@ -191,3 +199,107 @@ def as_int(v, name: str) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r:.40}")
     return int(v)
+
+
+# Argument checks of the ops that quantize.
+
+
+def check_input(x, name: str = "x") -> jax.Array:
+    """x as an array of an input dtype (float32, bfloat16, float16); ``name`` prefixes the error."""
+    x = as_array(x, name)
+    if np.dtype(x.dtype) not in INPUT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {np.dtype(x.dtype).name}")
+    return x
+
+
+def check_scaling_mode(scaling_mode) -> ScalingMode:
+    try:
+        return ScalingMode(scaling_mode)
+    except ValueError:
+        raise ValueError(
+            f"scaling_mode must be a lowbit.ScalingMode, got {scaling_mode!r}; "
+            f"choose one of {[m.name for m in ScalingMode]}"
+        ) from None
+
+
+def check_q_dtype(mode: ScalingMode, q_dtype, x_dtype) -> np.dtype:
+    """The quantized dtype (mode's default when None); x's dtype for NO_SCALING."""
+    if mode == ScalingMode.NO_SCALING:
+        return np.dtype(x_dtype)
+    q = as_dtype(q_dtype if q_dtype is not None else mode.default_q_dtype, "q_dtype")
+    if mode.is_nvfp4:
+        if q != np.dtype(jnp.float4_e2m1fn):
+            raise TypeError(f"q_dtype must be float4_e2m1fn for {mode.name}, got {q.name}")
+    elif q not in FP8_DTYPES:
+        raise TypeError(f"q_dtype must be float8_e4m3fn or float8_e5m2 for {mode.name}, got {q.name}")
+    return q
+
+
+def check_layout(layout: str, prefix: str = "") -> int:
+    """The FFI flag bits of a layout name."""
+    if layout not in LAYOUT_FLAGS:
+        raise ValueError(f"{prefix}layout must be one of {sorted(LAYOUT_FLAGS)}, got {layout!r}")
+    return LAYOUT_FLAGS[layout]
+
+
+def check_tensor_scale(mode: ScalingMode, scale, prefix: str = "") -> Optional[jax.Array]:
+    """The encode scale as float32 (1,): required for DELAYED_TENSOR_SCALING, refused otherwise."""
+    if mode == ScalingMode.DELAYED_TENSOR_SCALING:
+        if scale is None:
+            raise ValueError(f"{prefix}scale is required for DELAYED_TENSOR_SCALING (a float32 scalar)")
+        scale = as_array(scale, f"{prefix}scale")
+        if scale.size != 1 or np.dtype(scale.dtype) != np.float32:
+            raise TypeError(
+                f"{prefix}scale must be a float32 scalar or shape (1,), got {scale.dtype} {scale.shape}"
+            )
+        return check_scale_value(scale.reshape(1), f"{prefix}scale")
+    if scale is not None:
+        raise ValueError(f"{prefix}scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
+    return None
+
+
+def check_flatten_axis(flatten_axis: int, ndim: int) -> int:
+    flatten_axis = as_int(flatten_axis, "flatten_axis")
+    if ndim < 1:
+        raise ValueError("x must have at least one dimension, got a rank-0 array (shape ())")
+    axis = flatten_axis + ndim if flatten_axis < 0 else flatten_axis
+    if not 0 <= axis < ndim:
+        raise ValueError(f"flatten_axis={flatten_axis} is out of range for an array of rank {ndim}")
+    return axis
+
+
+def check_block_multiple(mode: ScalingMode, shape, axis: int, rowwise: bool, colwise: bool) -> None:
+    if mode.is_fp8_block:
+        return  # any shape: the last block of a row (or tile) may be partial
+    b = mode.block_size
+    rows, cols = prod(shape[:axis]), prod(shape[axis:])
+    if rowwise and cols % b:
+        raise ValueError(
+            f"x: the contraction axis (dims {tuple(range(axis, len(shape)))} of shape {tuple(shape)}, "
+            f"size {cols}) must be a multiple of {b} for {mode.name}"
+        )
+    if (colwise or mode == ScalingMode.NVFP4_2D_SCALING) and rows % (16 if mode.is_nvfp4 else b):
+        raise ValueError(
+            f"x: the leading axes (dims {tuple(range(axis))} of shape {tuple(shape)}, size {rows}) "
+            f"must be a multiple of {16 if mode.is_nvfp4 else b} for the colwise copy of {mode.name}"
+        )
+    if mode == ScalingMode.NVFP4_2D_SCALING and cols % 16:
+        raise ValueError(
+            f"x: size {cols} of the contraction axis must be a multiple of 16 for NVFP4_2D_SCALING"
+        )
+
+
+def check_block_options(mode: ScalingMode, power_2_scale, amax_epsilon) -> float:
+    """power_2_scale / amax_epsilon: FP8 block scaling's options; the epsilon as a float."""
+    if not isinstance(power_2_scale, (bool, np.bool_)):
+        raise TypeError(f"power_2_scale must be a bool, got {power_2_scale!r}")
+    if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float, np.floating, np.integer)):
+        raise TypeError(f"amax_epsilon must be a Python float, got {type(amax_epsilon).__name__}")
+    eps = float(np.float32(amax_epsilon))
+    if not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
+    if not mode.is_fp8_block and (power_2_scale or eps != 0.0):
+        raise ValueError(
+            f"power_2_scale and amax_epsilon are only used with BLOCK_1D/2D_SCALING, not {mode.name}"
+        )
+    return eps

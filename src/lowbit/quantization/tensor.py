@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -58,9 +58,21 @@ class ScaledTensor:
         return self.data is not None
 
     def dequantize(self, layout: str = "rowwise") -> jax.Array:
-        from lowbit.ops.quantize import dequantize  # the op layer sits above this one: import late
+        """:func:`lowbit.dequantize` of this tensor (``layout``: "rowwise" or "colwise")."""
+        if _dequantize is None:
+            raise RuntimeError("ScaledTensor.dequantize needs the op layer: import lowbit first")
+        return _dequantize(self, layout=layout)
 
-        return dequantize(self, layout=layout)
+
+# The op that decodes a ScaledTensor (lowbit.ops.quantize.dequantize). The op layer sits above
+# this one and registers it when it is imported; importing it from here would be a cycle.
+_dequantize: Optional[Callable[..., jax.Array]] = None
+
+
+def register_dequantize(fn: Callable[..., jax.Array]) -> None:
+    """Sets the function :meth:`ScaledTensor.dequantize` calls (the op layer does, once)."""
+    global _dequantize
+    _dequantize = fn
 
 
 def prod(xs) -> int:

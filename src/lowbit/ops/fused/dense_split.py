@@ -7,7 +7,7 @@ they lie (``quantize_parts``) instead of concatenating them first (a (M, 3F) cop
 results equal ``dense`` followed by slicing (bit for bit on the CPU; on the GPU cuBLASLt may pick
 another algorithm for the narrower GEMMs, so the outputs agree to rounding). Other recipes and
 sharded GEMMs take that composition. A LayerNorm in front (``norm=``) runs inside the same VJP
-(``lowbit.ops.dense_norm``): its kernel writes the GEMM's FP8 input.
+(``lowbit.ops.fused.dense_norm``): its kernel writes the GEMM's FP8 input.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
 from lowbit.ops import dense as dense_mod
-from lowbit.ops import dense_norm
-from lowbit.ops.dense_norm import NormInput
-from lowbit.ops.quantize import check_input, parts_fusable
+from lowbit.ops.fused import dense_norm
+from lowbit.ops.fused.dense_norm import NormInput
+from lowbit.ops.quantize import parts_fusable
+from lowbit.quantization.checks import check_input
 from lowbit.quantization.tensor import prod
 from lowbit.recipe import Recipe
 from lowbit.sharding import plan_dense
@@ -71,7 +72,7 @@ def split_dense(
     """``x (..., K) . kernel (K, n, F) (+ bias (n, F))`` as a tuple of n arrays (..., F): slot
     i is ``dense(x, kernel, bias)[..., i, :]``. Arguments as :func:`lowbit.dense`.
 
-    ``norm`` (a :class:`lowbit.ops.dense_norm.NormInput`): the GEMM reads ``layernorm(x, ...)``
+    ``norm`` (a :class:`lowbit.ops.fused.dense_norm.NormInput`): the GEMM reads ``layernorm(x, ...)``
     instead of x, the norm fused into the GEMM's input quantization; the result is then
     ``(slots, norm_output)``, norm_output None unless ``norm.return_output``."""
     x = check_input(x, "split_dense: x")

@@ -47,8 +47,10 @@ def check_norm_input(norm: Optional[NormInput], x, owner: str):
     if norm is None:
         return None, None, None
     if not isinstance(norm, NormInput):
-        raise TypeError(f"{owner}: norm must be a lowbit.ops.dense_norm.NormInput or None, got {norm!r}")
-    _, gamma, beta = norm_mod._check_norm_args(
+        raise TypeError(
+            f"{owner}: norm must be a lowbit.ops.fused.dense_norm.NormInput or None, got {norm!r}"
+        )
+    _, gamma, beta = norm_mod.check_norm_args(
         x, norm.gamma, norm.beta, norm.norm_type, norm.zero_centered_gamma, norm.epsilon
     )
     cfg = NormConfig(
@@ -86,7 +88,7 @@ def quantize_input(cfg, ncfg: Optional[NormConfig], x, gamma, beta, state):
     if ncfg is None:
         return dense_mod.quantize_input(cfg, x, state), None, None
     spec = dense_mod.fused_spec(cfg, state, "x", x.dtype)
-    qx, y, mean, rsigma = norm_mod._fwd(
+    qx, y, mean, rsigma = norm_mod.norm_forward(
         x, gamma, beta, spec, ncfg.norm_type, ncfg.zero_centered_gamma, ncfg.epsilon, ncfg.return_output
     )
     return poison_nonfinite(qx), y, (x, mean, rsigma, gamma, beta)

@@ -22,10 +22,10 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
 from lowbit.ops import dense as dense_mod
-from lowbit.ops import dense_norm
-from lowbit.ops.activation import _act_lu, _dact, activation, parse_activations
+from lowbit.ops.activation import act_backward, act_forward, activation, parse_activations
+from lowbit.ops.fused import dense_norm
 from lowbit.ops.nonfinite import poison_nonfinite
-from lowbit.ops.quantize import check_input
+from lowbit.quantization.checks import check_input
 from lowbit.quantization.tensor import prod
 from lowbit.recipe import Recipe
 from lowbit.sharding import plan_dense, tensor_parallel_layout
@@ -46,7 +46,7 @@ def _forward(cfg: _MlpConfig, x, k1, b1, k2, b2, s1, s2, gamma, beta):
     h, qk1 = dense_mod.forward_quantized(cfg.first, qx, k1, b1, s1)
     h = checkpoint_name(h, cfg.hidden_name)  # a residual: remat policies may save it by name
     qz = poison_nonfinite(
-        _act_lu(h, cfg.act, cfg.gated, dense_mod.fused_spec(cfg.second, s2, "x", h.dtype), False)
+        act_forward(h, cfg.act, cfg.gated, dense_mod.fused_spec(cfg.second, s2, "x", h.dtype), False)
     )
     y, qk2 = dense_mod.forward_quantized(cfg.second, qz, k2, b2, s2)
     res = (*dense_mod.backward_residuals(qx, qk1), s1, h, *dense_mod.backward_residuals(qz, qk2), s2)
@@ -68,7 +68,9 @@ def _mlp_2d_bwd(cfg: _MlpConfig, res, cts):
     qd2, db2 = dense_mod.quantize_grad(cfg.second, dy, s2, None)
     dz, dk2, ct2 = dense_mod.backward_quantized(cfg.second, qz_c, qk2_r, s2, qd2)
     has_b1 = cfg.first.bias_dtype is not None
-    qd1, db1 = _dact(dz, h, cfg.act, cfg.gated, dense_mod.fused_spec(cfg.first, s1, "grad", h.dtype), has_b1)
+    qd1, db1 = act_backward(
+        dz, h, cfg.act, cfg.gated, dense_mod.fused_spec(cfg.first, s1, "grad", h.dtype), has_b1
+    )
     qd1 = poison_nonfinite(qd1)
     dx, dk1, ct1 = dense_mod.backward_quantized(cfg.first, qx_c, qk1_r, s1, qd1)
     dx, dgamma, dbeta = dense_norm.input_grad(cfg.norm, norm_res, dx, ct_norm)
@@ -131,7 +133,7 @@ def mlp(
       states: DelayedScaling: the two GEMMs' states (``lowbit.init_delayed_state``).
       out_dtype: of the hidden activation and the output; default x's dtype.
       hidden_checkpoint_name: ``checkpoint_name`` of the first GEMM's output (TE's ffn1).
-      norm: a :class:`lowbit.ops.dense_norm.NormInput`: the first GEMM reads ``layernorm(x,
+      norm: a :class:`lowbit.ops.fused.dense_norm.NormInput`: the first GEMM reads ``layernorm(x,
         ...)``, the norm fused into its input quantization.
     Returns ``(..., N)``; gradients flow to x, both kernels, both biases (and the states, as
     :func:`lowbit.dense`). With ``norm``: ``(out, norm_output)``, norm_output None unless

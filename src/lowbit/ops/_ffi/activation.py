@@ -1,0 +1,53 @@
+"""FFI calls of the activations (csrc/ffi/activation.cc): forward, optionally writing FP8
+copies of its output, and backward, optionally with the bias gradient and FP8 copies of dx
+(tensor scaling)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from lowbit import _native
+from lowbit._native import NO_RESULT_U8
+from lowbit.ops._ffi.quantize import fused_attrs, fused_results
+
+# ActKind codes.
+LINEAR, GELU_TANH, GELU_EXACT, RELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3, 4, 5, 6
+
+
+def act_fwd(x, scale, *, act: int, gated: bool, want_y: bool, mode, q, flags):
+    """x (R, W) with W = 2H gated, else H. ``q`` None or the FP8 dtype the kernel writes
+    (``mode``, layout ``flags``, encode ``scale``). Returns ``(y, data, scale_inv, colwise data,
+    colwise scale_inv, amax)`` of the (R, H) output; y (0,) unless ``want_y``."""
+    R, W = x.shape
+    H = W // 2 if gated else W
+    out_types = (
+        jax.ShapeDtypeStruct((R, H), x.dtype) if want_y else NO_RESULT_U8,
+        *fused_results(q, flags, R, H),
+    )
+    return _native.ffi_call(
+        "act_fwd", out_types, x, scale, act=np.int32(act), gated=np.int32(bool(gated)), **fused_attrs(mode, q)
+    )
+
+
+def act_bwd(dy, x, scale, *, act: int, gated: bool, want_dbias: bool, mode, q, flags):
+    """dy (R, H), x (R, W). Returns ``(dx, data, scale_inv, colwise data, colwise scale_inv,
+    amax, dbias)``: dx (R, W) unless the kernel writes FP8 copies of it (``q``), dbias (W,) when
+    ``want_dbias``; the others zero-length."""
+    (R, H), W = dy.shape, x.shape[1]
+    out_types = (
+        NO_RESULT_U8 if q is not None else jax.ShapeDtypeStruct((R, W), x.dtype),
+        *fused_results(q, flags, R, W),
+        jax.ShapeDtypeStruct((W,), x.dtype) if want_dbias else NO_RESULT_U8,
+    )
+    return _native.ffi_call(
+        "act_bwd",
+        out_types,
+        dy,
+        x,
+        scale,
+        workspace=(R, H, int(gated), int(want_dbias)),
+        act=np.int32(act),
+        gated=np.int32(bool(gated)),
+        **fused_attrs(mode, q),
+    )

@@ -1,0 +1,36 @@
+"""FFI call of the GEMM family (csrc/ffi/gemm.cc): out (M, N) = a (M, K) . b (N, K)^T."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from lowbit import _native
+from lowbit._native import EMPTY_F32
+
+# Bits of the `flags` attribute (csrc/ffi/gemm.cc).
+FLAG_FAST_ACCUM = 1
+A_BLOCK_SHIFT, B_BLOCK_SHIFT = 1, 3  # GemmParams::a_block / b_block in the flags
+BLOCK_1D, BLOCK_2D = 1, 2  # an operand's FP8 block scaling: 1x128 blocks, 128x128 tiles
+
+
+def gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, *, fast_accum: bool, blocks=(0, 0), parts: int = 1):
+    """One GEMM call: a (M, K), b (N, K) -> (M, N), or with ``parts`` > 1 the tuple of its
+    ``parts`` column blocks (M, N / parts), each computed in place. Scales and bias may be None.
+    ``blocks``: the operands' FP8 block scaling (0 per-tensor, BLOCK_1D or BLOCK_2D)."""
+    M, N = a.shape[0], b.shape[0]
+    flags = (
+        (FLAG_FAST_ACCUM if fast_accum else 0) | (blocks[0] << A_BLOCK_SHIFT) | (blocks[1] << B_BLOCK_SHIFT)
+    )
+    out = jax.ShapeDtypeStruct((M, N // parts), out_dtype)
+    return _native.ffi_call(
+        "gemm",
+        out if parts == 1 else (out,) * parts,
+        a,
+        b,
+        EMPTY_F32 if a_scale_inv is None else a_scale_inv,
+        EMPTY_F32 if b_scale_inv is None else b_scale_inv,
+        EMPTY_F32 if bias is None else bias,
+        workspace=(),
+        flags=np.int32(flags),
+    )

@@ -1,0 +1,67 @@
+"""FFI call of the grouped GEMM (csrc/ffi/grouped_gemm.cc) in one of the two shapes of
+csrc/include/lowbit/grouped_gemm.h: ragged M (row groups of A, one B per group) or ragged K
+(contraction over each group's rows, one output per group)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit import _native
+from lowbit.quantization.scaling_modes import dtype_code
+
+RAGGED_M, RAGGED_K = 0, 1  # GroupedGemmMode
+# Bits of the `flags` attribute.
+FLAG_A_KMAJOR, FLAG_B_KMAJOR, FLAG_FAST_ACCUM, FLAG_BLOCK_SCALED, FLAG_BLOCK_N128 = 1, 2, 4, 8, 16
+
+
+def grouped_gemm(
+    mode: int,
+    a,
+    b,
+    group_sizes,
+    a_scale_inv,
+    b_scale_inv,
+    *,
+    m: int,
+    n: int,
+    k: int,
+    lda: int,
+    ldb: int,
+    bgs: int = 0,
+    a_kmajor: bool,
+    b_kmajor: bool,
+    fast_accum: bool = False,
+    b_block_n: int = 0,
+):
+    """One grouped GEMM, BF16 output: (m, n) for RAGGED_M, (G, m, n) for RAGGED_K. ``lda`` /
+    ``ldb``: row strides, ``bgs``: B's group stride (elements). ``b_block_n``: 0 = per-group
+    scales (or none: BF16); 1 / 128 = FP8 block scales, B's blocks 1x128 / 128x128."""
+    G = group_sizes.shape[0]
+    flags = (
+        (FLAG_A_KMAJOR if a_kmajor else 0)
+        | (FLAG_B_KMAJOR if b_kmajor else 0)
+        | (FLAG_FAST_ACCUM if fast_accum else 0)
+        | (FLAG_BLOCK_SCALED if b_block_n else 0)
+        | (FLAG_BLOCK_N128 if b_block_n == 128 else 0)
+    )
+    out_shape = (m, n) if mode == RAGGED_M else (G, m, n)
+    return _native.ffi_call(
+        "grouped_gemm",
+        jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
+        a,
+        b,
+        group_sizes,
+        a_scale_inv,
+        b_scale_inv,
+        workspace=(mode, dtype_code(a.dtype), dtype_code(b.dtype), flags, m, n, k, G),
+        mode=np.int32(mode),
+        m=np.int64(m),
+        n=np.int64(n),
+        k=np.int64(k),
+        lda=np.int64(lda),
+        ldb=np.int64(ldb),
+        b_group_stride=np.int64(bgs),
+        flags=np.int32(flags),
+    )

@@ -1,0 +1,156 @@
+"""FFI calls of the quantization family (csrc/ffi/quantize.cc): quantize (+ dbias), dequantize,
+grouped quantize; and the FP8 outputs and attributes that the fused kernels (norm, activation)
+share with it. Arrays in, arrays out; the op layer (lowbit.ops.quantize) checks the arguments
+and builds the ScaledTensor."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit import _native
+from lowbit._native import NO_RESULT_F32, NO_RESULT_U8
+from lowbit.quantization.scaling_modes import (
+    FLAG_COLWISE,
+    FLAG_DBIAS,
+    FLAG_RHT,
+    FLAG_ROWWISE,
+    ScalingMode,
+    dtype_code,
+    fp8_block_scale_shape,
+)
+
+_F32, _U8 = jnp.float32, jnp.uint8
+
+
+def _copy_types(mode: ScalingMode, q, x_dtype, r: int, c: int, wanted: bool):
+    """Result types of one copy (data, scale_inv) of an (r, c) tensor; (0,) when not wanted."""
+    if not wanted:
+        return jax.ShapeDtypeStruct((0,), _U8), jax.ShapeDtypeStruct((0,), _F32)
+    if mode == ScalingMode.NO_SCALING:
+        return jax.ShapeDtypeStruct((r, c), x_dtype), jax.ShapeDtypeStruct((0,), _F32)
+    if mode.is_tensor_scaling:
+        s = jax.ShapeDtypeStruct((1,), _F32)
+    elif mode == ScalingMode.MXFP8_1D_SCALING:
+        s = jax.ShapeDtypeStruct((r, c // 32), jnp.float8_e8m0fnu)
+    elif mode.is_fp8_block:
+        s = jax.ShapeDtypeStruct(fp8_block_scale_shape(mode, r, c), _F32)
+    else:  # NVFP4: two E2M1 codes per byte, one E4M3 scale per 16
+        return jax.ShapeDtypeStruct((r, c // 2), _U8), jax.ShapeDtypeStruct((r, c // 16), jnp.float8_e4m3fn)
+    return jax.ShapeDtypeStruct((r, c), q), s
+
+
+def quantize(
+    x, extra_parts, scale, seed, *, mode: ScalingMode, q, flags: int, rht_sign_mask: int, amax_epsilon
+):
+    """One quantize call on ``x`` (R, C) and its further column parts ``extra_parts`` (at most
+    two arrays like x: the tensor is their concatenation). ``scale`` and ``seed`` are (0,) when
+    unused. Returns ``(data, scale_inv, colwise_data, colwise_scale_inv, amax,
+    global_scale_inv, dbias)`` as the kernel writes them (2-D; NVFP4 data packed), each (0,)
+    where ``flags`` did not ask for it."""
+    n_parts = 1 + len(extra_parts)
+    rows, cols = x.shape[0], x.shape[1] * n_parts
+    row_d, row_s = _copy_types(mode, q, x.dtype, rows, cols, bool(flags & FLAG_ROWWISE))
+    col_d, col_s = _copy_types(mode, q, x.dtype, cols, rows, bool(flags & FLAG_COLWISE))
+    out_types = (
+        row_d,
+        row_s,
+        col_d,
+        col_s,
+        jax.ShapeDtypeStruct((1,), _F32),
+        jax.ShapeDtypeStruct((2,) if mode.is_nvfp4 else (0,), _F32),
+        jax.ShapeDtypeStruct((cols,) if flags & FLAG_DBIAS else (0,), x.dtype),
+    )
+    parts = tuple(extra_parts[i] if i < len(extra_parts) else _native.EMPTY_F32 for i in range(2))
+    return _native.ffi_call(
+        "quantize",
+        out_types,
+        x,
+        *parts,
+        scale,
+        seed,
+        workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), rows, cols),
+        mode=np.int32(int(mode)),
+        q_dtype=np.int32(dtype_code(q)),
+        flags=np.int32(flags),
+        rht_sign_mask=np.int32(rht_sign_mask),
+        amax_epsilon=np.float32(amax_epsilon),
+    )
+
+
+def dequantize(
+    data, scale_inv, global_scale_inv, *, mode: ScalingMode, q, out_dtype, rht: bool, rht_sign_mask: int
+):
+    """Decodes ``data`` (2-D, NVFP4 packed) with its scales to ``out_dtype`` (rows, cols of the
+    unpacked data); ``global_scale_inv`` is NVFP4's (1,) tensor decode scale, else (0,)."""
+    r, c = data.shape[0], data.shape[1] * (2 if mode.is_nvfp4 else 1)
+    return _native.ffi_call(
+        "dequantize",
+        jax.ShapeDtypeStruct((r, c), out_dtype),
+        data,
+        scale_inv,
+        global_scale_inv,
+        mode=np.int32(int(mode)),
+        q_dtype=np.int32(dtype_code(q)),
+        flags=np.int32(FLAG_RHT if rht else 0),
+        rht_sign_mask=np.int32(rht_sign_mask),
+    )
+
+
+def grouped_quantize(x, group_sizes, scale, *, mode: ScalingMode, q, flags: int, amax_epsilon):
+    """One grouped quantize call on ``x`` (M, K) with ``group_sizes`` int32 (G,); ``scale`` (G,)
+    or (0,). Returns ``(data, scale_inv, colwise_data, colwise_scale_inv, amax)``, the copies
+    (0,) where ``flags`` did not ask for them; scale layouts as lowbit.grouped_quantize says."""
+    (M, K), G = x.shape, group_sizes.shape[0]
+    empty = jax.ShapeDtypeStruct((0,), _U8)
+    col_s = jax.ShapeDtypeStruct((G,), _F32)
+    if mode == ScalingMode.MXFP8_1D_SCALING:
+        row_s = jax.ShapeDtypeStruct((M, K // 32), jnp.float8_e8m0fnu)
+    elif mode == ScalingMode.BLOCK_1D_SCALING:
+        row_s = jax.ShapeDtypeStruct((M * (-(-K // 128)),), _F32)
+        col_s = jax.ShapeDtypeStruct((M // 128 + G, K), _F32)
+    else:
+        row_s = jax.ShapeDtypeStruct((G,), _F32)
+    rowwise, colwise = flags & FLAG_ROWWISE, flags & FLAG_COLWISE
+    out_types = (
+        jax.ShapeDtypeStruct((M, K), q) if rowwise else empty,
+        row_s if rowwise else jax.ShapeDtypeStruct((0,), _F32),
+        jax.ShapeDtypeStruct((K, M), q) if colwise else empty,
+        col_s if colwise else jax.ShapeDtypeStruct((0,), _F32),
+        jax.ShapeDtypeStruct((G,), _F32),
+    )
+    return _native.ffi_call(
+        "grouped_quantize",
+        out_types,
+        x,
+        group_sizes,
+        scale,
+        workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), M, K, G),
+        mode=np.int32(int(mode)),
+        q_dtype=np.int32(dtype_code(q)),
+        flags=np.int32(flags),
+        amax_epsilon=np.float32(amax_epsilon),
+    )
+
+
+def fused_results(q, flags: int, rows: int, cols: int) -> tuple:
+    """Result types of a fused kernel's FP8 outputs of an (rows, cols) tensor: data, scale_inv,
+    colwise data, colwise scale_inv, amax; ``q`` None (not fused): all zero-length."""
+    if q is None:
+        return (NO_RESULT_U8, NO_RESULT_F32, NO_RESULT_U8, NO_RESULT_F32, NO_RESULT_F32)
+    one = jax.ShapeDtypeStruct((1,), _F32)
+    return (
+        jax.ShapeDtypeStruct((rows, cols), q) if flags & FLAG_ROWWISE else NO_RESULT_U8,
+        one,
+        jax.ShapeDtypeStruct((cols, rows), q) if flags & FLAG_COLWISE else NO_RESULT_U8,
+        one,
+        one,
+    )
+
+
+def fused_attrs(mode: ScalingMode, q) -> dict:
+    """The ``mode`` / ``q_dtype`` attributes of a fused kernel (NO_SCALING when ``q`` is None)."""
+    if q is None:
+        return dict(mode=np.int32(int(ScalingMode.NO_SCALING)), q_dtype=np.int32(0))
+    return dict(mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)))
