@@ -18,6 +18,8 @@ with optional dbias and quantization of the gradient).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional, Sequence, Union
 
 import jax
@@ -27,6 +29,7 @@ from jax.typing import ArrayLike
 from lowbit.ops._ffi import activation as ffi
 from lowbit.ops.fused_quantize import (
     QuantizeArg,
+    QuantizeSpec,
     finish_output,
     fused_scaled_tensor,
     is_fused,
@@ -187,29 +190,51 @@ def activation(
     x = _check_x(x, gated)
     spec = parse_quantize_spec(quantize, x.dtype)
     scale = None if spec is None else spec.scale
-
-    @jax.custom_vjp
-    def f(x, scale):
-        return act_forward(x, act, gated, None if spec is None else spec._replace(scale=scale), False)
-
-    def f_fwd(x, scale):
-        out = f(x, scale)
-        return out, (x, scales_only(out) if isinstance(out, ScaledTensor) else None, scale)
-
-    def f_bwd(res, ct):
-        x, res_q, scale = res
-        dy = ct if res_q is None else straight_through_grad(ct, res_q)
-        dx, _ = act_backward(dy.astype(x.dtype), x, act, gated, None, False)
-        return dx, (None if scale is None else jnp.zeros_like(scale))
-
-    f.defvjp(f_fwd, f_bwd)
-    # Under a MeshResource: per batch shard, and per tp shard of the last axis when not gated
-    # (the FFI call has no partitioning rule, so XLA would gather x).
+    cfg = _ActConfig(act, gated, None if spec is None else spec._replace(scale=None))
+    # Under a MeshResource: per batch shard, and per tp shard of the last axis when not gated.
     plan = None if spec is not None else plan_rows(x.shape, split_last=not gated)
     if plan is not None:
-        mesh, xs = plan
-        return shard_map(lambda x: f(x, None), mesh, (xs,), xs)(x)
-    return f(x, scale)
+        return _activation_sharded(cfg, plan, x)
+    return _activation(cfg, x, scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ActConfig:
+    act: int
+    gated: bool
+    spec: Optional[QuantizeSpec] = None  # the output's quantization, its scale None
+
+
+def _forward(cfg: _ActConfig, x, scale):
+    spec = None if cfg.spec is None else cfg.spec._replace(scale=scale)
+    return act_forward(x, cfg.act, cfg.gated, spec, False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _activation(cfg: _ActConfig, x, scale):
+    return _forward(cfg, x, scale)
+
+
+def _activation_fwd(cfg: _ActConfig, x, scale):
+    out = _forward(cfg, x, scale)
+    return out, (x, scales_only(out) if isinstance(out, ScaledTensor) else None, scale)
+
+
+def _activation_bwd(cfg: _ActConfig, res, ct):
+    x, res_q, scale = res
+    dy = ct if res_q is None else straight_through_grad(ct, res_q)
+    dx, _ = act_backward(dy.astype(x.dtype), x, cfg.act, cfg.gated, None, False)
+    return dx, (None if scale is None else jnp.zeros_like(scale))
+
+
+_activation.defvjp(_activation_fwd, _activation_bwd)
+
+
+def _activation_sharded(cfg: _ActConfig, plan, x):
+    """The op per shard (the FFI call has no partitioning rule, so XLA would gather x); an
+    elementwise op needs no collective, forward or backward."""
+    mesh, xs = plan
+    return shard_map(lambda x: _activation(cfg, x, None), mesh, (xs,), xs)(x)
 
 
 __all__ = ["act_lu", "activation", "dact_dbias", "parse_activations"]

@@ -13,6 +13,8 @@ backward needs) and :func:`layernorm_bwd` (dx, dgamma, dbeta).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional, Union
 
 import jax
@@ -182,88 +184,123 @@ def layernorm(
     scale = None if spec is None else spec.scale
     has_beta = beta is not None
     beta_arg = beta if has_beta else jnp.zeros((0,), gamma.dtype)
-
-    def run(x, gamma, beta_arg, scale):
-        s = None if spec is None else spec._replace(scale=scale)
-        return norm_forward(
-            x, gamma, beta_arg if has_beta else None, s, norm_type, zero_centered_gamma, epsilon, False
-        )
-
-    @jax.custom_vjp
-    def f(x, gamma, beta_arg, scale):
-        return run(x, gamma, beta_arg, scale)[0]
-
-    def f_fwd(x, gamma, beta_arg, scale):
-        out, _, mean, rsigma = run(x, gamma, beta_arg, scale)
-        res_q = scales_only(out) if isinstance(out, ScaledTensor) else None
-        return out, (x, gamma, mean, rsigma, res_q, scale)
-
-    def f_bwd(res, ct):
-        x, gamma, mean, rsigma, res_q, scale = res
-        dy = ct if res_q is None else straight_through_grad(ct, res_q)
-        dx, dg, db = layernorm_bwd(
-            dy.astype(x.dtype),
-            x,
-            mean,
-            rsigma,
-            gamma,
-            norm_type=norm_type,
-            zero_centered_gamma=zero_centered_gamma,
-        )
-        db = db.astype(gamma.dtype) if has_beta else jnp.zeros((0,), gamma.dtype)
-        return dx, dg, db, (None if scale is None else jnp.zeros_like(scale))
-
-    f.defvjp(f_fwd, f_bwd)
+    static_spec = None if spec is None else spec._replace(scale=None)
+    cfg = _NormConfig(norm_type, zero_centered_gamma, epsilon, has_beta, static_spec)
     plan = None if spec is not None else plan_rows(x.shape)
     if plan is not None:
-        return _sharded(plan, x, gamma, beta_arg, has_beta, norm_type, zero_centered_gamma, epsilon)
-    return f(x, gamma, beta_arg, scale)
+        return _layernorm_sharded(cfg, plan, x, gamma, beta_arg)
+    return _layernorm(cfg, x, gamma, beta_arg, scale)
 
 
-def _sharded(plan, x, gamma, beta_arg, has_beta, norm_type, zc, eps):
-    """layernorm per batch shard under a MeshResource (the FFI call has no partitioning rule, so
-    XLA would gather x). gamma/beta stay replicated; their gradients are summed over the shards in
-    float32 and rounded once, as one device does."""
+# ------------------------------------------------------------------------------------------------
+# the differentiable op: beta_arg is beta, or (0,) without one; the spec's scale is an argument
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _NormConfig:
+    norm_type: str
+    zero_centered_gamma: bool
+    epsilon: float
+    has_beta: bool
+    spec: Optional[QuantizeSpec] = None  # the output's quantization, its scale None
+
+
+def _forward(cfg: _NormConfig, x, gamma, beta_arg, scale):
+    spec = None if cfg.spec is None else cfg.spec._replace(scale=scale)
+    beta = beta_arg if cfg.has_beta else None
+    return norm_forward(x, gamma, beta, spec, cfg.norm_type, cfg.zero_centered_gamma, cfg.epsilon, False)
+
+
+def _gamma_beta_grads(cfg: _NormConfig, gamma, dg, db):
+    db = db.astype(gamma.dtype) if cfg.has_beta else jnp.zeros((0,), gamma.dtype)
+    return dg.astype(gamma.dtype), db
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _layernorm(cfg: _NormConfig, x, gamma, beta_arg, scale):
+    return _forward(cfg, x, gamma, beta_arg, scale)[0]
+
+
+def _layernorm_fwd(cfg: _NormConfig, x, gamma, beta_arg, scale):
+    out, _, mean, rsigma = _forward(cfg, x, gamma, beta_arg, scale)
+    res_q = scales_only(out) if isinstance(out, ScaledTensor) else None
+    return out, (x, gamma, mean, rsigma, res_q, scale)
+
+
+def _layernorm_bwd(cfg: _NormConfig, res, ct):
+    x, gamma, mean, rsigma, res_q, scale = res
+    dy = ct if res_q is None else straight_through_grad(ct, res_q)
+    dx, dg, db = layernorm_bwd(
+        dy.astype(x.dtype),
+        x,
+        mean,
+        rsigma,
+        gamma,
+        norm_type=cfg.norm_type,
+        zero_centered_gamma=cfg.zero_centered_gamma,
+    )
+    return dx, *_gamma_beta_grads(cfg, gamma, dg, db), (None if scale is None else jnp.zeros_like(scale))
+
+
+_layernorm.defvjp(_layernorm_fwd, _layernorm_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# its sharded path: per batch shard under a MeshResource (the FFI call has no partitioning rule,
+# so XLA would gather x). gamma/beta stay replicated; their gradients are summed over the shards
+# in float32 and rounded once, as one device does.
+# ------------------------------------------------------------------------------------------------
+def _shard_fwd(cfg: _NormConfig, plan):
+    """(x, gamma, beta_arg) -> (out, mean (rsigma for RMSNorm), rsigma), per shard."""
     mesh, xs = plan
-    axes, rs = xs[0], P(*tuple(xs)[:-1])
-    ln = norm_type == "layernorm"
+    rs = P(*tuple(xs)[:-1])
+    ln = cfg.norm_type == "layernorm"
 
-    def fwd_body(x, g, b):
-        out, _, mean, rsigma = norm_forward(x, g, b if has_beta else None, None, norm_type, zc, eps, False)
+    def body(x, g, b):
+        out, _, mean, rsigma = _forward(cfg, x, g, b, None)
         return out, (mean if ln else rsigma), rsigma
 
-    def bwd_body(dy, x, mean, rsigma, g):
+    return shard_map(body, mesh, (xs, P(), P()), (xs, rs, rs))
+
+
+def _shard_bwd(cfg: _NormConfig, plan):
+    """(dy, x, mean, rsigma, gamma) -> (dx, dgamma, dbeta), the float32 sums over the shards."""
+    mesh, xs = plan
+    axes, rs = xs[0], P(*tuple(xs)[:-1])
+    ln = cfg.norm_type == "layernorm"
+
+    def body(dy, x, mean, rsigma, g):
         dx, dg, db = layernorm_bwd(
             dy,
             x,
             mean if ln else None,
             rsigma,
             g.astype(jnp.float32),
-            norm_type=norm_type,
-            zero_centered_gamma=zc,
+            norm_type=cfg.norm_type,
+            zero_centered_gamma=cfg.zero_centered_gamma,
         )
         db = db if db is not None else jnp.zeros_like(dg)
         return dx, jax.lax.psum(dg, axes), jax.lax.psum(db, axes)
 
-    fwd = shard_map(fwd_body, mesh, (xs, P(), P()), (xs, rs, rs))
-    bwd = shard_map(bwd_body, mesh, (xs, xs, rs, rs, P()), (xs, P(), P()))
+    return shard_map(body, mesh, (xs, xs, rs, rs, P()), (xs, P(), P()))
 
-    @jax.custom_vjp
-    def f(x, gamma, beta_arg):
-        return fwd(x, gamma, beta_arg)[0]
 
-    def f_fwd(x, gamma, beta_arg):
-        out, mean, rsigma = fwd(x, gamma, beta_arg)
-        return out, (x, gamma, mean, rsigma)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _layernorm_sharded(cfg: _NormConfig, plan, x, gamma, beta_arg):
+    return _shard_fwd(cfg, plan)(x, gamma, beta_arg)[0]
 
-    def f_bwd(res, ct):
-        x, gamma, mean, rsigma = res
-        dx, dg, db = bwd(ct.astype(x.dtype), x, mean, rsigma, gamma)
-        db = db.astype(gamma.dtype) if has_beta else jnp.zeros((0,), gamma.dtype)
-        return dx, dg.astype(gamma.dtype), db
 
-    f.defvjp(f_fwd, f_bwd)
-    return f(x, gamma, beta_arg)
+def _layernorm_sharded_fwd(cfg: _NormConfig, plan, x, gamma, beta_arg):
+    out, mean, rsigma = _shard_fwd(cfg, plan)(x, gamma, beta_arg)
+    return out, (x, gamma, mean, rsigma)
+
+
+def _layernorm_sharded_bwd(cfg: _NormConfig, plan, res, ct):
+    x, gamma, mean, rsigma = res
+    dx, dg, db = _shard_bwd(cfg, plan)(ct.astype(x.dtype), x, mean, rsigma, gamma)
+    return dx, *_gamma_beta_grads(cfg, gamma, dg, db)
+
+
+_layernorm_sharded.defvjp(_layernorm_sharded_fwd, _layernorm_sharded_bwd)
 
 
 __all__ = ["QuantizeSpec", "layernorm", "layernorm_bwd", "layernorm_fwd"]

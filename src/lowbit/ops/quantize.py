@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+import functools
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -264,10 +266,7 @@ def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype: Optional[DTypeL
         out = data.astype(out_dtype)
         return _from_colwise(out, qt.rows, qt.cols, qt.shape) if colwise else out
     r, c = (qt.cols, qt.rows) if colwise else (qt.rows, qt.cols)
-    return _dequantize_vjp(
-        data,
-        s_inv,
-        qt.global_scale_inv,
+    cfg = _DequantizeConfig(
         mode,
         np.dtype(qt.q_dtype),
         out_dtype,
@@ -279,6 +278,7 @@ def dequantize(qt: ScaledTensor, layout: str = "rowwise", dtype: Optional[DTypeL
         qt.shape,
         qt.flatten_axis,
     )
+    return _dequantize(cfg, data, s_inv, qt.global_scale_inv)
 
 
 register_dequantize(dequantize)  # ScaledTensor.dequantize() (lowbit.quantization sits below)
@@ -295,34 +295,52 @@ def _dequantize_ffi(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, ma
     return ffi.dequantize(d, s_inv, g, mode=mode, q=q, out_dtype=out_dtype, rht=rht, rht_sign_mask=mask)
 
 
-def _dequantize_vjp(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask, shape, axis):
-    # Decoding is linear in the data and, for tensor scaling, in scale_inv: those gradients are
-    # defined. Block scales (E8M0/E4M3 codes) get zero gradients.
-    def finish(out2d):
-        if colwise:
-            return _from_colwise(out2d, c, r, shape)
-        return out2d.reshape(shape)
+@dataclasses.dataclass(frozen=True)
+class _DequantizeConfig:
+    """The decode of one copy: its 2-D (rows, cols) as stored (the colwise copy: transposed), and
+    the tensor's shape and flatten_axis."""
 
-    @jax.custom_vjp
-    def f(data, s_inv, gsi):
-        return finish(_dequantize_ffi(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask))
+    mode: ScalingMode
+    q_dtype: Any
+    out_dtype: Any
+    rows: int
+    cols: int
+    colwise: bool
+    rht: bool
+    rht_sign_mask: int
+    shape: tuple
+    flatten_axis: int
 
-    def fwd(data, s_inv, gsi):
-        return f(data, s_inv, gsi), (data, s_inv, gsi)
 
-    def bwd(res, g):
-        data, s_inv, gsi = res
-        g2 = g.reshape(prod(shape[:axis]), prod(shape[axis:])).astype(jnp.float32)
-        g2 = g2.T if colwise else g2
-        if mode.is_tensor_scaling:
-            dec = data.reshape(r, c).astype(jnp.float32)
-            d_data = (g2 * s_inv[0]).astype(data.dtype).reshape(data.shape)
-            d_s = jnp.sum(g2 * dec).reshape(s_inv.shape).astype(s_inv.dtype)
-            return d_data, d_s, _zeros_or_none(gsi)
-        return _zeros_or_none(data), _zeros_or_none(s_inv), _zeros_or_none(gsi)
+# Decoding is linear in the data and, for tensor scaling, in scale_inv: those gradients are
+# defined. Block scales (E8M0/E4M3 codes) get zero gradients.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dequantize(cfg: _DequantizeConfig, data, s_inv, gsi):
+    r, c = cfg.rows, cfg.cols
+    out2d = _dequantize_ffi(
+        data, s_inv, gsi, cfg.mode, cfg.q_dtype, cfg.out_dtype, r, c, cfg.colwise, cfg.rht, cfg.rht_sign_mask
+    )
+    return _from_colwise(out2d, c, r, cfg.shape) if cfg.colwise else out2d.reshape(cfg.shape)
 
-    f.defvjp(fwd, bwd)
-    return f(data, s_inv, gsi)
+
+def _dequantize_fwd(cfg: _DequantizeConfig, data, s_inv, gsi):
+    return _dequantize(cfg, data, s_inv, gsi), (data, s_inv, gsi)
+
+
+def _dequantize_bwd(cfg: _DequantizeConfig, res, g):
+    data, s_inv, gsi = res
+    shape, axis = cfg.shape, cfg.flatten_axis
+    g2 = g.reshape(prod(shape[:axis]), prod(shape[axis:])).astype(jnp.float32)
+    g2 = g2.T if cfg.colwise else g2
+    if cfg.mode.is_tensor_scaling:
+        dec = data.reshape(cfg.rows, cfg.cols).astype(jnp.float32)
+        d_data = (g2 * s_inv[0]).astype(data.dtype).reshape(data.shape)
+        d_s = jnp.sum(g2 * dec).reshape(s_inv.shape).astype(s_inv.dtype)
+        return d_data, d_s, _zeros_or_none(gsi)
+    return _zeros_or_none(data), _zeros_or_none(s_inv), _zeros_or_none(gsi)
+
+
+_dequantize.defvjp(_dequantize_fwd, _dequantize_bwd)
 
 
 def _zeros_or_none(a):

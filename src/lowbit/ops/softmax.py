@@ -14,6 +14,8 @@ same top-left triangle (key ``j`` masked for query ``i`` when ``j > i``) through
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -95,7 +97,7 @@ def softmax(
     else:
         if mask is not None:
             raise ValueError(f"mask is only used with softmax_type='scaled_masked', not {softmax_type!r}")
-        mask4 = _native.EMPTY_U8
+        mask4 = None
         if softmax_type == "scaled_upper_triang_masked":
             if x.ndim < 2:
                 raise ValueError(f"x must end in (Sq, Sk) axes for the causal softmax, got shape {shape}")
@@ -109,23 +111,40 @@ def softmax(
                 softmax_type = "scaled_masked"
         else:
             shape4 = (1, 1, prod(shape[:-1]), Sk)
-    code = _TYPES[softmax_type]
-    rows = prod(shape[:-1])
+    return _softmax(_SoftmaxConfig(_TYPES[softmax_type], scale, shape4), x, mask4)
 
-    @jax.custom_vjp
-    def f(x):
-        return ffi.softmax_fwd(x.reshape(shape4), mask4, softmax_type=code, scale_factor=scale).reshape(shape)
 
-    def f_fwd(x):
-        y = f(x)
-        return y, y
+@dataclasses.dataclass(frozen=True)
+class _SoftmaxConfig:
+    softmax_type: int
+    scale_factor: float
+    shape4: tuple  # x viewed as (B, H, Sq, Sk)
 
-    def f_bwd(y, dy):
-        dx = ffi.softmax_bwd(dy.astype(y.dtype).reshape(rows, Sk), y.reshape(rows, Sk), scale_factor=scale)
-        return (dx.reshape(shape),)
 
-    f.defvjp(f_fwd, f_bwd)
-    return f(x)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _softmax(cfg: _SoftmaxConfig, x, mask4):
+    """``mask4``: uint8 (4-D, broadcast to x's view) for the masked type, else None."""
+    mask4 = _native.EMPTY_U8 if mask4 is None else mask4
+    y = ffi.softmax_fwd(
+        x.reshape(cfg.shape4), mask4, softmax_type=cfg.softmax_type, scale_factor=cfg.scale_factor
+    )
+    return y.reshape(x.shape)
+
+
+def _softmax_fwd(cfg: _SoftmaxConfig, x, mask4):
+    y = _softmax(cfg, x, mask4)
+    return y, y
+
+
+def _softmax_bwd(cfg: _SoftmaxConfig, y, dy):
+    rows, Sk = prod(y.shape[:-1]), y.shape[-1]
+    dx = ffi.softmax_bwd(
+        dy.astype(y.dtype).reshape(rows, Sk), y.reshape(rows, Sk), scale_factor=cfg.scale_factor
+    )
+    return dx.reshape(y.shape), None
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 __all__ = ["softmax"]
