@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "lowbit/abi.h"  // the codes and flag bits the handlers decode
 #include "lowbit/error.h"
 #include "lowbit/tensor.h"
 #include "xla/ffi/api/ffi.h"

@@ -18,11 +18,6 @@ using namespace lowbit::ffi_util;
 
 namespace {
 
-// Bits of the `flags` attribute (src/lowbit/ops/gemm.py mirrors them).
-constexpr int32_t kFastAccum = 1;
-// FP8 block scaling of each operand (GemmParams::a_block / b_block): bits 1-2 for a, 3-4 for b.
-constexpr int kABlockShift = 1, kBBlockShift = 3;
-
 // Checks an FP8 operand's decode scales: (1,) float32, or the block-scale array of its
 // (rows, k) copy.
 Status check_scales(const ffi::AnyBuffer& s, int block, int64_t rows, int64_t k, const char* name) {
@@ -62,8 +57,9 @@ ffi::Error Gemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, Buf a_scale_inv, Buf b_scale_i
   p.m = m;
   p.n = n;
   p.k = ka;
-  p.a_block = (flags >> kABlockShift) & 3;
-  p.b_block = (flags >> kBBlockShift) & 3;
+  // The `flags` attribute (lowbit/abi.h): each operand's FP8 block scaling is a 2-bit field.
+  p.a_block = (flags >> abi::kGemmABlockShift) & abi::kGemmBlockMask;
+  p.b_block = (flags >> abi::kGemmBBlockShift) & abi::kGemmBlockMask;
   if (is_fp8(p.a_dtype)) {
     if (auto st = check_scales(a_scale_inv, p.a_block, m, ka, "a_scale_inv"); !st.ok())
       return to_error(st);
@@ -79,7 +75,7 @@ ffi::Error Gemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, Buf a_scale_inv, Buf b_scale_i
     p.bias = bias.untyped_data();
   }
   p.out = out->untyped_data();
-  p.fast_accum = flags & kFastAccum;
+  p.fast_accum = flags & abi::kGemmFastAccum;
   p.workspace = ptr_or_null<void>(workspace);
   p.workspace_bytes = workspace->size_bytes();
   // Column blocks (one when not split): block i reads B's rows [i*w, (i+1)*w) and the bias's

@@ -12,16 +12,14 @@ using namespace lowbit::ffi_util;
 
 namespace {
 
-// Bits of the `flags` attribute (src/lowbit/ops/grouped_gemm.py mirrors them).
-// kBlockScaled: FP8 block scales (Float8BlockScaling); kBlockN128: B's blocks are 128x128.
-constexpr int32_t kAKMajor = 1, kBKMajor = 2, kFastAccum = 4, kBlockScaled = 8, kBlockN128 = 16;
-
+// Decodes the `flags` attribute (bits in lowbit/abi.h). kGroupedBlockScaled: FP8 block scales
+// (Float8BlockScaling); kGroupedBlockN128: B's blocks are 128x128.
 void set_flags(GroupedGemmParams* p, int32_t flags) {
-  p->a_kmajor = flags & kAKMajor;
-  p->b_kmajor = flags & kBKMajor;
-  p->fast_accum = flags & kFastAccum;
-  p->block_scaled = flags & kBlockScaled;
-  p->b_block_n = (flags & kBlockN128) ? 128 : 1;
+  p->a_kmajor = flags & abi::kGroupedAKmajor;
+  p->b_kmajor = flags & abi::kGroupedBKmajor;
+  p->fast_accum = flags & abi::kGroupedFastAccum;
+  p->block_scaled = flags & abi::kGroupedBlockScaled;
+  p->b_block_n = (flags & abi::kGroupedBlockN128) ? 128 : 1;
 }
 
 ffi::Error GroupedGemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, ffi::Buffer<ffi::S32> group_sizes,

@@ -12,9 +12,6 @@ using namespace lowbit::ffi_util;
 
 namespace {
 
-// Flag bits of the `flags` attribute (src/lowbit/quantize/scaling_modes.py mirrors them).
-constexpr int32_t kRowwise = 1, kColwise = 2, kDbias = 4, kStochastic = 8, kRht = 16, kPow2 = 32;
-
 // x1, x2: further parts of x along the columns ((0,) when x is whole): the quantized tensor is
 // the concatenation [x | x1 | x2], each part (R, C) with the same dtype.
 ffi::Error Quantize(LOWBIT_PLATFORM_CTX Buf x, Buf x1, Buf x2, Buf scale, Buf seed, Ret data,
@@ -42,14 +39,14 @@ ffi::Error Quantize(LOWBIT_PLATFORM_CTX Buf x, Buf x1, Buf x2, Buf scale, Buf se
   }
   p.mode = static_cast<ScalingMode>(mode);
   p.q_dtype = static_cast<DType>(q_dtype);
-  p.rowwise = flags & kRowwise;
-  p.colwise = flags & kColwise;
-  p.rht = flags & kRht;
-  p.rht_sign_mask = static_cast<uint32_t>(rht_sign_mask) & 0xFFFFu;
-  p.power_2_scale = flags & kPow2;
+  p.rowwise = flags & abi::kQuantizeRowwise;
+  p.colwise = flags & abi::kQuantizeColwise;
+  p.rht = flags & abi::kQuantizeRht;
+  p.rht_sign_mask = static_cast<uint32_t>(rht_sign_mask & abi::kRhtSignMaskBits);
+  p.power_2_scale = flags & abi::kQuantizePow2;
   p.amax_epsilon = amax_epsilon;
   p.scale = in_or_null<float>(scale);
-  p.sr_seed = (flags & kStochastic) && seed.element_count() >= 2
+  p.sr_seed = (flags & abi::kQuantizeStochastic) && seed.element_count() >= 2
                   ? static_cast<const uint32_t*>(seed.untyped_data())
                   : nullptr;
   p.data = ptr_or_null<void>(data);
@@ -58,7 +55,7 @@ ffi::Error Quantize(LOWBIT_PLATFORM_CTX Buf x, Buf x1, Buf x2, Buf scale, Buf se
   p.colwise_scale_inv = ptr_or_null<void>(cw_scale_inv);
   p.amax = ptr_or_null<float>(amax);
   p.global_scale_inv = ptr_or_null<float>(global_scale_inv);
-  p.dbias = (flags & kDbias) ? ptr_or_null<void>(dbias) : nullptr;
+  p.dbias = (flags & abi::kQuantizeDbias) ? ptr_or_null<void>(dbias) : nullptr;
   p.workspace = ptr_or_null<void>(workspace);
   if (auto err = to_error(validate(p)); err.failure()) return err;
   LOWBIT_CHECK_WORKSPACE(workspace, quantize_workspace_bytes(p), "quantize");
@@ -77,8 +74,8 @@ ffi::Error Dequantize(LOWBIT_PLATFORM_CTX Buf data, Buf scale_inv, Buf global_sc
   p.q_dtype = static_cast<DType>(q_dtype);
   p.scale_inv = scale_inv.untyped_data();
   p.global_scale_inv = in_or_null<float>(global_scale_inv);
-  p.rht = flags & kRht;
-  p.rht_sign_mask = static_cast<uint32_t>(rht_sign_mask) & 0xFFFFu;
+  p.rht = flags & abi::kQuantizeRht;
+  p.rht_sign_mask = static_cast<uint32_t>(rht_sign_mask & abi::kRhtSignMaskBits);
   p.out = out->untyped_data();
   p.data_elems = static_cast<int64_t>(data.element_count());
   p.scale_inv_elems = static_cast<int64_t>(scale_inv.element_count());
@@ -101,9 +98,9 @@ ffi::Error GroupedQuantize(LOWBIT_PLATFORM_CTX Buf x, ffi::Buffer<ffi::S32> grou
   p.num_groups = static_cast<int64_t>(group_sizes.element_count());
   p.mode = static_cast<ScalingMode>(mode);
   p.q_dtype = static_cast<DType>(q_dtype);
-  p.rowwise = flags & kRowwise;
-  p.colwise = flags & kColwise;
-  p.power_2_scale = flags & kPow2;
+  p.rowwise = flags & abi::kQuantizeRowwise;
+  p.colwise = flags & abi::kQuantizeColwise;
+  p.power_2_scale = flags & abi::kQuantizePow2;
   p.amax_epsilon = amax_epsilon;
   p.scale = in_or_null<float>(scale);
   p.data = ptr_or_null<void>(data);
@@ -183,11 +180,11 @@ LOWBIT_EXPORT int64_t lowbit_quantize_workspace_bytes(int64_t mode, int64_t q_dt
   p.x_dtype = static_cast<DType>(x_dtype);
   p.rows = rows;
   p.cols = cols;
-  p.rowwise = flags & kRowwise;
-  p.colwise = flags & kColwise;
-  p.rht = flags & kRht;
-  p.dbias = (flags & kDbias) ? reinterpret_cast<void*>(1) : nullptr;
-  p.sr_seed = (flags & kStochastic) ? reinterpret_cast<const uint32_t*>(4) : nullptr;
+  p.rowwise = flags & abi::kQuantizeRowwise;
+  p.colwise = flags & abi::kQuantizeColwise;
+  p.rht = flags & abi::kQuantizeRht;
+  p.dbias = (flags & abi::kQuantizeDbias) ? reinterpret_cast<void*>(1) : nullptr;
+  p.sr_seed = (flags & abi::kQuantizeStochastic) ? reinterpret_cast<const uint32_t*>(4) : nullptr;
   return static_cast<int64_t>(quantize_workspace_bytes(p));
 }
 
@@ -202,8 +199,8 @@ LOWBIT_EXPORT int64_t lowbit_grouped_quantize_workspace_bytes(int64_t mode, int6
   p.rows = rows;
   p.cols = cols;
   p.num_groups = num_groups;
-  p.rowwise = flags & kRowwise;
-  p.colwise = flags & kColwise;
+  p.rowwise = flags & abi::kQuantizeRowwise;
+  p.colwise = flags & abi::kQuantizeColwise;
   return static_cast<int64_t>(grouped_quantize_workspace_bytes(p));
 }
 #endif

@@ -30,13 +30,13 @@ namespace lowbit {
 
 // Values are part of the Python <-> C++ contract (src/lowbit/ops/activation.py).
 enum class ActKind : int32_t {
-  kLinear = 0,
-  kGeluTanh = 1,
-  kGeluExact = 2,
-  kRelu = 3,
-  kSilu = 4,
-  kQuickGelu = 5,
-  kSquaredRelu = 6,
+  kLinear = abi::kActLinear,
+  kGeluTanh = abi::kActGeluTanh,
+  kGeluExact = abi::kActGeluExact,
+  kRelu = abi::kActRelu,
+  kSilu = abi::kActSilu,
+  kQuickGelu = abi::kActQuickGelu,
+  kSquaredRelu = abi::kActSquaredRelu,
 };
 
 struct ActFwdParams {

@@ -35,8 +35,9 @@ struct GemmParams {
   // or the block-scale arrays when a_block / b_block is set.
   const float* a_scale_inv = nullptr;
   const float* b_scale_inv = nullptr;
-  // FP8 block scaling of each operand: 0 per-tensor, 1 = 1x128 blocks (cuBLASLt VEC128_32F),
-  // 2 = 128x128 tiles (BLK128x128_32F). Both set or neither; never both 2.
+  // FP8 block scaling of each operand (lowbit/abi.h): kGemmBlockNone per-tensor, kGemmBlock_1d
+  // = 1x128 blocks (cuBLASLt VEC128_32F), kGemmBlock_2d = 128x128 tiles (BLK128x128_32F). Both
+  // set or neither; never both 2D.
   int a_block = 0, b_block = 0;
 
   const void* bias = nullptr;  // optional (n,), BF16 or F32
@@ -53,9 +54,9 @@ struct GemmParams {
 
 inline bool is_fp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
 
-// The ScalingMode of a GEMM block flag (1 -> kBlock1d, 2 -> kBlock2d).
+// The ScalingMode of a GEMM operand's block field (lowbit/abi.h: kGemmBlock_1d or _2d).
 inline ScalingMode gemm_block_mode(int block) {
-  return block == 2 ? ScalingMode::kBlock2d : ScalingMode::kBlock1d;
+  return block == abi::kGemmBlock_2d ? ScalingMode::kBlock2d : ScalingMode::kBlock1d;
 }
 
 // Checks shared by both backends; the Python side checks the same things first with clearer
@@ -70,11 +71,12 @@ inline Status validate(const GemmParams& p) {
     return Status::Invalid("gemm: E5M2 x E5M2 is not supported (use E4M3 for one operand)");
   if (fp8 && (p.a_scale_inv == nullptr || p.b_scale_inv == nullptr))
     return Status::Invalid("gemm: FP8 operands need a_scale_inv and b_scale_inv");
-  if (p.a_block < 0 || p.a_block > 2 || p.b_block < 0 || p.b_block > 2)
+  constexpr int kNone = abi::kGemmBlockNone, k2d = abi::kGemmBlock_2d;
+  if (p.a_block < kNone || p.a_block > k2d || p.b_block < kNone || p.b_block > k2d)
     return Status::Invalid("gemm: block mode must be 0, 1 or 2");
-  if ((p.a_block == 0) != (p.b_block == 0))
+  if ((p.a_block == kNone) != (p.b_block == kNone))
     return Status::Invalid("gemm: both operands must be block-scaled, or neither");
-  if (p.a_block == 2 && p.b_block == 2)
+  if (p.a_block == k2d && p.b_block == k2d)
     return Status::Invalid("gemm: 128x128 x 128x128 block scaling is not supported");
   if (p.a_block && !fp8) return Status::Invalid("gemm: block scaling needs FP8 operands");
   if (p.out_dtype != DType::kBF16 && p.out_dtype != DType::kF32)

@@ -29,7 +29,10 @@
 
 namespace lowbit {
 
-enum class GroupedGemmMode : int32_t { kRaggedM = 0, kRaggedK = 1 };
+enum class GroupedGemmMode : int32_t {
+  kRaggedM = abi::kGroupedRaggedM,
+  kRaggedK = abi::kGroupedRaggedK
+};
 
 struct GroupedGemmParams {
   GroupedGemmMode mode = GroupedGemmMode::kRaggedM;

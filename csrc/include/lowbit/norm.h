@@ -33,7 +33,7 @@
 
 namespace lowbit {
 
-enum class NormType : int32_t { kLayerNorm = 0, kRmsNorm = 1 };
+enum class NormType : int32_t { kLayerNorm = abi::kNormLayernorm, kRmsNorm = abi::kNormRmsnorm };
 
 struct NormFwdParams {
   const void* x = nullptr;  // (rows, cols), f32/bf16/f16

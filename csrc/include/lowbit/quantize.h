@@ -11,11 +11,11 @@
 
 namespace lowbit {
 
-// Default sign mask of the 16-point random Hadamard transform.
-constexpr uint32_t kDefaultRhtSignMask = 0xA759u;
+// Default sign mask of the 16-point random Hadamard transform (lowbit/abi.h).
+constexpr uint32_t kDefaultRhtSignMask = static_cast<uint32_t>(abi::kDefaultRhtSignMask);
 
-// Most parts of QuantizeParams::x_parts.
-constexpr int kMaxQuantizeParts = 3;
+// Most parts of QuantizeParams::x_parts (lowbit/abi.h).
+constexpr int kMaxQuantizeParts = abi::kMaxQuantizeParts;
 
 struct QuantizeParams {
   // Input: row-major (rows, cols), float32/bfloat16/float16.

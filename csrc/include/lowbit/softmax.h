@@ -22,7 +22,11 @@
 namespace lowbit {
 
 // Values are part of the Python <-> C++ contract (src/lowbit/ops/softmax.py).
-enum class SoftmaxType : int32_t { kScaled = 0, kMasked = 1, kCausal = 2 };
+enum class SoftmaxType : int32_t {
+  kScaled = abi::kSoftmaxScaled,
+  kMasked = abi::kSoftmaxScaledMasked,
+  kCausal = abi::kSoftmaxScaledUpperTriangMasked,
+};
 
 struct SoftmaxFwdParams {
   const void* x = nullptr;

@@ -4,18 +4,20 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "lowbit/abi.h"
+
 namespace lowbit {
 
 // Element types kernels read or write. Values are part of the Python <-> C++ contract
-// (src/lowbit/quantize/scaling_modes.py mirrors them).
+// (lowbit/abi.h; src/lowbit/quantization/scaling_modes.py maps JAX dtypes to them).
 enum class DType : int32_t {
-  kF32 = 0,
-  kBF16 = 1,
-  kF16 = 2,
-  kE4M3 = 3,
-  kE5M2 = 4,
-  kE2M1 = 5,  // stored packed, two codes per byte
-  kE8M0 = 6,
+  kF32 = abi::kDtypeF32,
+  kBF16 = abi::kDtypeBf16,
+  kF16 = abi::kDtypeF16,
+  kE4M3 = abi::kDtypeE4m3,
+  kE5M2 = abi::kDtypeE5m2,
+  kE2M1 = abi::kDtypeE2m1,  // stored packed, two codes per byte
+  kE8M0 = abi::kDtypeE8m0,
 };
 
 // Bytes per element of an unpacked dtype. E2M1 is stored two codes per byte: 0 here, its
@@ -30,16 +32,16 @@ inline size_t dtype_bytes(DType t) {
   }
 }
 
-// Scaling modes; values mirror lowbit.ScalingMode.
+// Scaling modes (lowbit/abi.h; lowbit.ScalingMode has the same values).
 enum class ScalingMode : int32_t {
-  kNoScaling = 0,
-  kDelayedTensor = 1,
-  kCurrentTensor = 2,
-  kMxfp8_1d = 3,
-  kNvfp4_1d = 4,
-  kNvfp4_2d = 5,
-  kBlock1d = 6,  // FP8, float32 scale per 1x128 block (DeepSeek-style Float8BlockScaling)
-  kBlock2d = 7,  // FP8, float32 scale per 128x128 block
+  kNoScaling = abi::kModeNoScaling,
+  kDelayedTensor = abi::kModeDelayedTensorScaling,
+  kCurrentTensor = abi::kModeCurrentTensorScaling,
+  kMxfp8_1d = abi::kModeMxfp8_1dScaling,
+  kNvfp4_1d = abi::kModeNvfp4_1dScaling,
+  kNvfp4_2d = abi::kModeNvfp4_2dScaling,
+  kBlock1d = abi::kModeBlock_1dScaling,  // FP8, float32 scale per 1x128 block (DeepSeek-style)
+  kBlock2d = abi::kModeBlock_2dScaling,  // FP8, float32 scale per 128x128 block
 };
 
 inline bool is_tensor_scaling(ScalingMode m) {

@@ -4,8 +4,8 @@ imports nothing from ops (tests/test_structure.py checks both):
 
 * ``ops/_ffi/<family>.py``: one module per handler file ``csrc/ffi/<family>.cc`` (quantize,
   gemm, grouped_gemm, norm, activation, softmax). Thin functions: arrays and ints/flags in,
-  arrays out, one :func:`lowbit._native.ffi_call` each, with the family's codes and flag bits.
-  No checks, no ScaledTensor, no gradients.
+  arrays out, one :func:`lowbit._native.ffi_call` each, with the family's codes and flag bits
+  (their values from :mod:`lowbit.abi`). No checks, no ScaledTensor, no gradients.
 * ``ops/<op>.py``: the differentiable ops (quantize, gemm, dense, grouped_gemm, norm,
   activation, softmax) and their helpers (fused_quantize, nonfinite, dense_sharded): argument
   checks with errors naming the argument, ScaledTensor in and out, custom VJPs.

@@ -28,17 +28,7 @@ from lowbit.quantization.checks import (
     check_tensor_scale,
     validate,
 )
-from lowbit.quantization.scaling_modes import (
-    DEFAULT_RHT_SIGN_MASK,
-    FLAG_COLWISE,
-    FLAG_DBIAS,
-    FLAG_POW2,
-    FLAG_RHT,
-    FLAG_ROWWISE,
-    FLAG_STOCHASTIC,
-    INPUT_DTYPES,
-    ScalingMode,
-)
+from lowbit.quantization.scaling_modes import DEFAULT_RHT_SIGN_MASK, INPUT_DTYPES, ScalingMode
 from lowbit.quantization.tensor import ScaledTensor, fp4_pack, fp4_unpack, prod, register_dequantize
 
 
@@ -123,7 +113,7 @@ def parts_fusable(parts: Sequence, scaling_mode) -> bool:
     """Whether :func:`quantize_parts` reads ``parts`` in place (else it concatenates them first):
     tensor scaling, 2 or 3 arrays of one shape (..., C) and dtype, rows a multiple of 16 and C of
     64 (the CUDA cast kernel's tiles)."""
-    if not 2 <= len(parts) <= 3 or not ScalingMode(int(scaling_mode)).is_tensor_scaling:
+    if not 2 <= len(parts) <= ffi.MAX_PARTS or not ScalingMode(int(scaling_mode)).is_tensor_scaling:
         return False
     shapes = {tuple(p.shape) for p in parts}
     dtypes = {np.dtype(p.dtype) for p in parts}
@@ -182,7 +172,7 @@ def _quantize_impl(
     mode = check_scaling_mode(scaling_mode)
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
-    rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
+    rowwise, colwise = bool(flags & ffi.ROWWISE), bool(flags & ffi.COLWISE)
     n_parts = 1 + len(extra_parts)  # x and extra_parts: the columns of one tensor (quantize_parts)
     shape = tuple(x.shape[:-1]) + (x.shape[-1] * n_parts,) if extra_parts else tuple(x.shape)
     axis = check_flatten_axis(flatten_axis, x.ndim)
@@ -196,19 +186,19 @@ def _quantize_impl(
         if not mode.is_nvfp4:
             raise ValueError(f"rng_key (stochastic rounding) is only used with NVFP4 modes, not {mode.name}")
         seed = jax.random.bits(rng_key, (2,), jnp.uint32)
-        flags |= FLAG_STOCHASTIC
+        flags |= ffi.STOCHASTIC
     else:
         seed = _native.EMPTY_U32
     rht_sign_mask = as_int(rht_sign_mask, "rht_sign_mask")
     if rht:
         if mode != ScalingMode.NVFP4_1D_SCALING:
             raise ValueError(f"rht (random Hadamard transform) needs NVFP4_1D_SCALING, not {mode.name}")
-        flags |= FLAG_RHT
+        flags |= ffi.RHT
     if dbias:
-        flags |= FLAG_DBIAS
+        flags |= ffi.DBIAS
     eps = check_block_options(mode, power_2_scale, amax_epsilon)
     if power_2_scale:
-        flags |= FLAG_POW2
+        flags |= ffi.POW2
 
     packed = mode.is_nvfp4
     part = (rows, cols // n_parts)
@@ -220,7 +210,7 @@ def _quantize_impl(
         mode=mode,
         q=q,
         flags=flags,
-        rht_sign_mask=rht_sign_mask & 0xFFFF,
+        rht_sign_mask=rht_sign_mask & ffi.RHT_SIGN_MASK_BITS,
         amax_epsilon=eps,
     )
 
@@ -243,7 +233,7 @@ def _quantize_impl(
         shape=shape,
         flatten_axis=axis,
         rht=bool(rht),
-        rht_sign_mask=int(rht_sign_mask & 0xFFFF) if rht else 0,
+        rht_sign_mask=int(rht_sign_mask & ffi.RHT_SIGN_MASK_BITS) if rht else 0,
     )
     return qt, (db if dbias else None)
 
@@ -512,7 +502,7 @@ def grouped_quantize(
     eps = check_block_options(mode, power_2_scale, amax_epsilon)
     q = check_q_dtype(mode, q_dtype, x.dtype)
     flags = check_layout(layout)
-    rowwise, colwise = bool(flags & FLAG_ROWWISE), bool(flags & FLAG_COLWISE)
+    rowwise, colwise = bool(flags & ffi.ROWWISE), bool(flags & ffi.COLWISE)
     M, K = x.shape
     G = group_sizes.shape[0]
     if mode == ScalingMode.MXFP8_1D_SCALING:
@@ -538,7 +528,7 @@ def grouped_quantize(
         scale = _native.EMPTY_F32
 
     if mode == ScalingMode.BLOCK_1D_SCALING and power_2_scale:
-        flags |= FLAG_POW2
+        flags |= ffi.POW2
     data, s_inv, cw, cw_s, amax = ffi.grouped_quantize(
         x, group_sizes, scale, mode=mode, q=q, flags=flags, amax_epsilon=eps
     )

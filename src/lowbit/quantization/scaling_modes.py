@@ -1,4 +1,4 @@
-"""Scaling modes and the dtype codes shared with the C++ kernels (csrc/include/lowbit/tensor.h)."""
+"""Scaling modes and the dtype codes shared with the C++ kernels (their values: lowbit.abi)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,20 @@ import enum
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit import abi
+
 
 class ScalingMode(enum.IntEnum):
     """How a quantized tensor's scales are chosen and laid out (docs/numerics.md)."""
 
-    NO_SCALING = 0
-    DELAYED_TENSOR_SCALING = 1
-    CURRENT_TENSOR_SCALING = 2
-    MXFP8_1D_SCALING = 3
-    NVFP4_1D_SCALING = 4
-    NVFP4_2D_SCALING = 5
-    BLOCK_1D_SCALING = 6
-    BLOCK_2D_SCALING = 7
+    NO_SCALING = abi.MODE_NO_SCALING
+    DELAYED_TENSOR_SCALING = abi.MODE_DELAYED_TENSOR_SCALING
+    CURRENT_TENSOR_SCALING = abi.MODE_CURRENT_TENSOR_SCALING
+    MXFP8_1D_SCALING = abi.MODE_MXFP8_1D_SCALING
+    NVFP4_1D_SCALING = abi.MODE_NVFP4_1D_SCALING
+    NVFP4_2D_SCALING = abi.MODE_NVFP4_2D_SCALING
+    BLOCK_1D_SCALING = abi.MODE_BLOCK_1D_SCALING
+    BLOCK_2D_SCALING = abi.MODE_BLOCK_2D_SCALING
 
     @property
     def is_tensor_scaling(self) -> bool:
@@ -72,15 +74,14 @@ def fp8_block_scale_shape(mode: ScalingMode, rows: int, cols: int) -> tuple:
     return (-(-rows // 128), -(-nc // 4) * 4)
 
 
-# DType codes of csrc/include/lowbit/tensor.h.
 _DTYPE_CODES = {
-    np.dtype(jnp.float32): 0,
-    np.dtype(jnp.bfloat16): 1,
-    np.dtype(jnp.float16): 2,
-    np.dtype(jnp.float8_e4m3fn): 3,
-    np.dtype(jnp.float8_e5m2): 4,
-    np.dtype(jnp.float4_e2m1fn): 5,
-    np.dtype(jnp.float8_e8m0fnu): 6,
+    np.dtype(jnp.float32): abi.DTYPE_F32,
+    np.dtype(jnp.bfloat16): abi.DTYPE_BF16,
+    np.dtype(jnp.float16): abi.DTYPE_F16,
+    np.dtype(jnp.float8_e4m3fn): abi.DTYPE_E4M3,
+    np.dtype(jnp.float8_e5m2): abi.DTYPE_E5M2,
+    np.dtype(jnp.float4_e2m1fn): abi.DTYPE_E2M1,
+    np.dtype(jnp.float8_e8m0fnu): abi.DTYPE_E8M0,
 }
 
 INPUT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -91,8 +92,10 @@ def dtype_code(dtype) -> int:
     return _DTYPE_CODES[np.dtype(dtype)]
 
 
-# Flag bits of the FFI `flags` attribute (csrc/ffi/quantize.cc).
-FLAG_ROWWISE, FLAG_COLWISE, FLAG_DBIAS, FLAG_STOCHASTIC, FLAG_RHT, FLAG_POW2 = 1, 2, 4, 8, 16, 32
-#: The copies a ``layout`` argument asks for, as those flag bits.
-LAYOUT_FLAGS = {"rowwise": FLAG_ROWWISE, "colwise": FLAG_COLWISE, "both": FLAG_ROWWISE | FLAG_COLWISE}
-DEFAULT_RHT_SIGN_MASK = 0xA759
+#: The copies a ``layout`` argument asks for, as the quantize family's flag bits.
+LAYOUT_FLAGS = {
+    "rowwise": abi.QUANTIZE_ROWWISE,
+    "colwise": abi.QUANTIZE_COLWISE,
+    "both": abi.QUANTIZE_ROWWISE | abi.QUANTIZE_COLWISE,
+}
+DEFAULT_RHT_SIGN_MASK = abi.DEFAULT_RHT_SIGN_MASK

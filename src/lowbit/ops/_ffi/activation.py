@@ -7,12 +7,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from lowbit import _native
+from lowbit import _native, abi
 from lowbit._native import NO_RESULT_U8
 from lowbit.ops._ffi.quantize import fused_attrs, fused_results
 
-# ActKind codes.
-LINEAR, GELU_TANH, GELU_EXACT, RELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3, 4, 5, 6
+# The `act` attribute.
+LINEAR, GELU_TANH, GELU_EXACT, RELU = abi.ACT_LINEAR, abi.ACT_GELU_TANH, abi.ACT_GELU_EXACT, abi.ACT_RELU
+SILU, QUICK_GELU, SQUARED_RELU = abi.ACT_SILU, abi.ACT_QUICK_GELU, abi.ACT_SQUARED_RELU
 
 
 def act_fwd(x, scale, *, act: int, gated: bool, want_y: bool, mode, q, flags):

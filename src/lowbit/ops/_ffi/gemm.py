@@ -5,13 +5,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from lowbit import _native
+from lowbit import _native, abi
 from lowbit._native import EMPTY_F32
 
-# Bits of the `flags` attribute (csrc/ffi/gemm.cc).
-FLAG_FAST_ACCUM = 1
-A_BLOCK_SHIFT, B_BLOCK_SHIFT = 1, 3  # GemmParams::a_block / b_block in the flags
-BLOCK_1D, BLOCK_2D = 1, 2  # an operand's FP8 block scaling: 1x128 blocks, 128x128 tiles
+# Bits of the `flags` attribute: fast accumulation, and each operand's FP8 block scaling (none,
+# 1x128 blocks, 128x128 tiles) as a field at its shift.
+FAST_ACCUM, A_BLOCK_SHIFT, B_BLOCK_SHIFT = abi.GEMM_FAST_ACCUM, abi.GEMM_A_BLOCK_SHIFT, abi.GEMM_B_BLOCK_SHIFT
+BLOCK_1D, BLOCK_2D = abi.GEMM_BLOCK_1D, abi.GEMM_BLOCK_2D
 
 
 def gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, *, fast_accum: bool, blocks=(0, 0), parts: int = 1):
@@ -19,9 +19,7 @@ def gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, *, fast_accum: bool, b
     ``parts`` column blocks (M, N / parts), each computed in place. Scales and bias may be None.
     ``blocks``: the operands' FP8 block scaling (0 per-tensor, BLOCK_1D or BLOCK_2D)."""
     M, N = a.shape[0], b.shape[0]
-    flags = (
-        (FLAG_FAST_ACCUM if fast_accum else 0) | (blocks[0] << A_BLOCK_SHIFT) | (blocks[1] << B_BLOCK_SHIFT)
-    )
+    flags = (FAST_ACCUM if fast_accum else 0) | (blocks[0] << A_BLOCK_SHIFT) | (blocks[1] << B_BLOCK_SHIFT)
     out = jax.ShapeDtypeStruct((M, N // parts), out_dtype)
     return _native.ffi_call(
         "gemm",

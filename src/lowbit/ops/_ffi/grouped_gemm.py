@@ -8,12 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit import _native
+from lowbit import _native, abi
 from lowbit.quantization.scaling_modes import dtype_code
 
-RAGGED_M, RAGGED_K = 0, 1  # GroupedGemmMode
-# Bits of the `flags` attribute.
-FLAG_A_KMAJOR, FLAG_B_KMAJOR, FLAG_FAST_ACCUM, FLAG_BLOCK_SCALED, FLAG_BLOCK_N128 = 1, 2, 4, 8, 16
+RAGGED_M, RAGGED_K = abi.GROUPED_RAGGED_M, abi.GROUPED_RAGGED_K  # the `mode` attribute
 
 
 def grouped_gemm(
@@ -40,11 +38,11 @@ def grouped_gemm(
     scales (or none: BF16); 1 / 128 = FP8 block scales, B's blocks 1x128 / 128x128."""
     G = group_sizes.shape[0]
     flags = (
-        (FLAG_A_KMAJOR if a_kmajor else 0)
-        | (FLAG_B_KMAJOR if b_kmajor else 0)
-        | (FLAG_FAST_ACCUM if fast_accum else 0)
-        | (FLAG_BLOCK_SCALED if b_block_n else 0)
-        | (FLAG_BLOCK_N128 if b_block_n == 128 else 0)
+        (abi.GROUPED_A_KMAJOR if a_kmajor else 0)
+        | (abi.GROUPED_B_KMAJOR if b_kmajor else 0)
+        | (abi.GROUPED_FAST_ACCUM if fast_accum else 0)
+        | (abi.GROUPED_BLOCK_SCALED if b_block_n else 0)
+        | (abi.GROUPED_BLOCK_N128 if b_block_n == 128 else 0)
     )
     out_shape = (m, n) if mode == RAGGED_M else (G, m, n)
     return _native.ffi_call(

@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit import _native
+from lowbit import _native, abi
 from lowbit._native import EMPTY_F32, NO_RESULT_F32, NO_RESULT_U8
 from lowbit.ops._ffi.quantize import fused_attrs, fused_results
 
-LAYERNORM, RMSNORM = 0, 1  # NormType
+LAYERNORM, RMSNORM = abi.NORM_LAYERNORM, abi.NORM_RMSNORM  # the `norm_type` attribute
 
 
 def norm_fwd(

@@ -9,17 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit import _native
+from lowbit import _native, abi
 from lowbit._native import NO_RESULT_F32, NO_RESULT_U8
-from lowbit.quantization.scaling_modes import (
-    FLAG_COLWISE,
-    FLAG_DBIAS,
-    FLAG_RHT,
-    FLAG_ROWWISE,
-    ScalingMode,
-    dtype_code,
-    fp8_block_scale_shape,
-)
+from lowbit.quantization.scaling_modes import ScalingMode, dtype_code, fp8_block_scale_shape
+
+# Bits of the `flags` attribute.
+ROWWISE, COLWISE, DBIAS = abi.QUANTIZE_ROWWISE, abi.QUANTIZE_COLWISE, abi.QUANTIZE_DBIAS
+STOCHASTIC, RHT, POW2 = abi.QUANTIZE_STOCHASTIC, abi.QUANTIZE_RHT, abi.QUANTIZE_POW2
+RHT_SIGN_MASK_BITS = abi.RHT_SIGN_MASK_BITS  # the `rht_sign_mask` attribute's 16 signs
+MAX_PARTS = abi.MAX_QUANTIZE_PARTS  # x and at most two further column parts
 
 _F32, _U8 = jnp.float32, jnp.uint8
 
@@ -51,8 +49,8 @@ def quantize(
     where ``flags`` did not ask for it."""
     n_parts = 1 + len(extra_parts)
     rows, cols = x.shape[0], x.shape[1] * n_parts
-    row_d, row_s = _copy_types(mode, q, x.dtype, rows, cols, bool(flags & FLAG_ROWWISE))
-    col_d, col_s = _copy_types(mode, q, x.dtype, cols, rows, bool(flags & FLAG_COLWISE))
+    row_d, row_s = _copy_types(mode, q, x.dtype, rows, cols, bool(flags & ROWWISE))
+    col_d, col_s = _copy_types(mode, q, x.dtype, cols, rows, bool(flags & COLWISE))
     out_types = (
         row_d,
         row_s,
@@ -60,9 +58,12 @@ def quantize(
         col_s,
         jax.ShapeDtypeStruct((1,), _F32),
         jax.ShapeDtypeStruct((2,) if mode.is_nvfp4 else (0,), _F32),
-        jax.ShapeDtypeStruct((cols,) if flags & FLAG_DBIAS else (0,), x.dtype),
+        jax.ShapeDtypeStruct((cols,) if flags & DBIAS else (0,), x.dtype),
     )
-    parts = tuple(extra_parts[i] if i < len(extra_parts) else _native.EMPTY_F32 for i in range(2))
+    parts = tuple(
+        extra_parts[i] if i < len(extra_parts) else _native.EMPTY_F32
+        for i in range(MAX_PARTS - 1)
+    )
     return _native.ffi_call(
         "quantize",
         out_types,
@@ -93,7 +94,7 @@ def dequantize(
         global_scale_inv,
         mode=np.int32(int(mode)),
         q_dtype=np.int32(dtype_code(q)),
-        flags=np.int32(FLAG_RHT if rht else 0),
+        flags=np.int32(RHT if rht else 0),
         rht_sign_mask=np.int32(rht_sign_mask),
     )
 
@@ -112,7 +113,7 @@ def grouped_quantize(x, group_sizes, scale, *, mode: ScalingMode, q, flags: int,
         col_s = jax.ShapeDtypeStruct((M // 128 + G, K), _F32)
     else:
         row_s = jax.ShapeDtypeStruct((G,), _F32)
-    rowwise, colwise = flags & FLAG_ROWWISE, flags & FLAG_COLWISE
+    rowwise, colwise = flags & ROWWISE, flags & COLWISE
     out_types = (
         jax.ShapeDtypeStruct((M, K), q) if rowwise else empty,
         row_s if rowwise else jax.ShapeDtypeStruct((0,), _F32),
@@ -141,9 +142,9 @@ def fused_results(q, flags: int, rows: int, cols: int) -> tuple:
         return (NO_RESULT_U8, NO_RESULT_F32, NO_RESULT_U8, NO_RESULT_F32, NO_RESULT_F32)
     one = jax.ShapeDtypeStruct((1,), _F32)
     return (
-        jax.ShapeDtypeStruct((rows, cols), q) if flags & FLAG_ROWWISE else NO_RESULT_U8,
+        jax.ShapeDtypeStruct((rows, cols), q) if flags & ROWWISE else NO_RESULT_U8,
         one,
-        jax.ShapeDtypeStruct((cols, rows), q) if flags & FLAG_COLWISE else NO_RESULT_U8,
+        jax.ShapeDtypeStruct((cols, rows), q) if flags & COLWISE else NO_RESULT_U8,
         one,
         one,
     )

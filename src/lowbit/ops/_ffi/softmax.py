@@ -6,9 +6,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from lowbit import _native
+from lowbit import _native, abi
 
-SCALED, SCALED_MASKED, SCALED_UPPER_TRIANG_MASKED = 0, 1, 2  # SoftmaxType
+# The `softmax_type` attribute.
+SCALED, SCALED_MASKED = abi.SOFTMAX_SCALED, abi.SOFTMAX_SCALED_MASKED
+SCALED_UPPER_TRIANG_MASKED = abi.SOFTMAX_SCALED_UPPER_TRIANG_MASKED
 
 
 def softmax_fwd(x, mask, *, softmax_type: int, scale_factor: float):
