@@ -198,6 +198,10 @@ def test_ops_layers_import_downward():
         if not m.startswith("lowbit.ops.fused")
     }
     assert not above, f"the ops must not import the fused compositions above them: {above}"
+    native = {m for m in _importers(("lowbit._native",), "lowbit.ops") if not m.startswith("lowbit.ops._ffi")}
+    assert not native, (
+        f"only lowbit.ops._ffi makes FFI calls (imports lowbit._native) in lowbit.ops: {native}"
+    )
 
 
 def _te_importers() -> dict[str, set[str]]:

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit._native import EMPTY_F32
 from lowbit.ops.quantize import quantize, quantize_dbias
 from lowbit.quantization.checks import check_layout, check_q_dtype, check_scaling_mode, check_tensor_scale
 from lowbit.quantization.scaling_modes import LAYOUT_FLAGS, ScalingMode
@@ -68,12 +67,11 @@ def is_fused(spec: Optional[QuantizeSpec]) -> bool:
 
 def kernel_quant(spec: Optional[QuantizeSpec]) -> dict:
     """What a fused kernel's FFI call (lowbit.ops._ffi.norm / activation) writes: the encode
-    ``scale`` operand, ``mode``, ``q`` (the FP8 dtype; None when not fused) and the layout
-    ``flags``."""
+    ``scale`` (None for current scaling), ``mode``, ``q`` (the FP8 dtype; None when not fused)
+    and the layout ``flags``."""
     if not is_fused(spec):
-        return dict(scale=EMPTY_F32, mode=ScalingMode.NO_SCALING, q=None, flags=0)
-    scale = spec.scale if spec.scale is not None else EMPTY_F32
-    return dict(scale=scale, mode=spec.scaling_mode, q=spec.q_dtype, flags=LAYOUT_FLAGS[spec.layout])
+        return dict(scale=None, mode=ScalingMode.NO_SCALING, q=None, flags=0)
+    return dict(scale=spec.scale, mode=spec.scaling_mode, q=spec.q_dtype, flags=LAYOUT_FLAGS[spec.layout])
 
 
 def quantize_output(spec: QuantizeSpec, y: jax.Array, dbias: bool = False):

@@ -32,7 +32,6 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import delayed_scaling as ds
-from lowbit._native import EMPTY_F32
 from lowbit.ops._ffi import grouped_gemm as ffi
 from lowbit.ops.gemm import pad_to
 from lowbit.ops.nonfinite import poison_nonfinite
@@ -54,8 +53,8 @@ def _bf16_fwd(lhs, rhs, gs):
         lhs,
         rhs,
         gs,
-        EMPTY_F32,
-        EMPTY_F32,
+        None,
+        None,
         m=M,
         n=N,
         k=K,
@@ -69,7 +68,7 @@ def _bf16_fwd(lhs, rhs, gs):
 
 def _bf16_dlhs(dout, rhs, gs):
     # The same K-major layout as the FP8 dgrad, rhs viewed as (G*K, N), no scales.
-    return ragged_dgrad(dout, EMPTY_F32, rhs.reshape(-1, rhs.shape[-1]), EMPTY_F32, gs)
+    return ragged_dgrad(dout, None, rhs.reshape(-1, rhs.shape[-1]), None, gs)
 
 
 def _bf16_drhs(lhs, dout, gs):
@@ -80,8 +79,8 @@ def _bf16_drhs(lhs, dout, gs):
         lhs,
         dout,
         gs,
-        EMPTY_F32,
-        EMPTY_F32,
+        None,
+        None,
         m=K,
         n=N,
         k=M,

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from lowbit import _native
 from lowbit.ops._ffi import quantize as ffi
 from lowbit.quantization.checks import (
     as_array,
@@ -179,8 +178,6 @@ def _quantize_impl(
     check_block_multiple(mode, shape, axis, rowwise, colwise)
     rows, cols = prod(shape[:axis]), prod(shape[axis:])
     scale = check_tensor_scale(mode, scale)
-    if scale is None:
-        scale = _native.EMPTY_F32
 
     if rng_key is not None:
         if not mode.is_nvfp4:
@@ -188,7 +185,7 @@ def _quantize_impl(
         seed = jax.random.bits(rng_key, (2,), jnp.uint32)
         flags |= ffi.STOCHASTIC
     else:
-        seed = _native.EMPTY_U32
+        seed = None
     rht_sign_mask = as_int(rht_sign_mask, "rht_sign_mask")
     if rht:
         if mode != ScalingMode.NVFP4_1D_SCALING:
@@ -281,7 +278,7 @@ def _from_colwise(colwise, rows: int, cols: int, shape):
 
 def _dequantize_ffi(data, s_inv, gsi, mode, q, out_dtype, r, c, colwise, rht, mask):
     d = fp4_pack(data, r, c) if mode.is_nvfp4 else data.reshape(r, c)
-    g = gsi[1:2] if (mode.is_nvfp4 and colwise) else (gsi[0:1] if mode.is_nvfp4 else _native.EMPTY_F32)
+    g = gsi[1:2] if (mode.is_nvfp4 and colwise) else (gsi[0:1] if mode.is_nvfp4 else None)
     return ffi.dequantize(d, s_inv, g, mode=mode, q=q, out_dtype=out_dtype, rht=rht, rht_sign_mask=mask)
 
 
@@ -524,8 +521,6 @@ def grouped_quantize(
         scale = check_scale_value(scale, "scale")
     elif scale is not None:
         raise ValueError(f"scale is only used with DELAYED_TENSOR_SCALING, not {mode.name}")
-    else:
-        scale = _native.EMPTY_F32
 
     if mode == ScalingMode.BLOCK_1D_SCALING and power_2_scale:
         flags |= ffi.POW2

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from lowbit import _native
 from lowbit.ops._ffi import softmax as ffi
 from lowbit.quantization.checks import as_array, check_input
 from lowbit.quantization.tensor import prod
@@ -124,7 +123,6 @@ class _SoftmaxConfig:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _softmax(cfg: _SoftmaxConfig, x, mask4):
     """``mask4``: uint8 (4-D, broadcast to x's view) for the masked type, else None."""
-    mask4 = _native.EMPTY_U8 if mask4 is None else mask4
     y = ffi.softmax_fwd(
         x.reshape(cfg.shape4), mask4, softmax_type=cfg.softmax_type, scale_factor=cfg.scale_factor
     )

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from lowbit import _native, abi
-from lowbit._native import NO_RESULT_U8
+from lowbit._native import EMPTY_F32, NO_RESULT_U8
 from lowbit.ops._ffi.quantize import fused_attrs, fused_results
 
 # The `act` attribute.
@@ -18,8 +18,9 @@ SILU, QUICK_GELU, SQUARED_RELU = abi.ACT_SILU, abi.ACT_QUICK_GELU, abi.ACT_SQUAR
 
 def act_fwd(x, scale, *, act: int, gated: bool, want_y: bool, mode, q, flags):
     """x (R, W) with W = 2H gated, else H. ``q`` None or the FP8 dtype the kernel writes
-    (``mode``, layout ``flags``, encode ``scale``). Returns ``(y, data, scale_inv, colwise data,
-    colwise scale_inv, amax)`` of the (R, H) output; y (0,) unless ``want_y``."""
+    (``mode``, layout ``flags``, encode ``scale`` (1,) or None). Returns ``(y, data,
+    scale_inv, colwise data, colwise scale_inv, amax)`` of the (R, H) output; y (0,) unless
+    ``want_y``."""
     R, W = x.shape
     H = W // 2 if gated else W
     out_types = (
@@ -27,7 +28,13 @@ def act_fwd(x, scale, *, act: int, gated: bool, want_y: bool, mode, q, flags):
         *fused_results(q, flags, R, H),
     )
     return _native.ffi_call(
-        "act_fwd", out_types, x, scale, act=np.int32(act), gated=np.int32(bool(gated)), **fused_attrs(mode, q)
+        "act_fwd",
+        out_types,
+        x,
+        EMPTY_F32 if scale is None else scale,
+        act=np.int32(act),
+        gated=np.int32(bool(gated)),
+        **fused_attrs(mode, q),
     )
 
 
@@ -46,7 +53,7 @@ def act_bwd(dy, x, scale, *, act: int, gated: bool, want_dbias: bool, mode, q, f
         out_types,
         dy,
         x,
-        scale,
+        EMPTY_F32 if scale is None else scale,
         workspace=(R, H, int(gated), int(want_dbias)),
         act=np.int32(act),
         gated=np.int32(bool(gated)),

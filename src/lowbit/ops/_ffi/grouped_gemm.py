@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit import _native, abi
+from lowbit._native import EMPTY_F32
 from lowbit.quantization.scaling_modes import dtype_code
 
 RAGGED_M, RAGGED_K = abi.GROUPED_RAGGED_M, abi.GROUPED_RAGGED_K  # the `mode` attribute
@@ -35,7 +36,7 @@ def grouped_gemm(
 ):
     """One grouped GEMM, BF16 output: (m, n) for RAGGED_M, (G, m, n) for RAGGED_K. ``lda`` /
     ``ldb``: row strides, ``bgs``: B's group stride (elements). ``b_block_n``: 0 = per-group
-    scales (or none: BF16); 1 / 128 = FP8 block scales, B's blocks 1x128 / 128x128."""
+    scales (None for BF16); 1 / 128 = FP8 block scales, B's blocks 1x128 / 128x128."""
     G = group_sizes.shape[0]
     flags = (
         (abi.GROUPED_A_KMAJOR if a_kmajor else 0)
@@ -51,8 +52,8 @@ def grouped_gemm(
         a,
         b,
         group_sizes,
-        a_scale_inv,
-        b_scale_inv,
+        EMPTY_F32 if a_scale_inv is None else a_scale_inv,
+        EMPTY_F32 if b_scale_inv is None else b_scale_inv,
         workspace=(mode, dtype_code(a.dtype), dtype_code(b.dtype), flags, m, n, k, G),
         mode=np.int32(mode),
         m=np.int64(m),

@@ -18,7 +18,7 @@ def norm_fwd(
     x, gamma, beta, scale, *, norm_type: int, zero_centered: bool, epsilon, want_y: bool, mode, q, flags
 ):
     """x (R, C), gamma (C,), beta (C,) or None; ``q`` None or the FP8 dtype the kernel writes
-    (``mode``, layout ``flags``, encode ``scale`` (1,) or (0,)). Returns ``(y, data, scale_inv,
+    (``mode``, layout ``flags``, encode ``scale`` (1,) or None). Returns ``(y, data, scale_inv,
     colwise data, colwise scale_inv, amax, mean, rsigma)``: y (0,) unless ``want_y``, mean (0,)
     for RMSNorm."""
     R, C = x.shape
@@ -35,7 +35,7 @@ def norm_fwd(
         x,
         gamma.astype(jnp.float32),
         EMPTY_F32 if beta is None else beta.astype(jnp.float32),
-        scale,
+        EMPTY_F32 if scale is None else scale,
         norm_type=np.int32(norm_type),
         zero_centered_gamma=np.int32(bool(zero_centered)),
         epsilon=np.float32(epsilon),

@@ -43,8 +43,8 @@ def quantize(
     x, extra_parts, scale, seed, *, mode: ScalingMode, q, flags: int, rht_sign_mask: int, amax_epsilon
 ):
     """One quantize call on ``x`` (R, C) and its further column parts ``extra_parts`` (at most
-    two arrays like x: the tensor is their concatenation). ``scale`` and ``seed`` are (0,) when
-    unused. Returns ``(data, scale_inv, colwise_data, colwise_scale_inv, amax,
+    two arrays like x: the tensor is their concatenation). ``scale`` (encode scale) and ``seed``
+    (stochastic rounding) may be None. Returns ``(data, scale_inv, colwise_data, colwise_scale_inv, amax,
     global_scale_inv, dbias)`` as the kernel writes them (2-D; NVFP4 data packed), each (0,)
     where ``flags`` did not ask for it."""
     n_parts = 1 + len(extra_parts)
@@ -60,17 +60,14 @@ def quantize(
         jax.ShapeDtypeStruct((2,) if mode.is_nvfp4 else (0,), _F32),
         jax.ShapeDtypeStruct((cols,) if flags & DBIAS else (0,), x.dtype),
     )
-    parts = tuple(
-        extra_parts[i] if i < len(extra_parts) else _native.EMPTY_F32
-        for i in range(MAX_PARTS - 1)
-    )
+    parts = tuple(extra_parts[i] if i < len(extra_parts) else _native.EMPTY_F32 for i in range(MAX_PARTS - 1))
     return _native.ffi_call(
         "quantize",
         out_types,
         x,
         *parts,
-        scale,
-        seed,
+        _native.EMPTY_F32 if scale is None else scale,
+        _native.EMPTY_U32 if seed is None else seed,
         workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), rows, cols),
         mode=np.int32(int(mode)),
         q_dtype=np.int32(dtype_code(q)),
@@ -84,14 +81,14 @@ def dequantize(
     data, scale_inv, global_scale_inv, *, mode: ScalingMode, q, out_dtype, rht: bool, rht_sign_mask: int
 ):
     """Decodes ``data`` (2-D, NVFP4 packed) with its scales to ``out_dtype`` (rows, cols of the
-    unpacked data); ``global_scale_inv`` is NVFP4's (1,) tensor decode scale, else (0,)."""
+    unpacked data); ``global_scale_inv`` is NVFP4's (1,) tensor decode scale, else None."""
     r, c = data.shape[0], data.shape[1] * (2 if mode.is_nvfp4 else 1)
     return _native.ffi_call(
         "dequantize",
         jax.ShapeDtypeStruct((r, c), out_dtype),
         data,
         scale_inv,
-        global_scale_inv,
+        _native.EMPTY_F32 if global_scale_inv is None else global_scale_inv,
         mode=np.int32(int(mode)),
         q_dtype=np.int32(dtype_code(q)),
         flags=np.int32(RHT if rht else 0),
@@ -101,7 +98,7 @@ def dequantize(
 
 def grouped_quantize(x, group_sizes, scale, *, mode: ScalingMode, q, flags: int, amax_epsilon):
     """One grouped quantize call on ``x`` (M, K) with ``group_sizes`` int32 (G,); ``scale`` (G,)
-    or (0,). Returns ``(data, scale_inv, colwise_data, colwise_scale_inv, amax)``, the copies
+    or None. Returns ``(data, scale_inv, colwise_data, colwise_scale_inv, amax)``, the copies
     (0,) where ``flags`` did not ask for them; scale layouts as lowbit.grouped_quantize says."""
     (M, K), G = x.shape, group_sizes.shape[0]
     empty = jax.ShapeDtypeStruct((0,), _U8)
@@ -126,7 +123,7 @@ def grouped_quantize(x, group_sizes, scale, *, mode: ScalingMode, q, flags: int,
         out_types,
         x,
         group_sizes,
-        scale,
+        _native.EMPTY_F32 if scale is None else scale,
         workspace=(int(mode), dtype_code(q), flags, dtype_code(x.dtype), M, K, G),
         mode=np.int32(int(mode)),
         q_dtype=np.int32(dtype_code(q)),

@@ -14,12 +14,12 @@ SCALED_UPPER_TRIANG_MASKED = abi.SOFTMAX_SCALED_UPPER_TRIANG_MASKED
 
 
 def softmax_fwd(x, mask, *, softmax_type: int, scale_factor: float):
-    """x (B, H, Sq, Sk); mask uint8 4-D broadcastable to x (nonzero = masked out) or (0,)."""
+    """x (B, H, Sq, Sk); mask uint8 4-D broadcastable to x (nonzero = masked out) or None."""
     return _native.ffi_call(
         "softmax_fwd",
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         x,
-        mask,
+        _native.EMPTY_U8 if mask is None else mask,
         softmax_type=np.int32(softmax_type),
         scale_factor=np.float32(scale_factor),
     )
