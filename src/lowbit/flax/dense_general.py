@@ -173,13 +173,8 @@ class LayerNormDenseGeneral(nn.Module):
     low_rank_adaptation_dim: int = 32
     low_rank_adaptation_alpha: Optional[float] = None
     dtype: Any = jnp.float32
-    #: lowbit: how tensor parallelism splits the kernel ("column": its features, the default
-    #: for None; "row": its contracted axes, as the second GEMM of a column/row pair).
-    tp_layout: Optional[str] = None
-    #: lowbit: with two feature axes (n, F) over one contracted axis and no LoRA, return the n
-    #: slots ``out[..., i, :]`` as a tuple (the fused QKV projection: no slicing copies, and the
-    #: gradients need no concatenation).
-    split_features: bool = False
+    tp_layout: Optional[str] = None  # lowbit's, as DenseGeneral's
+    split_features: bool = False  # lowbit's, as DenseGeneral's
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
