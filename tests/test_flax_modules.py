@@ -493,6 +493,83 @@ def test_transformer_layer_fused_qkv():
     assert v["params"]["attention"]["qkv"]["kernel"].shape == (64, 3, 64)
 
 
+# ---- NVFP4's stochastic rounding key reaches the fused QKV projection (issue 23) ---------------
+NVFP4_SR = lowbit.NVFP4BlockScaling()  # stochastic rounding on: its default
+assert not NVFP4_SR.disable_stochastic_rounding
+
+
+def _nvfp4_grad_fn(m, x, apply_kw):
+    """``(variables, sr key) -> d sum(out^2) / d variables`` under NVFP4, jitted once."""
+    drop = jax.random.PRNGKey(3)
+
+    def loss(v, key):
+        with lowbit.autocast(NVFP4_SR):
+            out = m.apply(v, x, rngs={"sr_rng": key, "dropout": drop}, **apply_kw)
+        out = out[0] if isinstance(out, tuple) else out
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    with lowbit.autocast(NVFP4_SR):
+        v = nn.unbox(m.init({"params": jax.random.PRNGKey(0), "dropout": drop}, x, **apply_kw))
+    return v, jax.jit(jax.grad(loss))
+
+
+@pytest.mark.parametrize("which", ["MultiHeadAttention", "TransformerLayer"])
+def test_nvfp4_fused_qkv_trains_with_the_sr_rng_key(which):
+    """The fused QKV projection (heads == groups: MultiHeadAttention's and TransformerLayer's
+    default) lost the ``sr_rng`` key, and its NVFP4 gradient raised "needs an rng key" though
+    ``apply`` got one. Now the gradients are finite, the same key gives the same gradient and
+    another key another one."""
+    x = randn((2, 16, 32))
+    if which == "MultiHeadAttention":
+        m = lf.MultiHeadAttention(head_dim=16, num_attention_heads=2, transpose_batch_sequence=False)
+        qkv = ("qkv",)
+        apply_kw = {"deterministic": True}
+    else:  # TransformerEngine's defaults otherwise: dropout on, relative position bias
+        m = lf.TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=2)
+        qkv = ("attention", "qkv")
+        apply_kw = {"deterministic": False}
+    v, grad = _nvfp4_grad_fn(m, x, apply_kw)
+    g1, g1_again, g2 = (grad(v, jax.random.PRNGKey(k)) for k in (1, 1, 2))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(g1["params"]):
+        assert np.isfinite(np.asarray(leaf)).all(), path
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g1_again)))
+    k1, k2 = g1["params"], g2["params"]
+    for name in qkv:
+        k1, k2 = k1[name], k2[name]
+    assert k1["kernel"].shape == (32, 3, 32)
+    assert not np.array_equal(k1["kernel"], k2["kernel"])
+
+
+def test_nvfp4_split_projection_gradient_equals_unsplit():
+    """``split_features`` (the fused QKV projection's three arrays) under NVFP4 with stochastic
+    rounding: the slots and every gradient equal the unsplit projection's bit for bit (both draw
+    the same key from ``sr_rng``; a projection rounding with another key, or none, differs)."""
+    x, ct = randn((2, 16, 32)), randn((2, 16, 3, 32), seed=1)
+
+    def grads(split, key):
+        m = lf.LayerNormDenseGeneral(features=(3, 32), split_features=split)
+
+        def loss(v, x):
+            with lowbit.autocast(NVFP4_SR):
+                out, _ = m.apply(v, x, rngs={"sr_rng": key})
+            out = jnp.stack(out, axis=-2) if split else out
+            return jnp.sum(out * ct), out
+
+        with lowbit.autocast(NVFP4_SR):
+            v = nn.unbox(m.init(jax.random.PRNGKey(0), x))
+        (_, out), g = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(v, x)
+        return out, g
+
+    out_u, g_u = grads(False, jax.random.PRNGKey(1))
+    out_s, g_s = grads(True, jax.random.PRNGKey(1))
+    np.testing.assert_array_equal(out_s, out_u)
+    for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_u)):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_array_equal(a, b)
+    _, g_other = grads(True, jax.random.PRNGKey(2))
+    assert not np.array_equal(g_other[0]["params"]["kernel"], g_u[0]["params"]["kernel"])
+
+
 def test_transformer_layer_decoder_is_causal_and_axes():
     """A decoder layer (TransformerEngine's: self-attention with self_attn_mask_type as given,
     then cross-attention on ``encoded``) with a causal self-attention: the future of the decoder

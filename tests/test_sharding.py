@@ -24,6 +24,7 @@ CASES = (
     "row_block",
     "dp_only",
     "row_parallel",
+    "row_argument",
     "column_hlo",
     "flax_dot_general",
     "partial_sums_bf16",
@@ -45,6 +46,69 @@ def test_sharded(case):
         timeout=600,
     )
     assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
+
+
+def test_tp_layout_is_an_argument_checked_by_name():
+    """tp_layout is None, "column" or "row"; anything else is a ValueError naming it, from the op
+    and from the module field. The old context manager still works, with a DeprecationWarning."""
+    import jax
+    import jax.numpy as jnp
+
+    import lowbit
+    from lowbit import flax as lf
+    from lowbit.ops.fused.dense_split import split_dense
+    from lowbit.sharding import plan_dense, resolve_tp_layout, tensor_parallel_layout
+
+    x, w = jnp.ones((4, 32)), jnp.ones((32, 32))
+    bad = "rows"
+    for call in (
+        lambda: lowbit.dense(x, w, tp_layout=bad),
+        lambda: split_dense(x, w.reshape(32, 2, 16), tp_layout=bad),
+        lambda: plan_dense(lowbit.Float8CurrentScaling(), 4, 32, 32, tp_layout=bad),
+        lambda: lf.DenseGeneral(8, tp_layout=bad).init(jax.random.PRNGKey(0), x),
+    ):
+        with pytest.raises(ValueError, match=r"tp_layout must be None, 'column' or 'row', got 'rows'"):
+            call()
+    assert resolve_tp_layout(None) == "column" and resolve_tp_layout("row") == "row"
+    with pytest.warns(DeprecationWarning, match="tp_layout"), tensor_parallel_layout("row"):
+        assert resolve_tp_layout(None) == "row" and resolve_tp_layout("column") == "column"
+
+
+def test_second_gemms_ask_for_row_parallel(monkeypatch):
+    """The GEMM after a column-parallel one runs row-parallel by argument (no context): the
+    attention output projection, LayerNormMLP's wo and lowbit.ops.fused.mlp's second GEMM ask
+    plan_dense for "row", the first GEMMs for the default (None)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import lowbit
+    from lowbit import flax as lf
+    from lowbit.ops import dense as dense_mod
+    from lowbit.ops.fused.mlp import mlp
+
+    asked = []
+    plan = dense_mod.plan_dense
+
+    def recording(recipe, M, K, N, tp_layout=None):
+        asked.append((K, N, tp_layout))
+        return plan(recipe, M, K, N, tp_layout)
+
+    monkeypatch.setattr(dense_mod, "plan_dense", recording)
+    recipe = lowbit.MXFP8BlockScaling()  # not tensor-scaled: every GEMM goes through dense()
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 64)), jnp.float32)
+    key = jax.random.PRNGKey(0)
+    with lowbit.autocast(recipe):
+        mha = lf.MultiHeadAttention(head_dim=32, num_attention_heads=2, transpose_batch_sequence=False)
+        mha.init(key, x, deterministic=True)
+        assert asked == [(64, 192, None), (64, 64, "row")]  # qkv (fused), out
+        asked.clear()
+        lf.LayerNormMLP(intermediate_dim=128, intermediate_dropout_rate=0.0).init(key, x, deterministic=True)
+        assert asked == [(64, 128, None), (128, 64, "row")]  # wi, wo
+    asked.clear()
+    w1, w2 = jnp.ones((64, 128)), jnp.ones((128, 64))
+    mlp(x, w1, None, w2, None, ("gelu",), recipe=recipe)
+    assert asked == [(64, 128, None), (128, 64, "row")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,9 +153,12 @@ def _worker(case: str) -> None:
     b = jnp.asarray(rng.standard_normal(F), bf)
     dy = jnp.asarray(rng.standard_normal((B, S, F)), bf)
 
-    def step_for(recipe):
+    def step_for(recipe, tp_layout=None):
+        def dense(x, w, b, st):
+            return lowbit.dense(x, w, b, recipe=recipe, state=st, tp_layout=tp_layout)
+
         def step(x, w, b, dy, st):
-            y, vjp = jax.vjp(lambda x, w, b, st: lowbit.dense(x, w, b, recipe=recipe, state=st), x, w, b, st)
+            y, vjp = jax.vjp(dense, x, w, b, st)
             return (y,) + vjp(dy)
 
         return step
@@ -99,8 +166,8 @@ def _worker(case: str) -> None:
     def state_for(recipe):
         return lowbit.init_delayed_state(recipe) if isinstance(recipe, lowbit.DelayedScaling) else None
 
-    def run(recipe, mesh, resource, specs, layout="column", lower=False):
-        step = step_for(recipe)
+    def run(recipe, mesh, resource, specs, layout="column", lower=False, tp_layout=None):
+        step = step_for(recipe, tp_layout)
         args = (x, w, b, dy, state_for(recipe))
         with jax.set_mesh(mesh), global_shard_guard(resource), tensor_parallel_layout(layout):
             args = tuple(
@@ -182,6 +249,17 @@ def _worker(case: str) -> None:
             got, hlo = run(recipe, mesh22, dp_tp, specs, layout="row", lower=True)
             compare(ref, got, exact={"dx"})  # y sums over tp; dk, db over dp
             assert "all-gather" not in hlo, [l for l in hlo.splitlines() if "all-gather" in l][:4]
+    elif case == "row_argument":
+        # dense(..., tp_layout="row"): row-parallel without the deprecated context, and the
+        # argument wins over it; the same results as the context's row layout, bit for bit.
+        recipe = recipes["current"]
+        specs = (("dp", None, "tp"), ("tp", None), (None,), ("dp", None, None))
+        via_context = run(recipe, mesh22, dp_tp, specs, layout="row")
+        got, hlo = run(recipe, mesh22, dp_tp, specs, layout="column", lower=True, tp_layout="row")
+        for a, g in zip(jax.tree.leaves(via_context), jax.tree.leaves(got)):
+            assert np.array_equal(np.asarray(a, np.float32), np.asarray(g, np.float32))
+        assert "all-gather" not in hlo, [l for l in hlo.splitlines() if "all-gather" in l][:4]
+        compare(jax.jit(step_for(recipe))(x, w, b, dy, None), got, exact={"dx"})
     elif case == "column_hlo":
         recipe = recipes["current"]
         _, hlo = run(recipe, mesh22, dp_tp, seed_specs, lower=True)

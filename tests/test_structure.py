@@ -12,15 +12,10 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
 MAX_LINES = 600
 
-# Known offenders, being fixed on other branches (issue 23): the lead empties these lists after
-# merging them, and an entry that no longer offends fails test_allow_lists_hold_only_offenders.
-OVERSIZE_ALLOWED = {
-    "lowbit/flax/attention.py",  # split along its seams on the flax branch
-    "lowbit/flax/modules.py",  # split along its seams on the flax branch
-}
-TE_IMPORT_ALLOWED = {
-    "lowbit.flax.transformer",  # imports lowbit.te.sharding for the weight axis names (flax branch)
-}
+# Known offenders with a reason (empty: none). An entry that no longer offends fails
+# test_allow_lists_hold_only_offenders.
+OVERSIZE_ALLOWED: set = set()
+TE_IMPORT_ALLOWED: set = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -1,15 +1,17 @@
 """Which mesh axes carry which kind of parallelism, as TransformerEngine's ``MeshResource``,
-and the shard plan of a dense that follows from it.
+the logical axis names of lowbit's Flax modules, and the shard plan of a dense.
 
-lowbit's ops read it to name their sharding; a user sets it once, globally, with
+lowbit's ops read the MeshResource to name their sharding; a user sets it once, globally, with
 :func:`global_shard_guard` or through :func:`lowbit.autocast`'s ``mesh_resource``. This module
-decides the layout (:func:`plan_dense`); lowbit.ops.dense_sharded runs it.
+decides the layout (:func:`plan_dense`, column- or row-parallel as the caller's ``tp_layout``
+says); lowbit.ops.dense_sharded runs it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Iterator, Optional
 
 import jax
@@ -53,6 +55,22 @@ class MeshResource:
 
 PARTIAL_SUM_DTYPES = ("float32", "bfloat16", "float16")
 
+# ---------------------------------------------------------------------------------------------
+# Logical axis names (TransformerEngine's strings): the Flax modules annotate their parameters
+# with them; lowbit.te.sharding re-exports them and maps them onto the MeshResource's mesh axes.
+# ---------------------------------------------------------------------------------------------
+BATCH_AXES = "nvte_batch"
+SEQLEN_AXES = "nvte_seqlen"
+SEQLEN_TP_AXES = "nvte_seqlen_tp"
+SEQLEN_CP_AXES = "nvte_seqlen_cp"
+HEAD_AXES = "nvte_head"
+HIDDEN_AXES = "nvte_hidden"
+HIDDEN_TP_AXES = "nvte_hidden_tp"
+JOINED_AXES = "nvte_joined"
+W_NO_SHARD_AXES = "nvte_w_no_shard"
+W_FSDP_AXES = "nvte_w_fsdp"
+W_TP_AXES = "nvte_w_tp"
+W_JOINED_AXES = "nvte_w_joined"
 
 # Read at trace time, so both are part of jax.jit's cache key (lowbit._trace_context).
 _RESOURCE = TraceKeyedContext(None)
@@ -76,22 +94,43 @@ def global_shard_guard(resource: Optional[MeshResource]) -> Iterator[MeshResourc
 # ---------------------------------------------------------------------------------------------
 # Tensor-parallel layout of dense kernels, and the mesh in context
 # ---------------------------------------------------------------------------------------------
+#: "column": kernel P(None, tp), x P(dp, None), y P(dp, tp); "row": kernel P(tp, None),
+#: x P(dp, tp), y P(dp, None) after a sum over tp. Chosen by the caller at trace time (jit cannot
+#: see operand shardings then): operands laid out otherwise are resharded by XLA (correct, but
+#: with communication).
 TP_LAYOUTS = ("column", "row")
 
 
+def check_tp_layout(layout: Optional[str], owner: str) -> Optional[str]:
+    """``layout`` if it is None, "column" or "row"; else a ValueError naming ``tp_layout``."""
+    if layout is not None and layout not in TP_LAYOUTS:
+        raise ValueError(f"{owner}: tp_layout must be None, 'column' or 'row', got {layout!r}")
+    return layout
+
+
+def resolve_tp_layout(tp_layout: Optional[str]) -> str:
+    """The layout a dense runs with: ``tp_layout`` when given; else that of the deprecated
+    :func:`tensor_parallel_layout` context, else "column"."""
+    return check_tp_layout(tp_layout, "tp_layout") or _TP_LAYOUT.value or "column"
+
+
 def tp_layout() -> str:
-    """How ``tp_resource`` splits a dense kernel (K, N): "column" (N; the default) or "row" (K)."""
-    return _TP_LAYOUT.value or "column"
+    """The layout of a dense that passes no ``tp_layout`` (:func:`resolve_tp_layout`)."""
+    return resolve_tp_layout(None)
 
 
 @contextlib.contextmanager
 def tensor_parallel_layout(layout: str) -> Iterator[str]:
-    """Sets :func:`tp_layout` for the enclosed code. "column": kernel P(None, tp), x P(dp, None),
-    y P(dp, tp); "row": kernel P(tp, None), x P(dp, tp), y P(dp, None) after a sum over tp.
-    The layout is chosen at trace time (jit cannot see operand shardings then), so operands laid
-    out otherwise are resharded by XLA: correct, but with communication."""
+    """Deprecated: pass ``tp_layout=`` to :func:`lowbit.dense` instead. Sets the layout of the
+    enclosed dense calls that pass no ``tp_layout`` of their own."""
+    warnings.warn(
+        "lowbit.sharding.tensor_parallel_layout is deprecated; pass tp_layout='column' or 'row' "
+        "to lowbit.dense (or the module) instead",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     if layout not in TP_LAYOUTS:
-        raise ValueError(f"layout must be one of {TP_LAYOUTS}, got {layout!r}")
+        raise ValueError(f"tensor_parallel_layout: tp_layout must be 'column' or 'row', got {layout!r}")
     with _TP_LAYOUT(layout):
         yield layout
 
@@ -209,14 +248,15 @@ def plan_rows(shape, split_last: bool = False):
     return mesh, P(entry(batch), *([None] * (len(shape) - 2)), entry(tp))
 
 
-def plan_dense(recipe, M: int, K: int, N: int) -> Optional[ShardPlan]:
-    """The shard plan for a (M, K) x (K, N) dense under ``recipe``, or None to run unsharded (no
+def plan_dense(recipe, M: int, K: int, N: int, tp_layout: Optional[str] = None) -> Optional[ShardPlan]:
+    """The shard plan for a (M, K) x (K, N) dense under ``recipe``, tp splitting the kernel's N
+    or K as ``tp_layout`` says (:func:`resolve_tp_layout`), or None to run unsharded (no
     MeshResource or mesh, already inside a shard_map over these axes, or uneven shards)."""
+    row = resolve_tp_layout(tp_layout) == "row"
     found = _mesh_axes()
     if found is None:
         return None
     mesh, batch, tp = found
-    row = tp_layout() == "row"
     plan = ShardPlan(
         mesh, batch, tp if row else (), () if row else tp, global_mesh_resource().partial_sum_dtype
     )

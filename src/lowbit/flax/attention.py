@@ -2,7 +2,7 @@
 DotProductAttention and MultiHeadAttention (docs/te_modules_attention.md lists every field).
 
 Attention math is not quantized (as in TransformerEngine's FP8 recipes); the projections are lowbit
-GEMMs (:mod:`lowbit.flax.modules`). Paths:
+GEMMs (:mod:`lowbit.flax.dense_general`). Paths (:mod:`lowbit.flax.attention_paths`):
 
 * no dropout (``attention_dropout == 0`` or ``deterministic``): ``jax.nn.dot_product_attention``,
   cuDNN's fused kernel on a GPU when it takes the shapes and dtypes, XLA otherwise;
@@ -12,21 +12,18 @@ GEMMs (:mod:`lowbit.flax.modules`). Paths:
 * dropout otherwise (CPU, float32): logits -> ``lowbit.softmax`` -> dropout drawn from the
   ``dropout_rng_name`` stream -> values (float32 logits and softmax).
 
-Masks follow TransformerEngine: ``True`` means *masked out*, shape ``(batch, 1 or heads, sq, sk)``.
-Causal types mask key ``j > i`` for query ``i`` ("causal", "padding_causal": top-left aligned) or
-``j > i + sk - sq`` (the ``*_bottom_right`` types). ``window_size=(left, right)`` keeps keys in
-``[i' - left, i' + right]`` (negative: unbounded), ``i'`` aligned like the causal mask; all masks
-combine (a key is kept only if every one keeps it). A query row with every key masked out has an
-unspecified output (the paths differ there, as TransformerEngine's backends do).
+Masks follow TransformerEngine (:mod:`lowbit.flax.attention_masks`): ``True`` means *masked
+out*, shape ``(batch, 1 or heads, sq, sk)``; causal, bottom-right causal and sliding-window masks
+combine with it. A query row with every key masked out has an unspecified output (the paths
+differ there, as TransformerEngine's backends do).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import warnings
 import zlib
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -34,39 +31,29 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from lowbit.flax.modules import DenseGeneral, LayerNormDenseGeneral, check_norm_type, split_first_feature_axis
-from lowbit.flax.positions import canonical_group_method, check_rotary_windows, rotary_pos_emb
-from lowbit.ops.softmax import softmax as _softmax
-from lowbit.sharding import tensor_parallel_layout
-
-Initializer = Callable[..., Any]
-
-_MASK_TYPES = (
-    "no_mask",
-    "padding",
-    "causal",
-    "padding_causal",
-    "causal_bottom_right",
-    "padding_causal_bottom_right",
+from lowbit.flax.attention_masks import (
+    MASK_TYPES,
+    QKV_LAYOUTS,
+    THD_LAYOUTS,
+    bias_type,
+    check_bias,
+    check_mask,
+    check_window,
+    combine_masks,
+    enum_name,
 )
-_MASK_ALIASES = {
-    "no_mask": "no_mask",
-    "padding_mask": "padding",
-    "causal_mask": "causal",
-    "causal_padding": "padding_causal",
-    "padding_causal_mask": "padding_causal",
-    "bottom_right_causal": "causal_bottom_right",
-    "causal_bottom_right_mask": "causal_bottom_right",
-    "causal_padding_bottom_right": "padding_causal_bottom_right",
-    "bottom_right_causal_padding": "padding_causal_bottom_right",
-    "bottom_right_padding_causal": "padding_causal_bottom_right",
-    "padding_causal_bottom_right_mask": "padding_causal_bottom_right",
-}
-_BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias")
-_QKV_LAYOUTS = ("bs3hd", "bshd_bs2hd", "bshd_bshd_bshd")
-_THD_LAYOUTS = ("t3hd", "thd_t2hd", "thd_thd_thd")
+from lowbit.flax.attention_paths import attention_reference, cudnn_attention_dropout
+
+# The path predicates under their private names here: DotProductAttention looks them up in this
+# module at call time, so patching lowbit.flax.attention._default_is_gpu (tests do) takes effect.
+from lowbit.flax.attention_paths import cudnn_dropout_allowed as _cudnn_dropout_allowed
+from lowbit.flax.attention_paths import default_is_gpu as _default_is_gpu
+from lowbit.flax.attention_paths import traced_in_loop as _traced_in_loop
+from lowbit.flax.attention_projections import out_projection, qkv_projections
+from lowbit.flax.params import Initializer, check_norm_type
+from lowbit.flax.positions import canonical_group_method, check_rotary_windows, rotary_pos_emb
+
 _CP_STRATEGIES = ("DEFAULT", "ALL_GATHER", "ALLGATHER", "RING")
-_LAYER_TYPES = ("encoder", "decoder")
 _LORA_SCOPES = (
     "none",
     "all",
@@ -77,23 +64,6 @@ _LORA_SCOPES = (
     "exclude_output_proj",
     "exclude_mlp",
 )
-
-# TransformerEngine's logical axis names of the weights (lowbit.te.sharding has the same strings;
-# lowbit.te.flax.extend_logical_axis_rules maps them onto the MeshResource).
-W_NO_SHARD_AXES = "nvte_w_no_shard"
-W_FSDP_AXES = "nvte_w_fsdp"
-W_TP_AXES = "nvte_w_tp"
-W_JOINED_AXES = "nvte_w_joined"
-
-
-def _enum_name(v, name, choices):
-    """A string or an enum member (TransformerEngine's AttnMaskType etc.), canonicalised."""
-    s = getattr(v, "name", v)
-    s = s.lower() if isinstance(s, str) else s
-    s = _MASK_ALIASES.get(s, s) if isinstance(s, str) else s
-    if s not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {v!r}")
-    return s
 
 
 def lora_scope(scope) -> Tuple[bool, bool, bool]:
@@ -106,120 +76,6 @@ def lora_scope(scope) -> Tuple[bool, bool, bool]:
     out = s in ("all", "output_proj", "exclude_qkv_proj", "exclude_mlp")
     mlp = s in ("all", "mlp", "exclude_qkv_proj", "exclude_output_proj")
     return qkv, out, mlp
-
-
-def _check_window(window_size):
-    """None, or ``(left, right)`` ints (negative = unbounded)."""
-    if window_size is None:
-        return None
-    try:
-        left, right = window_size
-        ok = all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in (left, right))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"window_size must be None or a pair (left, right) of ints (negative = unbounded), "
-            f"got {window_size!r}"
-        )
-    return int(left), int(right)
-
-
-# Traces whose body XLA runs repeatedly: cuDNN's dropout inside them aborts XLA (jax 0.11.2, H100:
-# "Fatal Python error: Aborted" compiling lax.scan over the attention), so dropout there takes the
-# reference path.
-_LOOP_TRACES = ("scan", "while", "fori_loop", "map")
-
-
-def _traced_in_loop() -> bool:
-    """Whether the current trace, or one it is nested in, traces a loop body (lax.scan, nn.scan,
-    while/fori loops). Reads JAX's trace stack (private); if that is not readable, answers True
-    so that dropout takes the safe reference path."""
-    try:
-        from jax._src import core
-
-        t = core.trace_ctx.trace
-        while t is not None:
-            frame = getattr(t, "frame", None)
-            what = getattr(getattr(frame, "debug_info", None), "traced_for", "") or ""
-            if any(w in what for w in _LOOP_TRACES):
-                return True
-            t = getattr(t, "parent_trace", None)
-        return False
-    except Exception:
-        return True
-
-
-def _cudnn_dropout_allowed(implementation) -> bool:
-    """cuDNN's fused attention with dropout crashes XLA (jax 0.11.2, H100) when XLA records the
-    cuDNN call into a command buffer (CUDA graph): "Check failed: local_device_ordinal.has_value()"
-    in cuda_dnn.cc at the first execution of a full layer. It runs when asked for explicitly
-    (``implementation="cudnn"`` or ``LOWBIT_CUDNN_DROPOUT=1``) or when XLA_FLAGS sets
-    ``--xla_gpu_enable_command_buffer`` to a list without CUDNN; otherwise dropout takes the
-    reference path."""
-    if implementation == "cudnn" or os.environ.get("LOWBIT_CUDNN_DROPOUT", "") == "1":
-        return True
-    for flag in os.environ.get("XLA_FLAGS", "").split():
-        if flag.startswith("--xla_gpu_enable_command_buffer="):
-            return "CUDNN" not in flag.split("=", 1)[1].upper()
-    return False
-
-
-def _default_is_gpu() -> bool:
-    """Whether attention will run on a GPU: the jax.default_device in effect, else the backend."""
-    dev = getattr(jax.config, "jax_default_device", None)
-    if dev is not None:
-        return getattr(dev, "platform", str(dev)) in ("gpu", "cuda")
-    return jax.default_backend() == "gpu"
-
-
-def _check_mask(mask, mask_type, b, h, sq, sk):
-    """The user mask of the padding types, validated; None for the others (TE ignores it)."""
-    needs = mask_type.startswith("padding")
-    if mask is None:
-        if needs:
-            raise ValueError(
-                f"mask is required for attn_mask_type={mask_type!r} (True = masked out, "
-                f"shape (batch, 1, sq, sk))"
-            )
-        return None
-    if not needs:
-        return None  # TransformerEngine ignores the mask of the no_mask/causal types
-    if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
-        raise NotImplementedError(
-            f"DotProductAttention: sequence_descriptor must be a boolean mask array (True = masked "
-            f"out); TransformerEngine's SequenceDescriptor (seqlens, offsets, segment ids) is not "
-            f"supported, got {type(mask).__name__}"
-        )
-    mask = jnp.asarray(mask)
-    want = (b, h, sq, sk)
-    if mask.ndim != 4 or any(m not in (1, w) for m, w in zip(mask.shape, want)) or mask.shape[2:] != (sq, sk):
-        raise ValueError(
-            f"mask must have shape (batch, 1 or heads, sq, sk) = ({b}, 1 or {h}, {sq}, {sk}) "
-            f"(True = masked out), got {tuple(mask.shape)}"
-        )
-    dt = np.dtype(mask.dtype)
-    if not (dt == np.bool_ or np.issubdtype(dt, np.integer)):
-        raise TypeError(f"mask must be boolean (True = masked out), got {dt.name}")
-    return mask != 0
-
-
-def static_mask(mask_type: str, window, sq: int, sk: int) -> Optional[np.ndarray]:
-    """The causal / sliding-window part of the mask, ``(sq, sk)`` bool (True = masked out), or
-    None when there is none."""
-    off = sk - sq if mask_type.endswith("bottom_right") else 0
-    i = np.arange(sq)[:, None] + off
-    j = np.arange(sk)[None, :]
-    out = np.zeros((sq, sk), bool)
-    if "causal" in mask_type:
-        out |= j > i
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            out |= j < i - left
-        if right >= 0:
-            out |= j > i + right
-    return out if out.any() else None
 
 
 class DotProductAttention(nn.Module):
@@ -272,15 +128,15 @@ class DotProductAttention(nn.Module):
                 raise ValueError("sequence_descriptor and mask cannot be provided at the same time")
             sequence_descriptor = mask
         self._check_unsupported()
-        mask_type = _enum_name(self.attn_mask_type, "attn_mask_type", _MASK_TYPES)
-        bias_type = self._bias_type(bias)
-        layout = _enum_name(self.qkv_layout, "qkv_layout", _QKV_LAYOUTS + _THD_LAYOUTS)
-        if layout in _THD_LAYOUTS:
+        mask_type = enum_name(self.attn_mask_type, "attn_mask_type", MASK_TYPES)
+        btype = bias_type(self.attn_bias_type, bias)
+        layout = enum_name(self.qkv_layout, "qkv_layout", QKV_LAYOUTS + THD_LAYOUTS)
+        if layout in THD_LAYOUTS:
             raise NotImplementedError(
                 f"qkv_layout={self.qkv_layout!r}: the THD layouts (sequence packing) are not supported "
-                f"by lowbit; use one of {list(_QKV_LAYOUTS)}"
+                f"by lowbit; use one of {list(QKV_LAYOUTS)}"
             )
-        window = _check_window(self.window_size)
+        window = check_window(self.window_size)
         rate = self.attention_dropout
         if not isinstance(rate, (int, float, np.floating)) or not 0.0 <= rate < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {rate!r}")
@@ -313,24 +169,12 @@ class DotProductAttention(nn.Module):
             )
         sk = key.shape[1]
 
-        padding = _check_mask(sequence_descriptor, mask_type, b, h, sq, sk)
-        tri = static_mask(mask_type, window, sq, sk)
-        masked = padding
-        if tri is not None:
-            masked = jnp.asarray(tri)[None, None] if masked is None else (masked | tri[None, None])
-        # The causal triangle alone, square: the fused causal kernels apply.
-        plain_causal = padding is None and window is None and "causal" in mask_type and sq == sk
+        padding = check_mask(sequence_descriptor, mask_type, b, h, sq, sk)
+        masked, plain_causal = combine_masks(padding, mask_type, window, sq, sk)
         scale = float(self.scale_factor) if self.scale_factor is not None else 1.0 / math.sqrt(d)
         dt = query.dtype
         key, value = key.astype(dt), value.astype(dt)
-        if bias is not None:
-            bias = jnp.asarray(bias)
-            if bias.ndim != 4 or any(m not in (1, w) for m, w in zip(bias.shape, (b, h, sq, sk))):
-                raise ValueError(
-                    f"bias must have shape (1 or batch, 1 or heads, sq, sk) = "
-                    f"(1 or {b}, 1 or {h}, {sq}, {sk}), "
-                    f"got {tuple(bias.shape)}"
-                )
+        bias = check_bias(bias, b, h, sq, sk)
 
         if rate > 0 and not deterministic:
             # Drawn on every path (the dropout stream is required, as in TransformerEngine), used
@@ -346,14 +190,14 @@ class DotProductAttention(nn.Module):
                 seed = zlib.crc32("/".join(str(p) for p in self.scope.path).encode()) & 0x7FFFFFFF
                 try:
                     out = cudnn_attention_dropout(
-                        query, key, value, masked, bias, bias_type, scale, rate, seed, plain_causal
+                        query, key, value, masked, bias, btype, scale, rate, seed, plain_causal
                     )
                 except Exception:
                     if self.implementation == "cudnn":
                         raise
             if out is None:
                 out = attention_reference(
-                    query, key, value, masked, bias, bias_type, scale, rate, rng, plain_causal
+                    query, key, value, masked, bias, btype, scale, rate, rng, plain_causal
                 )
         else:
             # A square causal mask with a left window (no padding): the fused kernels' own
@@ -367,7 +211,7 @@ class DotProductAttention(nn.Module):
                 and window[0] >= 0
             ):
                 local = (window[0], 0)
-            out = self._fast(query, key, value, masked, bias, bias_type, scale, plain_causal, local)
+            out = self._fast(query, key, value, masked, bias, btype, scale, plain_causal, local)
         out = checkpoint_name(out, self.context_checkpoint_name)
         return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
 
@@ -394,16 +238,6 @@ class DotProductAttention(nn.Module):
             )
         if not isinstance(self.context_checkpoint_name, str):
             raise TypeError(f"context_checkpoint_name must be a str, got {self.context_checkpoint_name!r}")
-
-    def _bias_type(self, bias):
-        if self.attn_bias_type is None:
-            return "no_bias" if bias is None else "post_scale_bias"
-        t = _enum_name(self.attn_bias_type, "attn_bias_type", _BIAS_TYPES)
-        if t == "no_bias" and bias is not None:
-            raise ValueError("attn_bias_type='no_bias' but a bias was given")
-        if t != "no_bias" and bias is None:
-            raise ValueError(f"attn_bias_type={t!r} needs a bias (shape (1 or batch, heads, sq, sk))")
-        return t
 
     def _unpack(self, layout, query, key, value):
         if layout == "bs3hd":
@@ -444,64 +278,6 @@ class DotProductAttention(nn.Module):
             except Exception:  # cuDNN refused the configuration at trace time: use XLA
                 pass
         return jax.nn.dot_product_attention(query, key, value, implementation="xla", **kw)
-
-
-def attention_reference(q, k, v, masked, bias, bias_type, scale, rate, rng, plain_causal=False):
-    """logits (float32) -> ``lowbit.softmax`` -> dropout (``rate``, from ``rng``) -> values.
-
-    ``q (b, sq, h, d)``, ``k``/``v (b, sk, g, d)``, ``masked`` True = out (broadcastable to
-    ``(b, h, sq, sk)``) or None; ``plain_causal``: the mask is exactly the square causal triangle."""
-    b, sq, h, d = q.shape
-    sk, g = k.shape[1], k.shape[2]
-    qg = q.reshape(b, sq, g, h // g, d)
-    logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k, preferred_element_type=jnp.float32).reshape(b, h, sq, sk)
-    smax_scale = scale
-    if bias is not None:
-        if bias_type == "pre_scale_bias":
-            logits = logits + bias.astype(jnp.float32)
-        else:
-            logits = logits * scale + bias.astype(jnp.float32)
-            smax_scale = 1.0
-    if plain_causal:
-        probs = _softmax(logits, smax_scale, softmax_type="scaled_upper_triang_masked")
-    elif masked is not None:
-        probs = _softmax(logits, smax_scale, mask=masked, softmax_type="scaled_masked")
-    else:
-        probs = _softmax(logits, smax_scale)
-    if rate > 0:
-        keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
-        probs = jnp.where(keep, probs / (1.0 - rate), 0.0)
-    probs = probs.astype(q.dtype)
-    out = jnp.einsum(
-        "bgrqk,bkgd->bqgrd", probs.reshape(b, g, h // g, sq, sk), v, preferred_element_type=jnp.float32
-    )
-    return out.reshape(b, sq, h, d).astype(q.dtype)
-
-
-def cudnn_attention_dropout(q, k, v, masked, bias, bias_type, scale, rate, seed, plain_causal=False):
-    """cuDNN's fused attention with dropout (GPU, bf16/fp16): same inputs as
-    :func:`attention_reference`; the dropout stream is cuDNN's (``seed`` and an offset that
-    advances with every execution of the compiled program)."""
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType
-    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dpa
-
-    if bias is not None:
-        bias = bias.astype(q.dtype)
-        if bias_type == "pre_scale_bias":
-            bias = (bias * scale).astype(q.dtype)
-    keep = None if (masked is None or plain_causal) else jnp.logical_not(masked)
-    return cudnn_dpa(
-        q,
-        k,
-        v,
-        bias,
-        keep,
-        scale=scale,
-        mask_type=MaskType.CAUSAL if plain_causal else MaskType.NO_MASK,
-        seed=int(seed),
-        dropout_rate=float(rate),
-        qkv_layout="BTNH",
-    )
 
 
 class MultiHeadAttention(nn.Module):
@@ -630,102 +406,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"inputs_q and inputs_kv must be rank 3 {order}, got {inputs_q.shape} and {inputs_kv.shape}"
             )
-        kinit = self.kernel_init
-        if kinit is None:
-            kinit = nn.initializers.variance_scaling(1.0, "fan_in", "normal", dtype=self.dtype)
-        scaled = self.scaled_query_init
-
-        def query_init(key, shape, dtype):
-            w = kinit(key, shape, dtype)
-            return (w / jnp.sqrt(d).astype(dtype)) if scaled else w
-
-        def stacked_init(n, first):
-            # TransformerEngine's qkv_init / kv_init: one draw per slot, each with fan_in = hidden.
-            def init(key, shape, dtype):
-                if len(shape) != 3 or shape[-2] != n:
-                    return kinit(key, shape, dtype)
-                keys = jax.random.split(key, n)
-                parts = [
-                    (first if i == 0 else kinit)(keys[i], (shape[0], shape[-1]), dtype) for i in range(n)
-                ]
-                return jnp.stack(parts, axis=-2).astype(dtype)
-
-            return init
-
-        common = dict(
-            use_bias=self.use_bias,
-            bias_init=self.bias_init,
-            dtype=self.dtype,
-            low_rank_adaptation_dim=self.low_rank_adaptation_dim,
-            low_rank_adaptation_alpha=self.low_rank_adaptation_alpha,
-        )
-        norm = dict(
-            enable_layernorm=self.input_layernorm,
-            layernorm_type=self.layernorm_type,
-            epsilon=self.layernorm_epsilon,
-            zero_centered_gamma=self.zero_centered_gamma,
-            scale_axes=(W_NO_SHARD_AXES,),
-            ln_bias_axes=(W_NO_SHARD_AXES,),
-        )
-        rlo = bool(self.return_layernorm_output)
-        if self.fuse_qkv_params and is_self and g == h:
-            with split_first_feature_axis():  # q, k, v as three arrays: no split or concat copies
-                qkv, ln_out = LayerNormDenseGeneral(
-                    features=(3, h * d),
-                    kernel_init=stacked_init(3, query_init),
-                    kernel_axes=(W_FSDP_AXES, W_JOINED_AXES, W_TP_AXES),
-                    bias_axes=(W_JOINED_AXES, W_TP_AXES),
-                    return_layernorm_output=rlo,
-                    enable_low_rank_adaptation=lora_qkv,
-                    name="qkv",
-                    **norm,
-                    **common,
-                )(inputs_q)
-            if isinstance(qkv, tuple):
-                q, k, v = (checkpoint_name(t, "combined_qkv_proj") for t in qkv)
-            else:
-                qkv = checkpoint_name(qkv, "combined_qkv_proj")
-                q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        else:
-            q, ln_out = LayerNormDenseGeneral(
-                features=h * d,
-                kernel_init=query_init,
-                kernel_axes=(W_FSDP_AXES, W_TP_AXES),
-                bias_axes=(W_TP_AXES,),
-                return_layernorm_output=(rlo or is_self) if self.fuse_qkv_params else True,
-                enable_low_rank_adaptation=lora_qkv,
-                name="query",
-                **norm,
-                **common,
-            )(inputs_q)
-            if is_self:
-                inputs_kv = ln_out
-            if self.fuse_qkv_params:
-                kv = DenseGeneral(
-                    features=(2, g * d),
-                    kernel_init=stacked_init(2, kinit),
-                    kernel_axes=(W_FSDP_AXES, W_JOINED_AXES, W_TP_AXES),
-                    bias_axes=(W_JOINED_AXES, W_TP_AXES),
-                    enable_low_rank_adaptation=lora_qkv,
-                    name="kv",
-                    **common,
-                )(inputs_kv)
-                kv = checkpoint_name(kv, "combined_kv_proj")
-                k, v = kv[..., 0, :], kv[..., 1, :]
-            else:
-                proj = dict(
-                    features=g * d,
-                    kernel_init=kinit,
-                    kernel_axes=(W_FSDP_AXES, W_TP_AXES),
-                    bias_axes=(W_TP_AXES,),
-                    enable_low_rank_adaptation=lora_qkv,
-                    **common,
-                )
-                k = DenseGeneral(name="key", **proj)(inputs_kv)
-                v = DenseGeneral(name="value", **proj)(inputs_kv)
-                q = checkpoint_name(q, "query_proj")
-                k = checkpoint_name(k, "key_proj")
-                v = checkpoint_name(v, "value_proj")
+        q, k, v, ln_out = qkv_projections(self, inputs_q, inputs_kv, is_self, h, g, d, lora_qkv)
         dt = inputs_q.dtype
         q = q.astype(dt).reshape(q.shape[:2] + (h, d))
         k = k.astype(dt).reshape(k.shape[:2] + (g, d))
@@ -759,16 +440,7 @@ class MultiHeadAttention(nn.Module):
             window_size=window,
         )(q, k, v, mask, bias, deterministic=deterministic)
         x = x.reshape(x.shape[:2] + (h * d,))
-        with tensor_parallel_layout("row"):  # heads split over tp: the output projection is row-parallel
-            out = DenseGeneral(
-                features=inputs_q.shape[-1],
-                kernel_init=kinit,
-                kernel_axes=(W_TP_AXES, W_FSDP_AXES),
-                bias_axes=(W_NO_SHARD_AXES,),
-                enable_low_rank_adaptation=lora_out,
-                name="out",
-                **common,
-            )(x)
+        out = out_projection(self, x, inputs_q.shape[-1], lora_out)
         out = checkpoint_name(out, "out_proj")
         return out, ln_out
 
@@ -799,11 +471,11 @@ class MultiHeadAttention(nn.Module):
         ck.value, cv.value, ci.value = k, v, ci.value + 1
         j = jnp.arange(length)
         step = j > cur
-        window = _check_window(self.window_size)
+        window = check_window(self.window_size)
         if window is not None and window[0] >= 0:
             step = step | (j < cur - window[0])
         step = jnp.broadcast_to(step, (batch, 1, 1, length))
-        mt = _enum_name(self.attn_mask_type, "attn_mask_type", _MASK_TYPES)
+        mt = enum_name(self.attn_mask_type, "attn_mask_type", MASK_TYPES)
         if mask is not None and mt.startswith("padding"):
             m = jnp.asarray(mask)
             if m.shape[-2] != 1:  # a full (b, 1, L, L) mask: the row of this position
@@ -816,4 +488,10 @@ class MultiHeadAttention(nn.Module):
         return k, v, step, bias
 
 
-__all__ = ["DotProductAttention", "MultiHeadAttention", "attention_reference", "cudnn_attention_dropout"]
+__all__ = [
+    "DotProductAttention",
+    "MultiHeadAttention",
+    "attention_reference",
+    "cudnn_attention_dropout",
+    "lora_scope",
+]

@@ -28,8 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.flax.attention import MultiHeadAttention, lora_scope
-from lowbit.flax.modules import Initializer, LayerNorm, LayerNormMLP
+from lowbit.flax.layernorm_mlp import LayerNormMLP
+from lowbit.flax.modules import LayerNorm
+from lowbit.flax.params import Initializer
 from lowbit.flax.positions import RelativePositionBiases
+from lowbit.sharding import W_FSDP_AXES, W_JOINED_AXES, W_NO_SHARD_AXES, W_TP_AXES
 
 
 class TransformerLayerType(enum.Enum):
@@ -115,8 +118,6 @@ class TransformerLayer(nn.Module):
         decode: bool = False,
         max_decode_length: Optional[int] = None,
     ) -> jax.Array:
-        from lowbit.te.sharding import W_FSDP_AXES, W_JOINED_AXES, W_NO_SHARD_AXES, W_TP_AXES
-
         layer_type = _layer_type(self.layer_type)
         decoder = layer_type is TransformerLayerType.DECODER
         H, heads = self.hidden_size, self.num_attention_heads

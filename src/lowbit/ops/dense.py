@@ -34,7 +34,7 @@ from lowbit.quantization.checks import as_dtype, check_input
 from lowbit.quantization.scaling_modes import INPUT_DTYPES, ScalingMode
 from lowbit.quantization.tensor import prod
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, NVFP4BlockScaling, Recipe
-from lowbit.sharding import plan_dense
+from lowbit.sharding import check_tp_layout, plan_dense
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +289,7 @@ def dense(
     rng: Optional[jax.Array] = None,
     out_dtype: Optional[DTypeLike] = None,
     fast_accum: bool = True,
+    tp_layout: Optional[str] = None,
 ) -> jax.Array:
     """Quantized ``x . kernel (+ bias)`` with gradients through quantized GEMMs.
 
@@ -307,12 +308,16 @@ def dense(
       fast_accum: FP8 GPU GEMMs: fast accumulation for the forward GEMM. The gradients' GEMMs
         use split accumulation unless ``NVTE_JAX_FP8_2X_ACC_DGRAD`` / ``_WGRAD`` = 0 (and
         ``NVTE_JAX_FP8_2X_ACC_FPROP=1`` turns the forward's off), as in TransformerEngine.
+      tp_layout: under a MeshResource with ``tp_resource`` (lowbit.sharding), how tp splits the
+        kernel: "column" (its output features; None: the default) or "row" (its contracted
+        axes, y summed over tp: the second GEMM of a column/row pair, as an MLP's).
 
     Returns:
       ``x.shape[:-c] + F...``.
     """
     x = check_input(x, "dense: x")
     kernel = check_input(kernel, "dense: kernel")
+    check_tp_layout(tp_layout, "dense")
     for name, a, need in (("x", x, "(..., K)"), ("kernel", kernel, "(K, N...)")):
         if a.ndim < 1:  # a scalar has no axis to contract
             raise ValueError(f"dense: {name} must have shape {need} (at least one axis), got a rank-0 array")
@@ -379,7 +384,7 @@ def dense(
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
     k2 = kernel.reshape(K, N)
     # Under a MeshResource and a mesh in context, per shard with global scales (NVFP4 excepted).
-    plan = None if cfg.nvfp4 else plan_dense(recipe, M + pad, K, N)
+    plan = None if cfg.nvfp4 else plan_dense(recipe, M + pad, K, N, tp_layout)
     if plan is None:
         y2 = _dense_2d(cfg, x2, k2, bias, state, rng)
     else:

@@ -2,7 +2,7 @@
 
 The FFI calls have no partitioning rule, so without this XLA gathers their operands. The plan
 (:func:`lowbit.sharding.plan_dense`) names the axes: the batch axes (dp, fsdp) split M; tp splits
-the kernel's N ("column", the default) or K ("row", see lowbit.sharding.tensor_parallel_layout).
+the kernel's N ("column", the default) or K ("row", ``lowbit.dense(..., tp_layout="row")``).
 lowbit.ops.dense asks for the plan and calls :func:`dense_2d` with it. Per shard:
 
 * per-tensor scales stay global: a tensor's amax is the pmax of the shard amaxes; current scaling

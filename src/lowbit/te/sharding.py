@@ -1,24 +1,28 @@
-"""``transformer_engine.jax.sharding``: lowbit's MeshResource and shard guard, plus TE's logical
-axis names and the rules mapping them onto the mesh axes of the active MeshResource."""
+"""``transformer_engine.jax.sharding``: lowbit's MeshResource and shard guard, TE's logical axis
+names (defined in lowbit.sharding, where lowbit's Flax modules take them from) and the rules
+mapping them onto the mesh axes of the active MeshResource."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
-from lowbit.sharding import MeshResource, global_mesh_resource, global_shard_guard
-
-BATCH_AXES = "nvte_batch"
-SEQLEN_AXES = "nvte_seqlen"
-SEQLEN_TP_AXES = "nvte_seqlen_tp"
-SEQLEN_CP_AXES = "nvte_seqlen_cp"
-HEAD_AXES = "nvte_head"
-HIDDEN_AXES = "nvte_hidden"
-HIDDEN_TP_AXES = "nvte_hidden_tp"
-JOINED_AXES = "nvte_joined"
-W_NO_SHARD_AXES = "nvte_w_no_shard"
-W_FSDP_AXES = "nvte_w_fsdp"
-W_TP_AXES = "nvte_w_tp"
-W_JOINED_AXES = "nvte_w_joined"
+from lowbit.sharding import (
+    BATCH_AXES,
+    HEAD_AXES,
+    HIDDEN_AXES,
+    HIDDEN_TP_AXES,
+    JOINED_AXES,
+    SEQLEN_AXES,
+    SEQLEN_CP_AXES,
+    SEQLEN_TP_AXES,
+    W_FSDP_AXES,
+    W_JOINED_AXES,
+    W_NO_SHARD_AXES,
+    W_TP_AXES,
+    MeshResource,
+    global_mesh_resource,
+    global_shard_guard,
+)
 
 Rules = Tuple[Tuple[str, Optional[str]], ...]
 

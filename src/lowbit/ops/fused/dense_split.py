@@ -27,7 +27,7 @@ from lowbit.ops.quantize import parts_fusable
 from lowbit.quantization.checks import check_input
 from lowbit.quantization.tensor import prod
 from lowbit.recipe import Recipe
-from lowbit.sharding import plan_dense
+from lowbit.sharding import check_tp_layout, plan_dense
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -66,17 +66,21 @@ def split_dense(
     *,
     recipe: Optional[Recipe] = None,
     state: Optional[dict] = None,
+    rng: Optional[jax.Array] = None,
     out_dtype: Optional[DTypeLike] = None,
     norm: Optional[NormInput] = None,
+    tp_layout: Optional[str] = None,
 ) -> tuple:
     """``x (..., K) . kernel (K, n, F) (+ bias (n, F))`` as a tuple of n arrays (..., F): slot
-    i is ``dense(x, kernel, bias)[..., i, :]``. Arguments as :func:`lowbit.dense`.
+    i is ``dense(x, kernel, bias)[..., i, :]``. Arguments as :func:`lowbit.dense` (``rng``:
+    NVFP4's stochastic rounding of the gradient).
 
     ``norm`` (a :class:`lowbit.ops.fused.dense_norm.NormInput`): the GEMM reads ``layernorm(x, ...)``
     instead of x, the norm fused into the GEMM's input quantization; the result is then
     ``(slots, norm_output)``, norm_output None unless ``norm.return_output``."""
     x = check_input(x, "split_dense: x")
     kernel = check_input(kernel, "split_dense: kernel")
+    check_tp_layout(tp_layout, "split_dense")
     if kernel.ndim != 3 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(
             f"split_dense: x must be (..., K) and kernel (K, n, F); got x {tuple(x.shape)}, "
@@ -95,12 +99,13 @@ def split_dense(
     probe = [jax.ShapeDtypeStruct((M, F), out_dtype or x.dtype)] * n
     fused = (
         dense_mod.tensor_scaled(recipe)
-        and plan_dense(recipe, M, K, n * F) is None
+        and plan_dense(recipe, M, K, n * F, tp_layout) is None
         and parts_fusable(probe, recipe.scaling_mode("grad"))
     )
     if not fused:
         y_norm = dense_norm.apply_norm(ncfg, x, gamma, beta)
-        y = dense_mod.dense(y_norm, kernel, bias, recipe=recipe, state=state, out_dtype=out_dtype)
+        kw = dict(recipe=recipe, state=state, rng=rng, out_dtype=out_dtype, tp_layout=tp_layout)
+        y = dense_mod.dense(y_norm, kernel, bias, **kw)
         return dense_norm.with_norm_output(ncfg, tuple(y[..., i, :] for i in range(n)), y_norm)
     state = ds.check_state_arg("split_dense", recipe, state, "lowbit.init_delayed_state(recipe)")
     out_dtype = out_dtype if out_dtype is not None else x.dtype

@@ -28,7 +28,7 @@ from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.quantization.checks import check_input
 from lowbit.quantization.tensor import prod
 from lowbit.recipe import Recipe
-from lowbit.sharding import plan_dense, tensor_parallel_layout
+from lowbit.sharding import plan_dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +172,7 @@ def mlp(
         kw = dict(recipe=recipe, out_dtype=out_dtype)
         y_norm = dense_norm.apply_norm(ncfg, x, gamma, beta)
         h = checkpoint_name(dense_mod.dense(y_norm, k1, b1, state=states[0], **kw), hidden_checkpoint_name)
-        with tensor_parallel_layout("row"):
-            out = dense_mod.dense(activation(h, activations), k2, b2, state=states[1], **kw)
+        out = dense_mod.dense(activation(h, activations), k2, b2, state=states[1], tp_layout="row", **kw)
         return dense_norm.with_norm_output(ncfg, out, y_norm)
     s1 = ds.check_state_arg("mlp", recipe, states[0], "lowbit.init_delayed_state(recipe)")
     s2 = ds.check_state_arg("mlp", recipe, states[1], "lowbit.init_delayed_state(recipe)")

@@ -1,0 +1,131 @@
+"""The attention computations behind DotProductAttention's paths, and what picks between them.
+
+* no dropout: ``jax.nn.dot_product_attention`` (cuDNN on a GPU where it applies, else XLA);
+* dropout on a GPU (bf16/fp16, head_dim a multiple of 8 up to 128), outside loop bodies and
+  where XLA's command buffers leave cuDNN out: :func:`cudnn_attention_dropout`;
+* dropout otherwise: :func:`attention_reference` (float32 logits, ``lowbit.softmax``, dropout
+  from the module's RNG stream).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from lowbit.ops.softmax import softmax as _softmax
+
+# Traces whose body XLA runs repeatedly: cuDNN's dropout inside them aborts XLA (jax 0.11.2, H100:
+# "Fatal Python error: Aborted" compiling lax.scan over the attention), so dropout there takes the
+# reference path.
+LOOP_TRACES = ("scan", "while", "fori_loop", "map")
+
+
+def traced_in_loop() -> bool:
+    """Whether the current trace, or one it is nested in, traces a loop body (lax.scan, nn.scan,
+    while/fori loops). Reads JAX's trace stack (private); if that is not readable, answers True
+    so that dropout takes the safe reference path."""
+    try:
+        from jax._src import core
+
+        t = core.trace_ctx.trace
+        while t is not None:
+            frame = getattr(t, "frame", None)
+            what = getattr(getattr(frame, "debug_info", None), "traced_for", "") or ""
+            if any(w in what for w in LOOP_TRACES):
+                return True
+            t = getattr(t, "parent_trace", None)
+        return False
+    except Exception:
+        return True
+
+
+def cudnn_dropout_allowed(implementation) -> bool:
+    """cuDNN's fused attention with dropout crashes XLA (jax 0.11.2, H100) when XLA records the
+    cuDNN call into a command buffer (CUDA graph): "Check failed: local_device_ordinal.has_value()"
+    in cuda_dnn.cc at the first execution of a full layer. It runs when asked for explicitly
+    (``implementation="cudnn"`` or ``LOWBIT_CUDNN_DROPOUT=1``) or when XLA_FLAGS sets
+    ``--xla_gpu_enable_command_buffer`` to a list without CUDNN; otherwise dropout takes the
+    reference path."""
+    if implementation == "cudnn" or os.environ.get("LOWBIT_CUDNN_DROPOUT", "") == "1":
+        return True
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        if flag.startswith("--xla_gpu_enable_command_buffer="):
+            return "CUDNN" not in flag.split("=", 1)[1].upper()
+    return False
+
+
+def default_is_gpu() -> bool:
+    """Whether attention will run on a GPU: the jax.default_device in effect, else the backend."""
+    dev = getattr(jax.config, "jax_default_device", None)
+    if dev is not None:
+        return getattr(dev, "platform", str(dev)) in ("gpu", "cuda")
+    return jax.default_backend() == "gpu"
+
+
+def attention_reference(q, k, v, masked, bias, bias_type, scale, rate, rng, plain_causal=False):
+    """logits (float32) -> ``lowbit.softmax`` -> dropout (``rate``, from ``rng``) -> values.
+
+    ``q (b, sq, h, d)``, ``k``/``v (b, sk, g, d)``, ``masked`` True = out (broadcastable to
+    ``(b, h, sq, sk)``) or None; ``plain_causal``: the mask is exactly the square causal triangle."""
+    b, sq, h, d = q.shape
+    sk, g = k.shape[1], k.shape[2]
+    qg = q.reshape(b, sq, g, h // g, d)
+    logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k, preferred_element_type=jnp.float32).reshape(b, h, sq, sk)
+    smax_scale = scale
+    if bias is not None:
+        if bias_type == "pre_scale_bias":
+            logits = logits + bias.astype(jnp.float32)
+        else:
+            logits = logits * scale + bias.astype(jnp.float32)
+            smax_scale = 1.0
+    if plain_causal:
+        probs = _softmax(logits, smax_scale, softmax_type="scaled_upper_triang_masked")
+    elif masked is not None:
+        probs = _softmax(logits, smax_scale, mask=masked, softmax_type="scaled_masked")
+    else:
+        probs = _softmax(logits, smax_scale)
+    if rate > 0:
+        keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
+        probs = jnp.where(keep, probs / (1.0 - rate), 0.0)
+    probs = probs.astype(q.dtype)
+    out = jnp.einsum(
+        "bgrqk,bkgd->bqgrd", probs.reshape(b, g, h // g, sq, sk), v, preferred_element_type=jnp.float32
+    )
+    return out.reshape(b, sq, h, d).astype(q.dtype)
+
+
+def cudnn_attention_dropout(q, k, v, masked, bias, bias_type, scale, rate, seed, plain_causal=False):
+    """cuDNN's fused attention with dropout (GPU, bf16/fp16): same inputs as
+    :func:`attention_reference`; the dropout stream is cuDNN's (``seed`` and an offset that
+    advances with every execution of the compiled program)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dpa
+
+    if bias is not None:
+        bias = bias.astype(q.dtype)
+        if bias_type == "pre_scale_bias":
+            bias = (bias * scale).astype(q.dtype)
+    keep = None if (masked is None or plain_causal) else jnp.logical_not(masked)
+    return cudnn_dpa(
+        q,
+        k,
+        v,
+        bias,
+        keep,
+        scale=scale,
+        mask_type=MaskType.CAUSAL if plain_causal else MaskType.NO_MASK,
+        seed=int(seed),
+        dropout_rate=float(rate),
+        qkv_layout="BTNH",
+    )
+
+
+__all__ = [
+    "attention_reference",
+    "cudnn_attention_dropout",
+    "cudnn_dropout_allowed",
+    "default_is_gpu",
+    "traced_in_loop",
+]
