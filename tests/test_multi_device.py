@@ -101,7 +101,17 @@ def test_seed_check_names_each_problem():
 # ---------------------------------------------------------------------------------------------
 # On 4 host devices (subprocess)
 # ---------------------------------------------------------------------------------------------
-CASES = ("seed", "layers", "moe", "no_zero_size_operands")
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it (lowbit's shard_map is jitted)."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if hasattr(inner, "eqns"):
+                yield from _eqns(inner)
+
+
+CASES = ("seed", "layers", "moe", "no_zero_size_operands", "attention_dp_tp")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -287,6 +297,41 @@ def _worker(case: str) -> None:
                     assert audit["counts"]["all-gather"] == 0 and audit["counts"]["all-to-all"] == 0, audit[
                         "counts"
                     ]
+    elif case == "attention_dp_tp":
+        # DotProductAttention with a heads-shared relative bias under DP x TP runs per shard
+        # (batch over dp, heads over tp): on the GPU the fused attention's cuDNN graph failed to
+        # build when XLA partitioned it with the bias (issue 24). Same results as one device.
+        from lowbit.flax import DotProductAttention
+
+        b, s, h, d = 4, 16, 4, 8
+        q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(3))
+        bias = jnp.asarray(rng.standard_normal((1, h, s, s)), jnp.bfloat16)
+        g = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32)
+        dpa = DotProductAttention(
+            head_dim=d, num_attention_heads=h, transpose_batch_sequence=False, dtype=jnp.bfloat16
+        )
+
+        def loss(q, k, v, bias):
+            return jnp.sum(dpa.apply({}, q, k, v, bias=bias).astype(jnp.float32) * g)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+        ref = step(q, k, v, bias)
+        mesh = md._mesh((2, 2), ("dp", "tp"))
+        qs = NamedSharding(mesh, P("dp", None, "tp", None))
+        args = md.put((q, k, v, bias), (qs, qs, qs, NamedSharding(mesh, P(None, "tp", None, None))))
+        ctx = md._Ctx(mesh, lowbit.MeshResource(dp_resource="dp", tp_resource="tp"), None)
+        with ctx:
+            jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+            hlo = step.lower(*args).compile().as_text()
+        got = ctx.wrap(step)(*args)
+
+        assert any(e.primitive.name == "shard_map" for e in _eqns(jaxpr)), "attention not run per shard"
+        assert md.audit_hlo(hlo)["counts"]["all-gather"] == 0
+        # The bias gradient sums over the batch: per shard, then over dp, in bf16 (one rounding of
+        # each partial); everything else is computed per (sequence, head) exactly as on one device.
+        for r, o in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got)):
+            r, o = np.asarray(r, np.float32), np.asarray(o, np.float32)
+            np.testing.assert_allclose(o, r, rtol=2.0**-7, atol=2.0**-7 * np.abs(r).max())
     elif case == "no_zero_size_operands":
         # lowbit's zero-length stand-in operands must stay inside the manual region: passed in as
         # shard_map operands (closed-over NumPy constants), jax 0.11.2's XLA segfaulted compiling
@@ -303,15 +348,7 @@ def _worker(case: str) -> None:
         g = shard_map(body, mesh, (P("dp", None),), P("dp", None))
         x = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
 
-        def walk(jaxpr):  # lowbit's shard_map is jitted: look inside nested jaxprs too
-            for e in jaxpr.eqns:
-                yield e
-                for p in e.params.values():
-                    inner = getattr(p, "jaxpr", p)
-                    if hasattr(inner, "eqns"):
-                        yield from walk(inner)
-
-        eqns = [e for e in walk(jax.make_jaxpr(g)(x).jaxpr) if e.primitive.name == "shard_map"]
+        eqns = [e for e in _eqns(jax.make_jaxpr(g)(x).jaxpr) if e.primitive.name == "shard_map"]
         assert eqns, "no shard_map in the jaxpr"
         shapes = [tuple(v.aval.shape) for e in eqns for v in e.invars]
         assert all(0 not in s for s in shapes), shapes

@@ -248,6 +248,24 @@ def plan_rows(shape, split_last: bool = False):
     return mesh, P(entry(batch), *([None] * (len(shape) - 2)), entry(tp))
 
 
+def plan_attention(q_shape, kv_shape):
+    """(mesh, batch entry, head entry) to run an attention (q (b, sq, h, d), k/v (b, skv, g, d))
+    per shard: batch over the batch axes (dp, fsdp), heads over tp where h and g both divide (a
+    column-parallel QKV projection leaves its heads so). None to run it as one op: no
+    MeshResource or mesh, nothing to split, or uneven shards."""
+    found = _mesh_axes()
+    if found is None or len(q_shape) != 4 or len(kv_shape) != 4:
+        return None
+    mesh, batch, tp = found
+    if q_shape[0] % _axis_size(mesh, batch):
+        batch = ()
+    if q_shape[2] % _axis_size(mesh, tp) or kv_shape[2] % _axis_size(mesh, tp):
+        tp = ()
+    if not batch and not tp:
+        return None
+    return mesh, ShardPlan._entry(batch), ShardPlan._entry(tp)
+
+
 def plan_dense(recipe, M: int, K: int, N: int, tp_layout: Optional[str] = None) -> Optional[ShardPlan]:
     """The shard plan for a (M, K) x (K, N) dense under ``recipe``, tp splitting the kernel's N
     or K as ``tp_layout`` says (:func:`resolve_tp_layout`), or None to run unsharded (no

@@ -42,7 +42,7 @@ from lowbit.flax.attention_masks import (
     combine_masks,
     enum_name,
 )
-from lowbit.flax.attention_paths import attention_reference, cudnn_attention_dropout
+from lowbit.flax.attention_paths import attention_reference, cudnn_attention_dropout, per_shard_attention
 
 # The path predicates under their private names here: DotProductAttention looks them up in this
 # module at call time, so patching lowbit.flax.attention._default_is_gpu (tests do) takes effect.
@@ -266,18 +266,24 @@ class DotProductAttention(nn.Module):
             if bias_type == "pre_scale_bias":  # softmax(scale * (qk + bias))
                 bias = (bias * scale).astype(query.dtype)
         if local is not None:
-            kw = dict(bias=bias, mask=None, is_causal=True, scale=scale, local_window_size=local)
+            keep, kw = None, dict(is_causal=True, scale=scale, local_window_size=local)
         else:
             keep = None if (masked is None or plain_causal) else jnp.logical_not(masked)
-            kw = dict(bias=bias, mask=keep, is_causal=plain_causal, scale=scale)
-        if self.implementation == "cudnn":
-            return jax.nn.dot_product_attention(query, key, value, implementation="cudnn", **kw)
-        if self._use_cudnn(query.dtype, query.shape[-1]):
+            kw = dict(is_causal=plain_causal, scale=scale)
+        impls = ("cudnn",) if self.implementation == "cudnn" else ()
+        if not impls and self._use_cudnn(query.dtype, query.shape[-1]):
+            impls = ("cudnn", "xla")  # cuDNN may refuse the configuration at trace time
+        impls = impls or ("xla",)
+        for impl in impls:
+
+            def attend(q, k, v, b, m, impl=impl):
+                return jax.nn.dot_product_attention(q, k, v, bias=b, mask=m, implementation=impl, **kw)
+
             try:
-                return jax.nn.dot_product_attention(query, key, value, implementation="cudnn", **kw)
-            except Exception:  # cuDNN refused the configuration at trace time: use XLA
-                pass
-        return jax.nn.dot_product_attention(query, key, value, implementation="xla", **kw)
+                return per_shard_attention(attend, query, key, value, bias, keep)
+            except Exception:
+                if impl == impls[-1] or self.implementation == "cudnn":
+                    raise
 
 
 class MultiHeadAttention(nn.Module):

@@ -13,8 +13,10 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from lowbit.ops.softmax import softmax as _softmax
+from lowbit.sharding import plan_attention, shard_map
 
 # Traces whose body XLA runs repeatedly: cuDNN's dropout inside them aborts XLA (jax 0.11.2, H100:
 # "Fatal Python error: Aborted" compiling lax.scan over the attention), so dropout there takes the
@@ -96,6 +98,35 @@ def attention_reference(q, k, v, masked, bias, bias_type, scale, rate, rng, plai
     return out.reshape(b, sq, h, d).astype(q.dtype)
 
 
+def per_shard_attention(fn, query, key, value, bias=None, mask=None):
+    """``fn(query, key, value, bias, mask)`` (layouts (b, s, heads, d); bias and mask
+    broadcastable to (b, h, sq, skv)) run per shard under a mesh (lowbit.sharding.plan_attention):
+    batch over dp/fsdp, heads over tp. The fused attention custom call has no partitioning rule
+    XLA can use for a heads-split bias (its cuDNN graph build failed on DP x TP, issue 24), and
+    attention is independent per sequence and head, so each shard runs the whole op locally. A
+    bias or mask shared over the batch (leading dim 1) is replicated over the batch axes: its
+    cotangent is summed over them."""
+    plan = plan_attention(query.shape, key.shape)
+    if plan is None:
+        return fn(query, key, value, bias, mask)
+    mesh, b, h = plan
+    qkv = P(b, None, h, None)
+
+    def spec4(a):  # (b or 1, h or 1, sq, skv); anything else replicated
+        if a.ndim != 4:
+            return P()
+        return P(b if a.shape[0] == query.shape[0] else None, h if a.shape[1] > 1 else None)
+
+    args = {k: a for k, a in (("bias", bias), ("mask", mask)) if a is not None}
+
+    def body(q, k, v, *rest):
+        got = dict(zip(args, rest))
+        return fn(q, k, v, got.get("bias"), got.get("mask"))
+
+    specs = (qkv, qkv, qkv, *(spec4(a) for a in args.values()))
+    return shard_map(body, mesh, specs, qkv)(query, key, value, *args.values())
+
+
 def cudnn_attention_dropout(q, k, v, masked, bias, bias_type, scale, rate, seed, plain_causal=False):
     """cuDNN's fused attention with dropout (GPU, bf16/fp16): same inputs as
     :func:`attention_reference`; the dropout stream is cuDNN's (``seed`` and an offset that
@@ -125,6 +156,7 @@ def cudnn_attention_dropout(q, k, v, masked, bias, bias_type, scale, rate, seed,
 __all__ = [
     "attention_reference",
     "cudnn_attention_dropout",
+    "per_shard_attention",
     "cudnn_dropout_allowed",
     "default_is_gpu",
     "traced_in_loop",
