@@ -28,6 +28,7 @@ CASES = (
     "column_hlo",
     "flax_dot_general",
     "partial_sums_bf16",
+    "amax_reductions",
 )
 
 
@@ -338,6 +339,22 @@ def _worker(case: str) -> None:
                 assert np.array_equal(r, g)
             else:
                 np.testing.assert_allclose(g, r, rtol=2.0**-7, atol=2.0**-7 * np.abs(r).max(), err_msg=n)
+    elif case == "amax_reductions":
+        # One scalar all-reduce per direction: the forward's x and kernel amaxes together, the
+        # backward's gradient amax (the old code reduced each tensor's, and current scaling's twice).
+        res = MeshResource(dp_resource="dp", tp_resource="tp")
+        for name in ("delayed", "current"):
+            recipe = recipes[name]
+            with jax.set_mesh(mesh22), global_shard_guard(res):
+                args = [
+                    jax.device_put(a, NamedSharding(mesh22, P(*s))) for a, s in zip((x, w, b, dy), seed_specs)
+                ]
+                jaxpr = jax.make_jaxpr(step_for(recipe))(*args, state_for(recipe))
+            pmax = _primitive_inputs(jaxpr.jaxpr, "pmax")
+            assert len(pmax) == 2, (name, [v.aval for v in pmax])
+            ref = jax.jit(step_for(recipe))(x, w, b, dy, state_for(recipe))
+            got = run(recipe, mesh22, dp_tp, seed_specs)
+            compare(ref, got, exact={"y"})
     else:
         raise SystemExit(f"unknown case {case}")
     print(f"OK {case}")

@@ -63,11 +63,29 @@ def _scale_from_amax(a, m):
     return jnp.where(ok, s, jnp.float32(1)).astype(jnp.float32)
 
 
-def _quantize(cfg, role, v, scale, axes, dbias=False):
-    """Quantizes one shard in both layouts with the global per-tensor scale; amax is global."""
+def _current(cfg, role) -> bool:
+    return cfg.recipe.scaling_mode(role) == ScalingMode.CURRENT_TENSOR_SCALING
+
+
+def _global_amaxes(cfg, vals: dict, axes) -> dict:
+    """Current scaling's amaxes, needed before quantizing: the roles' local maxima reduced in one
+    all-reduce over every axis of the plan (each tensor is replicated over the axes that do not
+    split it, so the max over them is its own)."""
+    roles = [r for r in vals if _current(cfg, r)]
+    if not roles:
+        return {}
+    g = _pmax(jnp.concatenate([_local_amax(vals[r]) for r in roles]), axes)
+    return {r: g[i : i + 1] for i, r in enumerate(roles)}
+
+
+def _quantize(cfg, role, v, scale, amax=None, dbias=False):
+    """Quantizes one shard in both layouts with the global per-tensor scale. Current scaling
+    takes its global ``amax`` (the scale follows from it; the delayed path's encode); the
+    ScaledTensor's amax is that global one, or the shard's own (reduced by
+    :func:`_reduce_amaxes`)."""
     mode, q = cfg.recipe.scaling_mode(role), cfg.recipe.q_dtype(role)
     if mode == ScalingMode.CURRENT_TENSOR_SCALING:
-        scale = _scale_from_amax(_pmax(_local_amax(v), axes), float(jnp.finfo(q).max))
+        scale = _scale_from_amax(amax, float(jnp.finfo(q).max))
         mode = ScalingMode.DELAYED_TENSOR_SCALING
     kw = dict(scale=scale, layout="both")
     if mode.is_fp8_block:
@@ -77,9 +95,19 @@ def _quantize(cfg, role, v, scale, axes, dbias=False):
         qt, db = quantize_dbias(v, mode, q, **kw)
     else:
         qt, db = quantize(v, mode, q, **kw), None
-    if mode.is_tensor_scaling:
-        qt = dataclasses.replace(qt, amax=_pmax(qt.amax, axes))
-    return poison_nonfinite(qt), db
+    if amax is not None:
+        qt = dataclasses.replace(qt, amax=amax)
+    return qt, db
+
+
+def _reduce_amaxes(cfg, qts: dict, axes) -> tuple:
+    """The quantized shards with global amaxes (the delayed roles' in one all-reduce; current
+    scaling's are global already) and NaN decode scales where an amax is not finite."""
+    local = [r for r, qt in qts.items() if qt.scaling_mode.is_tensor_scaling and not _current(cfg, r)]
+    if local:
+        g = _pmax(jnp.concatenate([qts[r].amax for r in local]), axes)
+        qts = dict(qts, **{r: dataclasses.replace(qts[r], amax=g[i : i + 1]) for i, r in enumerate(local)})
+    return tuple(poison_nonfinite(qt) for qt in qts.values())
 
 
 def _partial_dtype(plan, a, b, out_dtype):
@@ -146,8 +174,11 @@ def _amax_axes(plan, *dims):
 # ---------------------------------------------------------------------------------------------
 def _fwd(cfg, plan: ShardPlan, x, k, bias, state):
     def body(x, k, bias, sx, sk):
-        qx, _ = _quantize(cfg, "x", x, sx, _amax_axes(plan, "batch", "k_axes"))
-        qk, _ = _quantize(cfg, "kernel", k, sk, _amax_axes(plan, "k_axes", "n_axes"))
+        axes = _amax_axes(plan, "batch", "k_axes", "n_axes")
+        pre = _global_amaxes(cfg, {"x": x, "kernel": k}, axes)
+        qx, _ = _quantize(cfg, "x", x, sx, pre.get("x"))
+        qk, _ = _quantize(cfg, "kernel", k, sk, pre.get("kernel"))
+        qx, qk = _reduce_amaxes(cfg, {"x": qx, "kernel": qk}, axes)
         y = _mm(plan, qx, qk, "rowwise", "colwise", cfg.out_dtype, plan.k_axes, bias, cfg.fast_accum)
         return y, (qx.colwise_data, qx.colwise_scale_inv, qk.data, qk.scale_inv), (qx.amax, qk.amax)
 
@@ -196,7 +227,11 @@ def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
     def body(dy, xc, xcs, kr, krs, sg):
         # Split rows: sum dbias in float32 here (the fused one rounds each partial to dy's dtype).
         fused = cfg.bias_dtype is not None and not plan.batch
-        qdy, db = _quantize(cfg, "grad", dy, sg, _amax_axes(plan, "batch", "n_axes"), dbias=fused)
+        axes = _amax_axes(plan, "batch", "k_axes", "n_axes")
+        qdy, db = _quantize(
+            cfg, "grad", dy, sg, _global_amaxes(cfg, {"grad": dy}, axes).get("grad"), dbias=fused
+        )
+        (qdy,) = _reduce_amaxes(cfg, {"grad": qdy}, axes)
         if cfg.bias_dtype is not None and plan.batch:
             db = jnp.sum(dy.astype(jnp.float32), axis=0)
         qx = _local_tensor(cfg, "x", xc, xcs, colwise=True)
