@@ -21,11 +21,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from lowbit.ops._ffi import softmax as ffi
 from lowbit.quantization.checks import as_array, check_input
 from lowbit.quantization.tensor import prod
+from lowbit.sharding import plan_attention, shard_map
 
 _TYPES = {
     "scaled": ffi.SCALED,
@@ -110,7 +112,21 @@ def softmax(
                 softmax_type = "scaled_masked"
         else:
             shape4 = (1, 1, prod(shape[:-1]), Sk)
+    bh = (shape[0], 1, shape[1], 1) if x.ndim == 4 else None  # (b, h) in attention's (b, s, h, d) slots
+    if bh is not None and (plan := plan_attention(bh, bh)) is not None:
+        return _softmax_sharded(plan, x, scale, mask4, softmax_type)
     return _softmax(_SoftmaxConfig(_TYPES[softmax_type], scale, shape4), x, mask4)
+
+
+def _softmax_sharded(plan, x, scale, mask4, softmax_type):
+    """softmax of x (b, h, sq, sk) per shard under a mesh: batch over dp/fsdp, heads over tp (the
+    FFI call has no partitioning rule: XLA would gather x). Its backward needs no collective."""
+    mesh, b, h = plan
+    xs = P(b, h)
+    if mask4 is None:
+        return shard_map(lambda x: softmax(x, scale, None, softmax_type), mesh, (xs,), xs)(x)
+    ms = P(b if mask4.shape[0] > 1 else None, h if mask4.shape[1] > 1 else None)
+    return shard_map(lambda x, m: softmax(x, scale, m, softmax_type), mesh, (xs, ms), xs)(x, mask4)
 
 
 @dataclasses.dataclass(frozen=True)
