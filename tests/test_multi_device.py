@@ -168,6 +168,11 @@ def test_bench_stages_end_to_end(tmp_path):
     )
     assert "## multi_device seed" in stdout and "## multi_device moe" in stdout
     _check_stage_results(tmp_path)
+    coll = _rows(tmp_path, "collectives")["rows"]
+    assert {(r["op"], r["devices"]) for r in coll} == {
+        (op, n) for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all") for n in (2, N_DEV)
+    }
+    assert all(r["ms"] > 0 and r["busbw_GBps"] > 0 for r in coll)
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ import time
 
 from lowbit.bench.peers import te_peer  # imports neither jax nor TE at module load
 
-STAGES = ("seed", "layer", "moe")
+STAGES = ("seed", "layer", "moe", "collectives")
 _ENV_ID, _ENV_NUM, _ENV_COORD = "LOWBIT_MP_PROCESS_ID", "LOWBIT_MP_NUM_PROCESSES", "LOWBIT_MP_COORDINATOR"
 
 
@@ -1057,13 +1057,20 @@ def main(argv=None) -> int:
             models = tuple(m for m in args.models.split(",") if m)
             pars = tuple(p for p in args.parallel.split(",") if p)
             rows, cols, bad = layer_rows(small, models, pars, args.recipe), LAYER_COLUMNS, []
+        elif stage == "collectives":
+            from lowbit.bench import collectives as cl
+
+            rows, cols, bad = cl.collective_rows(small, lambda f, a: _timed(f, a, small)), cl.COLUMNS, []
         else:
             rows, cols, bad = moe_rows(small, quick=args.quick), MOE_COLUMNS, []
         if main_proc:
             suffix = ("small" if small else "full") + (
                 f"-{jax.process_count()}proc" if jax.process_count() > 1 else ""
             )
-            shown = [dict(r, rel_diff_vs_one=f"{r['rel_diff_vs_one']:.1e}") for r in rows]
+            shown = [
+                dict(r, rel_diff_vs_one=f"{r['rel_diff_vs_one']:.1e}") if "rel_diff_vs_one" in r else r
+                for r in rows
+            ]
             print_table(f"multi_device {stage} ({len(jax.devices())} x {env['device']})", shown, cols)
             path = write_json(f"multi_device-{stage}-{suffix}", {"env": env, "rows": rows}, out)
             print(f"wrote {path} ({time.perf_counter() - t0:.1f} s)")
