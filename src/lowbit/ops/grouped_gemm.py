@@ -36,7 +36,7 @@ from lowbit import delayed_scaling as ds
 from lowbit._native import EMPTY_F32
 from lowbit.ops.gemm import pad_to
 from lowbit.ops.nonfinite import poison_nonfinite
-from lowbit.ops.quantize import grouped_quantize, quantize
+from lowbit.ops.quantize import group_sizes_int32, grouped_quantize, host_group_sizes, quantize
 from lowbit.quantization.checks import as_array, as_dtype
 from lowbit.quantization.scaling_modes import ScalingMode, dtype_code
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
@@ -500,7 +500,7 @@ def grouped_gemm(
             f"grouped_gemm: contraction sizes differ: lhs {tuple(lhs.shape)} has K={K}, "
             f"rhs {tuple(rhs.shape)} has K={K2}"
         )
-    group_sizes = as_array(group_sizes, "grouped_gemm: group_sizes")
+    group_sizes = as_array(host_group_sizes(group_sizes, M), "grouped_gemm: group_sizes")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(
             f"grouped_gemm: group_sizes must be an integer array, got {np.dtype(group_sizes.dtype).name}"
@@ -515,7 +515,7 @@ def grouped_gemm(
             f"grouped_gemm: rhs and group_sizes must hold at least one group (G >= 1), "
             f"got rhs {tuple(rhs.shape)}"
         )
-    gs = group_sizes.astype(jnp.int32)
+    gs = group_sizes_int32(group_sizes, M)
     out_dtype = as_dtype(
         preferred_element_type if preferred_element_type is not None else jnp.result_type(lhs, rhs),
         "grouped_gemm: preferred_element_type",
