@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import run_on, to_cpu
 
 import lowbit
 import lowbit.flax as lf
-from conftest import run_on, to_cpu
 from lowbit.recipe import (
     DelayedScaling,
     Float8BlockScaling,
