@@ -470,7 +470,8 @@ def grouped_gemm(
       lhs: (M, K) float32 or bfloat16; groups of consecutive rows.
       rhs: (G, K, N) float32 or bfloat16; one matrix per group.
       group_sizes: (G,) integer (int32 on the device); a sum below M leaves the trailing rows in
-        no group (zero output); a sum above M is clamped (groups end at row M).
+        no group (zero output); a sum above M is clamped (groups end at row M). A wider dtype
+        (uint32, int64) is clipped to [0, M] before the int32 narrowing: the same groups.
       recipe: None: BF16 operands (float32 inputs are rounded to bfloat16), float32
         accumulation. Float8CurrentScaling or DelayedScaling: FP8 with per-group tensor scales.
         Float8BlockScaling: FP8 with 1x128 block scales for lhs and the gradient (blocks along

@@ -623,7 +623,8 @@ def grouped_quantize(
     amax_epsilon: float = 0.0,
 ) -> ScaledTensor:
     """Quantizes the row groups of ``x`` (M, K) as separate tensors; ``group_sizes`` int32 (G,)
-    stays on the device. Returns a ScaledTensor whose scales and amax have one entry per group
+    stays on the device (a host array of a wider integer type is clipped to [0, M] first: the
+    same groups, no wrap). Returns a ScaledTensor whose scales and amax have one entry per group
     (tensor modes) and whose colwise copy is the (K, M) transpose.
 
     ``BLOCK_1D_SCALING`` (Float8BlockScaling's activations and gradients): 1x128 blocks along K
