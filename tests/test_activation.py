@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import run_on, to_cpu
-from test_norm import assert_close, assert_same_scaled, bits, f64, make
+from helpers import bits
+from test_norm import assert_close, assert_same_scaled, f64, make
 
 import lowbit
 from lowbit.ops.activation import act_lu, dact_dbias

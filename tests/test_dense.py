@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import run_on, to_cpu
+from helpers import rel
 
 import lowbit
 
@@ -38,11 +39,6 @@ BOUNDS = {
     "nvfp4": (0.15, 0.3),
     "nvfp4_plain": (0.15, 0.25),
 }
-
-
-def rel(got, ref) -> float:
-    got = np.asarray(got, np.float64)
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
 def state_for(recipe):

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import run_on, to_cpu
+from helpers import rel
 
 import lowbit
 import lowbit.flax as lf
@@ -19,11 +20,6 @@ import lowbit.flax as lf
 SM = lowbit.ScalingMode
 F32, BF16 = jnp.float32, jnp.bfloat16
 BLOCK = lowbit.Float8BlockScaling()
-
-
-def rel(got, ref) -> float:
-    got = np.asarray(got, np.float64)
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
 def dense_vjp(recipe, x, w, b, dy):

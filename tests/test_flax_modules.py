@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import is_gpu
+from helpers import randn, rel
 
 import lowbit
 from lowbit import flax as lf
@@ -38,11 +39,6 @@ CASES = [
 ]
 CASE_IDS = [c[0] for c in CASES]
 RNGS = {"dropout": jax.random.PRNGKey(5), "sr_rng": jax.random.PRNGKey(6)}
-
-
-def relerr(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _ln(x, g, b, kind="layernorm", zc=False, eps=1e-6):
@@ -167,18 +163,14 @@ def check_module(module, x, ref, recipe, dtype, tol_out, tol_grad, extra_args=()
         rgp, rgx = jax.grad(
             lambda p, x: jnp.vdot(ref(p, x), jnp.asarray(np.asarray(dy, np.float64))), argnums=(0, 1)
         )(p64, x64)
-    assert relerr(out, r) < tol_out, f"forward: {relerr(out, r)}"
-    assert relerr(gx, rgx) < tol_grad, f"dx: {relerr(gx, rgx)}"
+    assert rel(out, r) < tol_out, f"forward: {rel(out, r)}"
+    assert rel(gx, rgx) < tol_grad, f"dx: {rel(gx, rgx)}"
     flat = jax.tree_util.tree_leaves_with_path(gp)
     ref_flat = dict(jax.tree_util.tree_leaves_with_path(rgp))
     for path, g in flat:
-        e = relerr(g, ref_flat[path])
+        e = rel(g, ref_flat[path])
         assert e < tol_grad, f"d{jax.tree_util.keystr(path)}: {e}"
     return v
-
-
-def randn(shape, seed=0, scale=1.0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
 
 
 # ---- LayerNorm / Softmax ---------------------------------------------------------------------
@@ -292,7 +284,7 @@ def test_mlp_dropout():
     d2 = lf.LayerNormMLP(intermediate_dim=64, activations=("relu",), intermediate_dropout_rate=0.0).apply(
         v, x
     )[0]
-    assert relerr(a, b) > 1e-2
+    assert rel(a, b) > 1e-2
     np.testing.assert_array_equal(d1, d2)
 
 
@@ -380,7 +372,7 @@ def test_attention_dropout_path(mask_type):
     )
     o1 = m.apply({}, q, k, v, mask, rngs={"dropout": key})
     o2 = m.apply({}, q, k, v, mask, deterministic=True)
-    assert o1.shape == o2.shape and relerr(o1, o2) > 1e-2
+    assert o1.shape == o2.shape and rel(o1, o2) > 1e-2
 
 
 @pytest.mark.parametrize("groups", [4, 2])
@@ -609,7 +601,7 @@ def test_transformer_layer_gpu_attention_matches_xla(device):
         ref = jax.jit(lambda v, x: m.apply(v, x, deterministic=True))(
             jax.device_put(v, jax.devices("cpu")[0]), jax.device_put(x, jax.devices("cpu")[0])
         )
-    assert relerr(np.asarray(y, np.float32), np.asarray(ref, np.float32)) < (2e-2 if is_gpu(device) else 1e-6)
+    assert rel(np.asarray(y, np.float32), np.asarray(ref, np.float32)) < (2e-2 if is_gpu(device) else 1e-6)
 
 
 def _train(recipe, steps=100):

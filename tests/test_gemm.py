@@ -13,18 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import is_gpu, run_on, to_cpu
+from helpers import rel
 
 import lowbit
 
 SM = lowbit.ScalingMode
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 F32, BF16 = jnp.float32, jnp.bfloat16
-
-
-def rel(got, ref) -> float:
-    got = np.asarray(got, np.float64)
-    ref = np.asarray(ref, np.float64)
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
 def decoded(qt, layout="rowwise"):

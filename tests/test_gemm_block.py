@@ -13,6 +13,7 @@ import numpy as np
 import oracle as O
 import pytest
 from conftest import is_gpu, run_on, to_cpu
+from helpers import rel
 
 import lowbit
 
@@ -20,11 +21,6 @@ SM = lowbit.ScalingMode
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 F32, BF16 = jnp.float32, jnp.bfloat16
 B1, B2 = SM.BLOCK_1D_SCALING, SM.BLOCK_2D_SCALING
-
-
-def rel(got, ref) -> float:
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
 def decoded64(qt, layout):

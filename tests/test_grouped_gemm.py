@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import is_gpu, run_on, to_cpu
+from helpers import rel
 
 import lowbit
 from lowbit.flax.ragged_dot import make_ragged_dot_cls
@@ -43,12 +44,6 @@ def ref_grads(lhs, rhs, sizes, dout):
         dlhs[o : o + s] = dout[o : o + s] @ rhs[g].T
         drhs[g] = lhs[o : o + s].T @ dout[o : o + s]
     return dlhs, drhs
-
-
-def rel(got, ref) -> float:
-    got = np.asarray(got, np.float64)
-    den = np.linalg.norm(ref)
-    return float(np.linalg.norm(got - ref) / (den if den > 0 else 1.0))
 
 
 def bf16_values(rng, shape, scale=1.0):

@@ -17,20 +17,12 @@ import subprocess
 import sys
 
 import pytest
+from helpers import multi_device_env
 
 from lowbit.bench import multi_device as md
 
 N_DEV = 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _env(devices: int = N_DEV) -> dict:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "src"), env.get("PYTHONPATH")) if p)
-    return env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +110,7 @@ CASES = ("seed", "layers", "moe", "no_zero_size_operands", "attention_dp_tp", "s
 def test_sharded_matches_one_device(case):
     r = subprocess.run(
         [sys.executable, os.path.abspath(__file__), case],
-        env=_env(),
+        env=multi_device_env(N_DEV),
         capture_output=True,
         text=True,
         timeout=600,
@@ -129,7 +121,7 @@ def test_sharded_matches_one_device(case):
 def _run_bench(args, out, timeout=300):
     r = subprocess.run(
         [sys.executable, "-m", "lowbit.bench", "multi_device", *args, "--out", str(out)],
-        env=_env(1),
+        env=multi_device_env(1),
         capture_output=True,
         text=True,
         timeout=timeout,

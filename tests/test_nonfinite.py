@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import run_on, to_cpu
 
 import lowbit
 import lowbit.flax as lf
@@ -57,6 +58,28 @@ def test_dense_inf_gives_nonfinite_output_and_gradients(name):
     assert not _finite(y) and not _finite(dx)  # forward, and dgrad from the kernel's copy
     y, dx, dw = run(X, W, _with_inf(DY))
     assert _finite(y) and not _finite(dx) and not _finite(dw)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_dense_inf_makes_every_product_reading_it_nan(name, device):
+    """docs/numerics.md: every product that reads an operand with an Inf amax is NaN, not merely
+    non-finite (NVFP4 read its NaN global_scale_inv as a finite scale: finite and +-Inf outputs)."""
+    r = RECIPES[name]
+    state = lowbit.init_delayed_state(r) if name == "delayed" else None
+
+    def run(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: lowbit.dense(x, w, recipe=r, state=state), x, w)
+        return y, *vjp(dy)
+
+    def nan(a) -> bool:
+        return bool(np.isnan(a).all())
+
+    y, dx, dw = to_cpu(run_on(device, run, _with_inf(X), W, DY))
+    assert nan(y) and nan(dw) and _finite(dx)  # dgrad dy . w^T does not read x
+    y, dx, dw = to_cpu(run_on(device, run, X, _with_inf(W), DY))
+    assert nan(y) and nan(dx) and _finite(dw)
+    y, dx, dw = to_cpu(run_on(device, run, X, W, _with_inf(DY)))
+    assert _finite(y) and nan(dx) and nan(dw)
 
 
 @pytest.mark.parametrize("name", ["delayed", "current", "block"])

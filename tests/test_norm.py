@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import run_on, to_cpu
+from helpers import bits
 
 import lowbit
 from lowbit.ops.norm import layernorm_bwd, layernorm_fwd
@@ -72,11 +73,6 @@ def assert_close(got, want, rtol, floor=1e-2, what=""):
             f"{what}: {bad.sum()} of {bad.size} off; first at {i}: got {got[i]}, want {want[i]} "
             f"(bound {bound[i]:.3g})"
         )
-
-
-def bits(a):
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 def assert_same_scaled(got, want):

@@ -14,6 +14,7 @@ import numpy as np
 import oracle as O
 import pytest
 from conftest import cpu_device, is_gpu, run_on, to_cpu
+from helpers import bits
 
 import lowbit
 
@@ -57,12 +58,6 @@ SHAPES = {
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def bits(a):
-    """Bitwise view (NaN-safe equality) of a NumPy/JAX array."""
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
-
-
 def _canon_nan(a):
     """float16/bfloat16/float32 arrays: every NaN as the same NaN (IEEE leaves payloads open and
     CUDA's 1/NaN is 0x7FFFFFFF); 1-byte formats keep their bits (canonical NaN codes are spec)."""

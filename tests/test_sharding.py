@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import multi_device_env
 
 N_DEV = 4
 CASES = (
@@ -34,14 +35,9 @@ CASES = (
 
 @pytest.mark.parametrize("case", CASES)
 def test_sharded(case):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEV}").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     r = subprocess.run(
         [sys.executable, os.path.abspath(__file__), case],
-        env=env,
+        env=multi_device_env(N_DEV),
         capture_output=True,
         text=True,
         timeout=600,

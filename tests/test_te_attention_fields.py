@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_flax_modules import RECIPES, _ln, check_module, relerr
+from helpers import randn, rel
+from test_flax_modules import RECIPES, _ln, check_module
 
 import lowbit
 import lowbit.te.flax as te_flax
@@ -33,10 +34,6 @@ CASES = [
     ("current", RECIPES["current"], jnp.float32, 1e-1, 2.5e-1),
 ]
 CASE_IDS = [c[0] for c in CASES]
-
-
-def randn(shape, seed=0, scale=1.0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
 
 
 # ---- float64 references ----------------------------------------------------------------------
@@ -154,9 +151,9 @@ def _grad_check(f_mod, f_ref, args, dy, tol_out, tol_grad):
         dy64 = jnp.asarray(np.asarray(dy, np.float64))
         r = f_ref(*a64)
         rg = jax.grad(lambda *a: jnp.vdot(f_ref(*a), dy64), range(len(a64)))(*a64)
-    assert relerr(out, r) < tol_out, f"forward {relerr(out, r)}"
+    assert rel(out, r) < tol_out, f"forward {rel(out, r)}"
     for i, (g, gr) in enumerate(zip(grads, rg)):
-        assert relerr(g, gr) < tol_grad, f"grad {i}: {relerr(g, gr)}"
+        assert rel(g, gr) < tol_grad, f"grad {i}: {rel(g, gr)}"
 
 
 # ---- DotProductAttention ----------------------------------------------------------------------
@@ -214,7 +211,7 @@ def test_dpa_transpose_batch_sequence_default_and_gqa():
             *(jnp.asarray(np.asarray(t, np.float64)) for t in (q, k, v)),
             jnp.asarray(ref_mask("causal", None, 8, 8)),
         )
-    assert relerr(sw(out), ref) < 1e-5
+    assert rel(sw(out), ref) < 1e-5
 
 
 @pytest.mark.parametrize("bias_type", [None, "no_bias", "pre_scale_bias", "post_scale_bias"])
@@ -253,7 +250,7 @@ def test_dpa_qkv_layouts():
     pad = jnp.zeros((B, 1, 8, 8), bool).at[1, :, :, 5:].set(True)
     mp = DotProductAttention(**kw, attn_mask_type="padding")
     np.testing.assert_array_equal(mp.apply({}, q, k, v, pad), mp.apply({}, q, k, v, mask=pad))
-    assert relerr(mp.apply({}, q, k, v, pad), ref) > 1e-3
+    assert rel(mp.apply({}, q, k, v, pad), ref) > 1e-3
 
 
 def test_dpa_dropout_reference_path_and_rng():
@@ -270,7 +267,7 @@ def test_dpa_dropout_reference_path_and_rng():
         sc = jnp.where(masked, -jnp.inf, jnp.einsum("bqhd,bkhd->bhqk", q64, kk) / math.sqrt(D))
         p = jax.nn.softmax(sc, -1)
         ref = jnp.einsum("bhqk,bkhd->bqhd", jnp.where(jnp.asarray(keep), p / (1 - rate), 0), vv)
-    assert relerr(out, ref) < 1e-5
+    assert rel(out, ref) < 1e-5
     m = DotProductAttention(
         head_dim=D,
         num_attention_heads=H,
@@ -282,12 +279,12 @@ def test_dpa_dropout_reference_path_and_rng():
     o_det = m.apply({}, q, k, v, deterministic=True)
     o1 = m.apply({}, q, k, v, rngs={"attn_rng": jax.random.PRNGKey(1)})
     o2 = m.apply({}, q, k, v, rngs={"attn_rng": jax.random.PRNGKey(2)})
-    assert relerr(o1, o_det) > 1e-2 and relerr(o1, o2) > 1e-2
+    assert rel(o1, o_det) > 1e-2 and rel(o1, o2) > 1e-2
     np.testing.assert_array_equal(o1, m.apply({}, q, k, v, rngs={"attn_rng": jax.random.PRNGKey(1)}))
     # unbiased: the mean over many keys approaches the deterministic output
     keys = jax.random.split(jax.random.PRNGKey(3), 400)
     mean = jax.jit(jax.vmap(lambda kk: m.apply({}, q, k, v, rngs={"attn_rng": kk})))(keys).mean(0)
-    assert relerr(mean, o_det) < 0.08
+    assert rel(mean, o_det) < 0.08
     with pytest.raises(Exception, match="attn_rng"):
         m.apply({}, q, k, v)  # dropout needs the named stream
 
@@ -308,15 +305,15 @@ def test_dpa_dropout_cudnn_fused(gpu_device):
     o0 = jax.jit(
         lambda q, k, v: cudnn_attention_dropout(q, k, v, tri, None, "no_bias", d**-0.5, 0.0, 7, True)
     )(q, k, v)
-    assert relerr(np.asarray(o0, np.float32), np.asarray(o_det, np.float32)) < 1e-2
+    assert rel(np.asarray(o0, np.float32), np.asarray(o_det, np.float32)) < 1e-2
     m = DotProductAttention(**kw, attention_dropout=rate, implementation="cudnn")
     f = jax.jit(lambda q, k, v, r: m.apply({}, q, k, v, rngs={"dropout": r}))
     txt = f.lower(q, k, v, jax.random.PRNGKey(0)).as_text()  # cuDNN's custom call, with dropout
     assert "SoftmaxDropout" in txt and "__cudnn$fmha" in txt, "dropout left cuDNN's fused attention"
     outs = np.stack([np.asarray(f(q, k, v, jax.random.PRNGKey(i)), np.float32) for i in range(200)])
-    assert relerr(outs[0], o_det) > 1e-2  # dropout happened
-    assert relerr(outs[0], outs[1]) > 1e-2  # a new mask per execution
-    assert relerr(outs.mean(0), np.asarray(o_det, np.float32)) < 0.05
+    assert rel(outs[0], o_det) > 1e-2  # dropout happened
+    assert rel(outs[0], outs[1]) > 1e-2  # a new mask per execution
+    assert rel(outs.mean(0), np.asarray(o_det, np.float32)) < 0.05
     # fraction dropped: q = k = 0 gives uniform probabilities; value = identity reads them out
     z = jnp.zeros((b, s, H, s), jnp.bfloat16)
     eye = jnp.broadcast_to(jnp.eye(s, dtype=jnp.bfloat16)[None, :, None, :], (b, s, H, s))
@@ -366,7 +363,7 @@ def test_softmax_causal_fallback_non_square(sq, sk):
     y2 = lowbit.flax.Softmax(scale_factor=0.7, softmax_type="scaled_upper_triang_masked").apply({}, x)
     with jax.enable_x64(True):
         r = ref(jnp.asarray(np.asarray(x, np.float64)))
-    assert relerr(y, r) < 1e-5 and relerr(y2, r) < 1e-5
+    assert rel(y, r) < 1e-5 and rel(y2, r) < 1e-5
 
 
 # ---- rotary and relative positions ------------------------------------------------------------
@@ -383,9 +380,7 @@ def test_rotary_pos_emb(method, tbs):
         1e-5,
     )
     other = "alternate" if method == "consecutive" else "consecutive"
-    assert (
-        relerr(rotary_pos_emb(x, (1, 10000), tbs, method), rotary_pos_emb(x, (1, 10000), tbs, other)) > 1e-2
-    )
+    assert rel(rotary_pos_emb(x, (1, 10000), tbs, method), rotary_pos_emb(x, (1, 10000), tbs, other)) > 1e-2
 
 
 def ref_bucket(n, num_buckets, max_distance, bidirectional):
@@ -947,9 +942,9 @@ def test_dpa_gpu_cudnn_matches_xla(gpu_device, mask_type, window, bias_type, sq,
 
     out, grads = run(None)
     ref, rgrads = run("xla")
-    assert relerr(out, ref) < 2e-2
+    assert rel(out, ref) < 2e-2
     for g1, g2 in zip(grads, rgrads):
-        assert relerr(np.asarray(g1, np.float32), np.asarray(g2, np.float32)) < 3e-2
+        assert rel(np.asarray(g1, np.float32), np.asarray(g2, np.float32)) < 3e-2
 
 
 @pytest.mark.parametrize("tbs", [False, True])

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel
 
 from lowbit import recipe
 from lowbit.te.activation import activation
@@ -32,11 +33,6 @@ BOUNDS = {
     "mxfp8": (0.04, 0.07),
     "nvfp4": (0.15, 0.3),
 }
-
-
-def rel(got, ref) -> float:
-    got = np.asarray(got, np.float64)
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
 def qset(name):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import randn, rel
 
 import lowbit
 from lowbit import flax as lf
@@ -29,15 +30,6 @@ FP8 = (CURRENT, 8e-2, 2e-1)
 LAYER_FP8 = (CURRENT, 1.2e-1, 3e-1)
 NO_DROP = dict(hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0)
 RNGS = {"dropout": jax.random.PRNGKey(5)}
-
-
-def randn(shape, seed=0, scale=1.0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
-
-
-def relerr(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def fields_of(cls):
@@ -363,12 +355,12 @@ def check(module, inputs, ref, case, apply_kw=None, n_grad_inputs=None):
 
         r = ref(p64, *in64)
         rgrads = jax.grad(ref_loss, argnums=tuple(range(n + 1)))(p64, *in64[:n])
-    assert relerr(out, r) < tol_out, f"forward: {relerr(out, r)}"
+    assert rel(out, r) < tol_out, f"forward: {rel(out, r)}"
     for i in range(1, n + 1):
-        assert relerr(grads[i], rgrads[i]) < tol_grad, f"d input {i - 1}: {relerr(grads[i], rgrads[i])}"
+        assert rel(grads[i], rgrads[i]) < tol_grad, f"d input {i - 1}: {rel(grads[i], rgrads[i])}"
     ref_flat = dict(jax.tree_util.tree_leaves_with_path(rgrads[0]))
     for path, g in jax.tree_util.tree_leaves_with_path(grads[0]):
-        e = relerr(g, ref_flat[path])
+        e = rel(g, ref_flat[path])
         assert e < tol_grad, f"d{jax.tree_util.keystr(path)}: {e}"
     return v
 

@@ -271,7 +271,8 @@ struct Config {
                  int sm_count, cudaStream_t stream);
 };
 
-// The instantiations (grouped_gemm_<name>.cu); each returns its Config.
+// The instantiations, one translation unit each, generated from LOWBIT_GROUPED_GEMM_CONFIGS in
+// CMakeLists.txt (grouped_gemm_config.cu.in); each returns its Config.
 #if LOWBIT_HAVE_CUTLASS
 const Config& config_bf16_kk();  // A K-major, B K-major   (dgrad: dout . rhs^T)
 const Config& config_bf16_kn();  // A K-major, B N-major   (forward: lhs . rhs)

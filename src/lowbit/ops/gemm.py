@@ -334,10 +334,15 @@ def _block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
 
     out = _gemm_2d(decode(a), decode(b), None, None, None, _F32, False, fp8=False)
     if a.qt.scaling_mode.is_nvfp4:
-        ma, ea = _frexp_bits(a.qt.global_scale_inv[1 if a.layout == "colwise" else 0])
-        mb, eb = _frexp_bits(b.qt.global_scale_inv[1 if b.layout == "colwise" else 0])
+        ga = a.qt.global_scale_inv[1 if a.layout == "colwise" else 0]
+        gb = b.qt.global_scale_inv[1 if b.layout == "colwise" else 0]
+        ma, ea = _frexp_bits(ga)
+        mb, eb = _frexp_bits(gb)
         # Bit-identical to out * (ga * gb) whenever that is a normal float32.
         out = _ldexp_exact(out * (ma * mb), ea + eb)
+        # A NaN tensor scale (an operand's Inf amax, nonfinite.py) poisons every product, as
+        # out * (ga * gb) would; _frexp_bits reads a NaN as a finite significand.
+        out = jnp.where(jnp.isnan(ga) | jnp.isnan(gb), jnp.float32(jnp.nan), out)
     else:
         out = _ldexp_exact(out, -shift)
     if bias is not None:

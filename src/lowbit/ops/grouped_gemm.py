@@ -35,7 +35,7 @@ from lowbit import delayed_scaling as ds
 from lowbit.ops._ffi import grouped_gemm as ffi
 from lowbit.ops.gemm import pad_to
 from lowbit.ops.nonfinite import poison_nonfinite
-from lowbit.ops.quantize import grouped_quantize, quantize
+from lowbit.ops.quantize import group_sizes_int32, grouped_quantize, host_group_sizes, quantize
 from lowbit.quantization.checks import as_array, as_dtype
 from lowbit.quantization.scaling_modes import ScalingMode
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
@@ -414,7 +414,8 @@ def grouped_gemm(
       lhs: (M, K) float32 or bfloat16; groups of consecutive rows.
       rhs: (G, K, N) float32 or bfloat16; one matrix per group.
       group_sizes: (G,) integer (int32 on the device); a sum below M leaves the trailing rows in
-        no group (zero output); a sum above M is clamped (groups end at row M).
+        no group (zero output); a sum above M is clamped (groups end at row M). A wider dtype
+        (uint32, int64) is clipped to [0, M] before the int32 narrowing: the same groups.
       recipe: None: BF16 operands (float32 inputs are rounded to bfloat16), float32
         accumulation. Float8CurrentScaling or DelayedScaling: FP8 with per-group tensor scales.
         Float8BlockScaling: FP8 with 1x128 block scales for lhs and the gradient (blocks along
@@ -444,7 +445,7 @@ def grouped_gemm(
             f"grouped_gemm: contraction sizes differ: lhs {tuple(lhs.shape)} has K={K}, "
             f"rhs {tuple(rhs.shape)} has K={K2}"
         )
-    group_sizes = as_array(group_sizes, "grouped_gemm: group_sizes")
+    group_sizes = as_array(host_group_sizes(group_sizes, M), "grouped_gemm: group_sizes")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(
             f"grouped_gemm: group_sizes must be an integer array, got {np.dtype(group_sizes.dtype).name}"
@@ -459,7 +460,7 @@ def grouped_gemm(
             f"grouped_gemm: rhs and group_sizes must hold at least one group (G >= 1), "
             f"got rhs {tuple(rhs.shape)}"
         )
-    gs = group_sizes.astype(jnp.int32)
+    gs = group_sizes_int32(group_sizes, M)
     out_dtype = as_dtype(
         preferred_element_type if preferred_element_type is not None else jnp.result_type(lhs, rhs),
         "grouped_gemm: preferred_element_type",

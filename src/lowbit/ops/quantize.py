@@ -348,9 +348,10 @@ def grouped_dequantize(
         raise ValueError(f"{op}: layout must be 'rowwise' or 'colwise', got {layout!r}")
     if not isinstance(qt.shape, tuple) or len(qt.shape) != 2:
         raise ValueError(f"{op}: qt.shape must be 2-D (M, K) as grouped_quantize makes it, got {qt.shape!r}")
-    group_sizes = as_array(group_sizes, f"{op}: group_sizes")
+    group_sizes = as_array(host_group_sizes(group_sizes, qt.shape[0]), f"{op}: group_sizes")
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"{op}: group_sizes must be an integer array of shape (G,), got {_desc(group_sizes)}")
+    group_sizes = group_sizes_int32(group_sizes, qt.shape[0])
     G = group_sizes.shape[0]
     out_dtype = as_dtype(dtype if dtype is not None else qt.dq_dtype, f"{op}: dtype")
     if out_dtype not in INPUT_DTYPES:
@@ -433,6 +434,32 @@ def _grouped_dequantize_block1d(qt, group_sizes, layout, out_dtype):
     return out.astype(out_dtype)
 
 
+def _wider_than_int32(dtype) -> bool:
+    d = np.dtype(dtype)
+    return d.kind in "iu" and np.iinfo(d).max > np.iinfo(np.int32).max
+
+
+def host_group_sizes(group_sizes, extent: int):
+    """A host value (NumPy, list) of a wider integer dtype clipped to [0, ``extent``] as int32,
+    before jnp.asarray would wrap it (int64 2**32 + 10 -> 10); the clipped sizes lay out the
+    same groups (negative counts as 0, groups end at ``extent``). Anything else unchanged."""
+    if isinstance(group_sizes, jax.Array):
+        return group_sizes
+    try:
+        host = np.asarray(group_sizes)
+    except (TypeError, ValueError):
+        return group_sizes  # refused by as_array, naming the argument
+    return np.clip(host, 0, extent).astype(np.int32) if _wider_than_int32(host.dtype) else group_sizes
+
+
+def group_sizes_int32(group_sizes: jax.Array, extent: int) -> jax.Array:
+    """Integer ``group_sizes`` as int32 without a wrap: a wider dtype (uint32 2**32 - 1 would
+    become -1) is clipped to [0, ``extent``] on the device first (no host sync)."""
+    if _wider_than_int32(group_sizes.dtype):
+        group_sizes = jnp.clip(group_sizes, 0, extent)
+    return group_sizes.astype(jnp.int32)
+
+
 def group_ends(group_sizes: jax.Array, extent: int) -> jax.Array:
     """Group ends as the kernels compute them: sizes below 0 count as 0 and the running sum
     saturates at ``extent``, so it never overflows int32 (a plain cumsum wraps past 2**31)."""
@@ -466,7 +493,8 @@ def grouped_quantize(
     amax_epsilon: float = 0.0,
 ) -> ScaledTensor:
     """Quantizes the row groups of ``x`` (M, K) as separate tensors; ``group_sizes`` int32 (G,)
-    stays on the device. Returns a ScaledTensor whose scales and amax have one entry per group
+    stays on the device (a host array of a wider integer type is clipped to [0, M] first: the
+    same groups, no wrap). Returns a ScaledTensor whose scales and amax have one entry per group
     (tensor modes) and whose colwise copy is the (K, M) transpose.
 
     ``BLOCK_1D_SCALING`` (Float8BlockScaling's activations and gradients): 1x128 blocks along K
@@ -482,7 +510,7 @@ def grouped_quantize(
     x = check_input(x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K) for grouped_quantize, got shape {tuple(x.shape)}")
-    group_sizes = as_array(group_sizes, "group_sizes")
+    group_sizes = as_array(host_group_sizes(group_sizes, x.shape[0]), "group_sizes")
     if group_sizes.ndim != 1 or np.dtype(group_sizes.dtype) != np.int32:
         raise TypeError(
             f"group_sizes must be int32 of shape (G,), got {group_sizes.dtype} {group_sizes.shape}"
