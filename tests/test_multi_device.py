@@ -395,12 +395,7 @@ def _worker(case: str) -> None:
             "w1": NamedSharding(mesh, P("ep")),
             "w2": NamedSharding(mesh, P("ep")),
         }
-        gemms = {
-            "bf16": lambda a, b, s: lowbit.grouped_gemm(a, b, s, preferred_element_type=jnp.float32),
-            "fp8": lambda a, b, s: lowbit.grouped_gemm(
-                a, b, s, recipe=lowbit.Float8CurrentScaling(), preferred_element_type=jnp.float32
-            ),
-        }
+        recipes = {"bf16": None, "fp8": lowbit.Float8CurrentScaling()}
         # float64: the same routing and the same bf16-rounded operands, no other rounding.
         w64 = {kk: np.asarray(v, np.float64) for kk, v in weights.items()}
         probs = np.exp(x @ w64["router"])
@@ -414,13 +409,20 @@ def _worker(case: str) -> None:
         for t in range(T):
             for j in range(k):
                 e = top[t, j]
-                h = gelu(bf(x[t]) @ bf(w64["w1"][e]))
+                h = gelu(bf(bf(x[t]) @ bf(w64["w1"][e])))
                 oracle[t] += wt[t, j] * (bf(h) @ bf(w64["w2"][e]))
-        for name, gemm in gemms.items():
+        # moe_ep (capacity all_to_all on CPU) for both recipes, moe_allgather (BF16).
+        for name, recipe, variant in (
+            ("bf16", None, "ep"),
+            ("fp8", recipes["fp8"], "ep"),
+            ("bf16", None, "ag"),
+        ):
 
-            def fwd_bwd(w, x, mesh=None, gemm=gemm):
+            def fwd_bwd(w, x, mesh=None, recipe=recipe, variant=variant):
                 def f(w, x):
-                    return md.moe_ep(dict(w, top_k=k), x, gemm, mesh)
+                    if mesh is not None and variant == "ag":
+                        return md.moe_allgather(dict(w, top_k=k), x, mesh)
+                    return md.moe_ep(dict(w, top_k=k), x, recipe, mesh)
 
                 y, vjp = jax.vjp(f, w, x)
                 return y, vjp(jnp.ones_like(y))
@@ -428,11 +430,18 @@ def _worker(case: str) -> None:
             ref = jax.jit(fwd_bwd)(weights, jnp.asarray(x))
             args = md.put((weights, x), (sh, NamedSharding(mesh, P("ep"))))
             with md._set_mesh(mesh):
-                got = jax.jit(lambda w, x: fwd_bwd(w, x, mesh))(*args)
-            assert md.bound_ratio(ref, got) <= 1.0, name
+                step = jax.jit(lambda w, x: fwd_bwd(w, x, mesh))
+                got = step(*args)
+                hlo = step.lower(*args).compile().as_text()
+            assert md.bound_ratio(ref, got) <= 1.0, (name, variant)
+            counts = md.audit_hlo(hlo)["counts"]
+            assert (counts["all-to-all"] > 0 and counts["all-gather"] == 0) == (variant == "ep"), (
+                variant,
+                counts,
+            )
             y = md.to_host(got[0])
             err = np.linalg.norm(y - oracle) / np.linalg.norm(oracle)
-            assert err < (1e-2 if name == "bf16" else 8e-2), (name, err)
+            assert err < (1e-2 if name == "bf16" else 8e-2), (name, variant, err)
     else:
         raise SystemExit(f"unknown case {case}")
     print(f"OK {case}")

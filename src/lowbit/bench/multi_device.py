@@ -14,8 +14,11 @@ default ``benchmarks/results/<device>/``):
   against the same model on one device (results and time) and against plain Flax sharded the
   same way.
 * ``moe``: the MoE MLP of ``examples/moe.py`` with its experts sharded over the devices
-  (:func:`moe_ep`): tokens gathered, each device runs the grouped GEMMs of its own experts,
-  outputs reduce-scattered back to the token owners.
+  (:func:`moe_ep`, :func:`lowbit.ops.fused.moe.moe_mlp`): each (token, expert) pair sent to the
+  expert's owner by ragged_all_to_all (GPU) or a capacity all_to_all (CPU), the grouped GEMMs
+  of each device's experts, the results sent back; BF16 and FP8, exact buffers and a capacity
+  factor of 1.25, and the first version (:func:`moe_allgather`: every token gathered, outputs
+  reduce-scattered) for comparison.
 
 Columns: ``ms`` the sharded fwd+bwd step, ``ms_one_device`` the same global batch on one device,
 ``scaling_eff`` = ms_one_device / (devices x ms) (strong scaling; 1 is ideal), ``rel_diff_vs_one``
@@ -810,68 +813,56 @@ LAYER_COLUMNS += [
 # ---------------------------------------------------------------------------------------------
 # Stage moe: expert parallelism
 # ---------------------------------------------------------------------------------------------
-def _route(x, router, top_k):
+def moe_ep(params, x, recipe=None, mesh=None, axis="ep", dispatch="auto", capacity_factor=None):
+    """The MoE MLP of ``examples/moe.py`` through :func:`lowbit.ops.fused.moe.moe_mlp`: router,
+    top-k, grouped fc1, GELU, grouped fc2. With ``mesh``, tokens and experts split over mesh
+    axis ``axis``: each (token, expert) pair travels only to the expert's owner and back
+    (``dispatch``: ragged_all_to_all or a capacity all_to_all)."""
+    from lowbit.ops.fused.moe import moe_mlp
+
+    return moe_mlp(
+        x, params["router"], params["w1"], params["w2"], top_k=params["top_k"], recipe=recipe,
+        mesh=mesh, expert_axis=None if mesh is None else axis, dispatch=dispatch,
+        capacity_factor=capacity_factor,
+    )  # fmt: skip
+
+
+def moe_allgather(params, x, mesh, axis="ep"):
+    """The first expert-parallel MoE, kept for comparison (BF16): every device all-gathers every
+    token and routing decision, runs its E / n experts on the pairs routed to them, and the
+    outputs are reduce-scattered back to the tokens' owners."""
+    import functools
+
     import jax
     import jax.numpy as jnp
-
-    probs = jax.nn.softmax(x.astype(jnp.float32) @ router, axis=-1)
-    weight, expert = jax.lax.top_k(probs, top_k)
-    return weight / jnp.sum(weight, axis=-1, keepdims=True), expert.astype(jnp.int32)
-
-
-def _experts(x, weight, expert, w1, w2, gemm, first: int, E: int):
-    """The MoE body over all T tokens for experts [first, first + E_local): permute by expert,
-    grouped fc1, GELU, grouped fc2 on this device's contiguous run of pairs, unpermute. Pairs of
-    other experts contribute zero."""
-    import jax
-    import jax.numpy as jnp
-
-    T, k = expert.shape
-    E_loc = w1.shape[0]
-    flat = expert.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    start = jnp.sum(jnp.where(jnp.arange(E) < first, sizes, 0))
-    loc = jax.lax.dynamic_slice(sizes, (first,), (E_loc,)) if E_loc != E else sizes
-    xs = x[order // k].astype(jnp.bfloat16)
-    xs = jnp.roll(xs, -start, axis=0)  # this device's pairs first; rows past sum(loc): no group
-    h = jax.nn.gelu(gemm(xs, w1.astype(jnp.bfloat16), loc).astype(jnp.float32))
-    ys = gemm(h.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), loc).astype(jnp.float32)
-    ys = jnp.roll(ys, start, axis=0)
-    y = jnp.zeros((T * k, ys.shape[1]), jnp.float32).at[order].set(ys).reshape(T, k, -1)
-    return jnp.einsum("tkd,tk->td", y, weight)
-
-
-def moe_ep(params, x, gemm, mesh=None, axis="ep"):
-    """The MoE MLP (router, top-k, two grouped GEMMs) on tokens x (T, d). With ``mesh``, tokens
-    and experts are split over mesh axis ``axis`` (expert parallelism): each device gathers all
-    tokens and routing decisions, runs the grouped GEMMs of its E / n experts on the pairs routed
-    to them, and the outputs are reduce-scattered back to the tokens' owners (dropless, no
-    capacity factor). ``gemm(lhs, rhs, group_sizes)`` is ragged_dot-shaped."""
-    import jax
     from jax.sharding import PartitionSpec as P
 
+    import lowbit
+    from lowbit.ops.fused.moe import route
     from lowbit.sharding import shard_map as _shard_map
 
-    top_k = params["top_k"]
-    weight, expert = _route(x, params["router"], top_k)
-    E = params["w1"].shape[0]
-    if mesh is None:
-        return _experts(x, weight, expert, params["w1"], params["w2"], gemm, 0, E)
-    n = mesh.shape[axis]
+    E, n = params["w1"].shape[0], mesh.shape[axis]
+    weight, expert = route(x, params["router"], params["top_k"])
 
     def body(x, weight, expert, w1, w2):
-        xa = jax.lax.all_gather(x, axis, tiled=True)
-        wa = jax.lax.all_gather(weight, axis, tiled=True)
-        ea = jax.lax.all_gather(expert, axis, tiled=True)
+        x, weight, expert = (jax.lax.all_gather(a, axis, tiled=True) for a in (x, weight, expert))
+        T, k = expert.shape
         first = jax.lax.axis_index(axis) * (E // n)
-        y = _experts(xa, wa, ea, w1, w2, gemm, first, E)
-        return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+        flat = expert.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        start = jnp.sum(jnp.where(jnp.arange(E) < first, sizes, 0))
+        loc = jax.lax.dynamic_slice(sizes, (first,), (E // n,))
+        xs = jnp.roll(x[order // k].astype(jnp.bfloat16), -start, axis=0)  # this device's pairs first
+        gemm = functools.partial(lowbit.grouped_gemm, preferred_element_type=jnp.bfloat16)
+        ys = gemm(lowbit.activation(gemm(xs, w1, loc), "gelu"), w2, loc)
+        ys = jnp.roll(ys.astype(jnp.float32), start, axis=0)
+        y = jnp.zeros((T * k, ys.shape[1]), jnp.float32).at[order].set(ys).reshape(T, k, -1)
+        y = jnp.einsum("tkd,tk->td", y, weight)
+        return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
 
     spec = P(axis)
-    return _shard_map(body, mesh, (spec, spec, spec, spec, spec), spec)(
-        x, weight, expert, params["w1"], params["w2"]
-    )
+    return _shard_map(body, mesh, (spec,) * 5, spec)(x, weight, expert, params["w1"], params["w2"])
 
 
 def moe_params(key, d, ff, E, top_k):
@@ -886,9 +877,37 @@ def moe_params(key, d, ff, E, top_k):
     }
 
 
-def moe_rows(small: bool, quick: bool = False) -> list[dict]:
-    import functools
+_RAGGED = re.compile(r"=\s*(\w+\[[\d,]*\])(?:\{[^}]*\})?\s+ragged-all-to-all(?:-start)?\(")
 
+
+def ragged_bytes(hlo_text: str) -> int:
+    """Bytes of the ragged-all-to-all output buffers in compiled HLO (the audit's regex does not
+    list them): an upper bound on what they move."""
+    total = 0
+    for m in _RAGGED.finditer(hlo_text):
+        ((dt, dims),) = _ARRAY.findall(m.group(1))
+        total += _prod(int(s) for s in dims.split(",") if s) * _BYTES.get(dt, 0)
+    return total
+
+
+def moe_dropped(x, params, n, dispatch, capacity_factor) -> int:
+    """(token, expert) pairs the dispatch drops for these tokens (0 when capacity_factor is None),
+    counted on the host from the router's choices as moe_mlp's docstring says."""
+    import numpy as np
+
+    from lowbit.ops.fused.moe import buffer_rows, route
+
+    E = params["w1"].shape[0]
+    expert = np.asarray(route(x, params["router"], params["top_k"])[1])
+    T, k = expert.shape
+    rows = buffer_rows(dispatch, T // n, k, E, n, capacity_factor)
+    src = np.repeat(np.arange(T) // (T // n), k)
+    dest = expert.reshape(-1) // (E // n)
+    group = dest * n + src if dispatch == "capacity" else dest  # capacity: per (source, destination)
+    return int(np.maximum(np.bincount(group, minlength=n * n) - rows, 0).sum())
+
+
+def moe_rows(small: bool, quick: bool = False) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -896,86 +915,85 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
     from jax.sharding import PartitionSpec as P
 
     import lowbit
+    from lowbit.bench.common import on_gpu
 
     n = len(jax.devices())
     T, d, ff, E, k = (64 * n, 64, 128, 2 * n, 2) if small else (8192, 1024, 2048, n * max(1, 8 // n), 2)
     mesh = _mesh((n,), ("ep",))
     p = moe_params(jax.random.PRNGKey(0), d, ff, E, k)
-    x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (T, d)))
-    dy = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (T, d)))
-    gemms = {
-        "xla ragged_dot bf16": lambda a, b, s: jax.lax.ragged_dot(
-            a, b, s, preferred_element_type=jnp.float32
-        ),
-        "lowbit bf16": lambda a, b, s: lowbit.grouped_gemm(a, b, s, preferred_element_type=jnp.float32),
-        "lowbit fp8 current": lambda a, b, s: lowbit.grouped_gemm(
-            a, b, s, recipe=lowbit.Float8CurrentScaling(), preferred_element_type=jnp.float32
-        ),
-    }
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (T, d)), np.float32)
+    dy = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (T, d)), np.float32)
+    dispatch = "ragged" if on_gpu() else "capacity"
+    recipes = {"bf16": None, "fp8 current": lowbit.Float8CurrentScaling()}
+    # (case, recipe, dispatch, capacity_factor); 1.25: buffers a quarter over a balanced load
+    # (nothing dropped for this router; the dropped column counts it).
+    cases = [(f"lowbit {r} {dispatch}", r, dispatch, None) for r in recipes]
+    cases += [(f"lowbit {r} {dispatch} cf1.25", r, dispatch, 1.25) for r in recipes]
+    if dispatch == "ragged":
+        cases.append(("lowbit bf16 capacity cf1.25", "bf16", "capacity", 1.25))
+    cases.append(("lowbit bf16 allgather", "bf16", "allgather", None))
     if quick:
-        gemms = {kk: gemms[kk] for kk in ("xla ragged_dot bf16", "lowbit bf16")}
+        cases = [c for c in cases if c[3] is None and c[1] == "bf16"]
     weights = {kk: v for kk, v in p.items() if kk != "top_k"}
+    sh = {
+        "router": NamedSharding(mesh, P()),
+        "w1": NamedSharding(mesh, P("ep")),
+        "w2": NamedSharding(mesh, P("ep")),
+    }
+    tok = NamedSharding(mesh, P("ep"))
+    args = put((weights, x, dy), (sh, tok, tok))
+
+    def step_for(recipe, mesh=None, dispatch="auto", cf=None):
+        def loss(w, x, dy):
+            w = dict(w, top_k=k)
+            if dispatch == "allgather":
+                y = moe_allgather(w, x, mesh)
+            else:
+                y = moe_ep(w, x, recipe, mesh, dispatch=dispatch, capacity_factor=cf)
+            return jnp.sum(y.astype(jnp.float32) * dy)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    one_dev = {}  # recipe name -> (grads, ms) on one device, the same global batch
     rows = []
-    for name, gemm in gemms.items():
-
-        def step(w, x, dy, mesh=None, gemm=gemm):
-            def loss(w, x):
-                return jnp.sum(moe_ep(dict(w, top_k=k), x, gemm, mesh) * dy)
-
-            return jax.value_and_grad(loss, argnums=(0, 1))(w, x)
-
-        one = jax.jit(step)
-        ref = one(weights, jnp.asarray(x), jnp.asarray(dy))
-        sh = {
-            "router": NamedSharding(mesh, P()),
-            "w1": NamedSharding(mesh, P("ep")),
-            "w2": NamedSharding(mesh, P("ep")),
-        }
-        tok = NamedSharding(mesh, P("ep"))
-        args = put((weights, x, dy), (sh, tok, tok))
-        ep = jax.jit(functools.partial(step, mesh=mesh))
+    for name, rname, disp, cf in cases:
+        recipe = recipes[rname]
+        if rname not in one_dev:
+            one = step_for(recipe)
+            host = (weights, jnp.asarray(x), jnp.asarray(dy))
+            one_dev[rname] = (one(*host), _timed(one, host, small))
+        ref, t1 = one_dev[rname]
         with _set_mesh(mesh):
-            ep = ep.lower(*args).compile()
+            ep = step_for(recipe, mesh, disp, cf).lower(*args).compile()
         hlo = ep.as_text()
         got = ep(*args)
         au = audit_hlo(hlo, [(d, ff), (ff, d)])
-        t1 = _timed(one, (weights, jnp.asarray(x), jnp.asarray(dy)), small)
         tn = _timed(ep, args, small)
         rows.append(
             dict(
                 case=name,
                 mesh=f"ep{n}",
                 shape=f"T{T} d{d} ff{ff} E{E} top{k}",
+                dispatch=disp,
                 ms=tn,
                 ms_one_device=t1,
                 scaling_eff=t1 / (n * tn),
                 rel_diff_vs_one=max_rel_diff(ref[1], got[1]),
                 bound=bound_ratio(ref[1], got[1]),
                 bound_leaf=bound_ratio(ref[1], got[1], where=True)[1],
+                dropped=0 if disp == "allgather" else moe_dropped(x, p, n, disp, cf),
+                all_to_all=au["counts"]["all-to-all"] + len(_RAGGED.findall(hlo)),
                 all_gather=au["counts"]["all-gather"],
-                all_reduce=au["counts"]["all-reduce"],
                 reduce_scatter=au["counts"]["reduce-scatter"],
-                full_expert_gathers=au["full_kernel_gathers"],
-                coll_MB=sum(au["bytes"].values()) / 1e6,
+                coll_MB=(sum(au["bytes"].values()) + ragged_bytes(hlo)) / 1e6,
                 collectives=au["collectives"],
             )
         )
-    base = next(r["ms"] for r in rows if r["case"].startswith("xla"))
-    for r in rows:
-        r["speedup_vs_ragged_dot"] = base / r["ms"]
     return rows
 
 
-MOE_COLUMNS = ["case", "mesh", "shape", "ms", "ms_one_device", "scaling_eff", "speedup_vs_ragged_dot"]
-MOE_COLUMNS += [
-    "rel_diff_vs_one",
-    "bound",
-    "all_gather",
-    "all_reduce",
-    "reduce_scatter",
-    "full_expert_gathers",
-    "coll_MB",
-]
+MOE_COLUMNS = ["case", "mesh", "shape", "ms", "ms_one_device", "scaling_eff", "rel_diff_vs_one", "bound"]
+MOE_COLUMNS += ["dropped", "all_to_all", "all_gather", "reduce_scatter", "coll_MB"]
 
 
 # ---------------------------------------------------------------------------------------------

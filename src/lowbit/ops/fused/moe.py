@@ -1,0 +1,401 @@
+"""moe: a mixture-of-experts MLP on lowbit's grouped GEMM, on one device or expert-parallel.
+
+``moe_mlp`` = router logits -> softmax -> top-k (weights renormalised over the chosen k) ->
+tokens permuted by expert -> grouped fc1 -> activation -> grouped fc2 -> unpermuted and summed
+with the routing weights. Group sizes stay on the device: no host sync, no data-dependent shape.
+
+Expert parallelism (``mesh`` and ``expert_axis``): tokens and experts are split over the axis.
+Each device routes its own tokens, sends each (token, expert) pair only to the device that owns
+the expert, runs the grouped GEMMs of its own experts and sends the results back; the token's
+owner combines them. The devices first swap their per-expert counts (a small all-to-all of
+int32 (devices, local experts) matrices), then the rows travel one of two ways (``dispatch``):
+
+* ``"ragged"``: ``jax.lax.ragged_all_to_all`` moves exactly the routed rows. Each device
+  receives into one buffer laid out by (local expert, source device, token), so the rows are
+  already grouped for the GEMMs. GPU only (XLA:CPU has no ragged-all-to-all).
+* ``"capacity"``: a dense ``jax.lax.all_to_all`` of fixed (capacity, d) blocks, one per
+  (source, destination) pair; the receiver sorts its rows by local expert.
+
+Both are exact by default: the buffers hold the worst case (every pair a device can receive).
+``capacity_factor`` f shrinks each device's receive buffer to ``ceil(f * T_local * top_k /
+devices)`` rows per source device (``"capacity"``) or ``devices`` times that in all
+(``"ragged"``), where ``T_local * top_k`` is what a device receives under a perfectly balanced
+router. Pairs past it are dropped and contribute zero (the other pairs' weights are not
+renormalised): with ``"capacity"`` the pairs a source sends to one destination past the first
+``capacity`` in (expert, token) order; with ``"ragged"`` the rows past the buffer's end in the
+receiver's (local expert, source, token) order. The row order inside each expert's group equals
+the one-device order, so dropless results equal one device's up to the GEMMs' summation order.
+
+Tokens travel and enter the GEMMs as bfloat16 (the grouped GEMM rounds its operands to bfloat16
+or quantizes them); fc1's output is bfloat16, the activation runs in float32 and rounds once, the
+weighted sum is float32, the result x's dtype. Gradients: every step is differentiable (the
+grouped GEMM's custom VJP, all_to_all's transpose, and :func:`_ragged_exchange`, whose backward
+is the reverse ragged exchange; the router's gradient is summed over the devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
+
+from lowbit import delayed_scaling as ds
+from lowbit.ops.activation import activation as _activation
+from lowbit.ops.activation import parse_activations
+from lowbit.ops.grouped_gemm import grouped_gemm
+from lowbit.quantization.checks import as_array
+from lowbit.recipe import DelayedScaling, Recipe
+from lowbit.sharding import shard_map
+
+_BF16 = jnp.bfloat16
+DISPATCHES = ("auto", "ragged", "capacity")
+_RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # XLA:CPU has no ragged-all-to-all
+
+
+@dataclasses.dataclass(frozen=True)
+class _MoeConfig:
+    top_k: int
+    experts: int  # global number of experts
+    act: tuple  # lowbit.activation's activations
+    recipe: Optional[Recipe]
+    out_dtype: Any
+    axis: Optional[str] = None  # the expert axis (None: one device)
+    devices: int = 1
+    dispatch: str = "local"  # "local" (one device), "ragged" or "capacity"
+    rows: int = 0  # ragged: receive buffer rows; capacity: rows per (source, destination)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces shared by every path
+# ---------------------------------------------------------------------------------------------
+def route(x: ArrayLike, router_kernel: ArrayLike, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """The router: ``softmax(x @ router_kernel)`` in float32 (full-precision dot), its ``top_k``
+    largest entries per token. Returns ``(weights (T, top_k) float32, renormalised to sum to 1;
+    experts (T, top_k) int32)``."""
+    logits = jnp.dot(
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(router_kernel, jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    return weights / jnp.sum(weights, axis=-1, keepdims=True), experts.astype(jnp.int32)
+
+
+def _experts(cfg: _MoeConfig, xs, w1, w2, sizes, state):
+    """Grouped fc1 -> activation -> grouped fc2 over rows grouped by expert (rows past the last
+    group give zeros)."""
+    s1, s2 = (None, None) if state is None else state
+    h = grouped_gemm(xs, w1, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=s1)
+    h = _activation(h, cfg.act)
+    return grouped_gemm(h, w2, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=s2)
+
+
+def _inverse(perm):
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+
+
+def _exclusive_cumsum(a, axis=0):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _sort_pairs(x, router, cfg: _MoeConfig):
+    """Routes x's tokens and sorts the T * top_k (token, expert) pairs by expert (stable: token
+    order within an expert). Returns (weights, xs (P, d) bf16 rows in sorted order, inverse
+    permutation (pair -> sorted position), per-expert counts (E,), each pair's expert (P,))."""
+    weights, experts = route(x, router, cfg.top_k)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=cfg.experts).astype(jnp.int32)
+    xs = x.astype(_BF16)[order // cfg.top_k]
+    return weights, xs, _inverse(order).astype(jnp.int32), sizes, flat
+
+
+def _combine(weights, y_pairs, out_dtype):
+    """sum_k weights[t, k] * y[t, k] in float32."""
+    T, k = weights.shape
+    y = y_pairs.reshape(T, k, -1).astype(jnp.float32)
+    return jnp.einsum("tkd,tk->td", y, weights).astype(out_dtype)
+
+
+def _local(cfg: _MoeConfig, x, router, w1, w2, state):
+    weights, xs, inv, sizes, _ = _sort_pairs(x, router, cfg)
+    ys = _experts(cfg, xs, w1, w2, sizes, state)
+    return _combine(weights, ys[inv], cfg.out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ragged dispatch: jax.lax.ragged_all_to_all with its reverse as the backward
+# ---------------------------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_exchange(spec, x, plan):
+    """Sends ``x[in_off[i] : in_off[i] + send[i]]`` to device ``i // (len / devices)`` at its
+    row ``out_off[i]``; receives ``recv`` rows per slice into zeros of ``spec = (axis, out_rows,
+    in_rows)``. ``plan = (in_off, send, out_off, recv, my_recv_off, their_in_off)``: the last two
+    are where the received slices sit here and where they came from on their sources, which the
+    reverse exchange (the backward, and the combine step) needs."""
+    axis, out_rows, _ = spec
+    in_off, send, out_off, recv, _, _ = plan
+    out = jnp.zeros((out_rows, *x.shape[1:]), x.dtype)
+    return jax.lax.ragged_all_to_all(x, out, in_off, send, out_off, recv, axis_name=axis)
+
+
+def _ragged_exchange_fwd(spec, x, plan):
+    return _ragged_exchange(spec, x, plan), plan
+
+
+def _ragged_exchange_bwd(spec, plan, ct):
+    axis, _, in_rows = spec
+    dx = _ragged_exchange((axis, in_rows, ct.shape[0]), ct, reverse_plan(plan))
+    return dx, tuple(None for _ in plan)
+
+
+_ragged_exchange.defvjp(_ragged_exchange_fwd, _ragged_exchange_bwd)
+
+
+def reverse_plan(plan):
+    """The plan that sends every received slice back where it came from."""
+    in_off, send, out_off, recv, my_off, their_off = plan
+    return (my_off, recv, their_off, send, in_off, out_off)
+
+
+def _ragged(cfg: _MoeConfig, x, router, w1, w2, state):
+    n, E = cfg.devices, cfg.experts
+    El = E // n
+    weights, xs, inv, sizes, _ = _sort_pairs(x, router, cfg)
+    starts = _exclusive_cumsum(sizes)
+    # Per source s and local expert e: how many rows come, and where they sit on s.
+    got = jax.lax.all_to_all(jnp.stack([sizes, starts]).reshape(2, n, El), cfg.axis, 1, 1, tiled=True)
+    recv, src_off = got[0], got[1]
+    # This device's buffer: by local expert, then source; rows past its end are dropped.
+    tot = jnp.sum(recv, axis=0)
+    off = _exclusive_cumsum(tot)[None, :] + _exclusive_cumsum(recv, axis=0)
+    keep = jnp.clip(cfg.rows - off, 0, recv)
+    back = jax.lax.all_to_all(jnp.stack([off, keep]), cfg.axis, 1, 1, tiled=True)
+    plan = (
+        starts,
+        back[1].reshape(E),
+        back[0].reshape(E),
+        keep.reshape(E),
+        off.reshape(E),
+        src_off.reshape(E),
+    )
+    P_ = xs.shape[0]
+    xr = _ragged_exchange((cfg.axis, cfg.rows, P_), xs, plan)
+    ys = _experts(cfg, xr, w1, w2, jnp.sum(keep, axis=0), state)
+    y_sorted = _ragged_exchange((cfg.axis, P_, cfg.rows), ys, reverse_plan(plan))
+    return _combine(weights, y_sorted[inv], cfg.out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Capacity dispatch: dense all_to_all of (capacity, d) blocks per (source, destination)
+# ---------------------------------------------------------------------------------------------
+def _capacity(cfg: _MoeConfig, x, router, w1, w2, state):
+    n, E, C = cfg.devices, cfg.experts, cfg.rows
+    El = E // n
+    weights, xs, inv, sizes, flat = _sort_pairs(x, router, cfg)
+    P_ = xs.shape[0]
+    per_dest = jnp.sum(sizes.reshape(n, El), axis=1)
+    dstart = _exclusive_cumsum(per_dest)
+    # Slot (j, r) of the send buffer holds sorted pair dstart[j] + r, for r < min(count, C).
+    r = jnp.arange(C, dtype=jnp.int32)
+    src = jnp.minimum(dstart[:, None] + r[None, :], P_ - 1)
+    valid = r[None, :] < per_dest[:, None]
+    xbuf = jnp.where(valid[..., None], xs[src], jnp.zeros((), xs.dtype)).reshape(n * C, -1)
+    xr = jax.lax.all_to_all(xbuf, cfg.axis, 0, 0, tiled=True)
+    recv = jax.lax.all_to_all(sizes.reshape(n, El), cfg.axis, 0, 0, tiled=True)
+    # Received row (s, r): its local expert from s's counts; rows past s's count sort last.
+    ends = jnp.cumsum(recv, axis=1)
+    local = jnp.sum(r[None, :, None] >= ends[:, None, :], axis=2)
+    local = jnp.where(r[None, :] < ends[:, -1:], local, El).reshape(-1)
+    order = jnp.argsort(local, stable=True)
+    gs = jnp.bincount(local, length=El + 1)[:El].astype(jnp.int32)
+    ys = _experts(cfg, xr[order], w1, w2, gs, state)
+    yback = jax.lax.all_to_all(ys[_inverse(order)], cfg.axis, 0, 0, tiled=True)
+    # Pair q (sorted position inv[q]) went to slot (j, rank) of its destination's block.
+    j = flat // El
+    rank = inv - dstart[j]
+    kept = rank < C
+    y_pairs = jnp.where(kept[:, None], yback[j * C + jnp.minimum(rank, C - 1)], jnp.zeros((), ys.dtype))
+    return _combine(weights, y_pairs, cfg.out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry
+# ---------------------------------------------------------------------------------------------
+def _state_spec(axis):
+    # Grouped DelayedScaling state: histories (L, E), scales (E,): the expert axis is the last.
+    return lambda a: P(*([None] * (a.ndim - 1)), axis)
+
+
+def _check_args(x, router_kernel, w1, w2, top_k, gated):
+    for name, a in (("x", x), ("router_kernel", router_kernel), ("w1", w1), ("w2", w2)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"moe_mlp: {name} must be a floating-point array, got {np.dtype(a.dtype).name}")
+    if x.ndim != 2:
+        raise ValueError(f"moe_mlp: x must be 2-D (tokens, d_model), got shape {tuple(x.shape)}")
+    T, d = x.shape
+    if router_kernel.ndim != 2 or router_kernel.shape[0] != d:
+        raise ValueError(
+            f"moe_mlp: router_kernel must be (d_model, experts) = ({d}, E), got {tuple(router_kernel.shape)}"
+        )
+    E = router_kernel.shape[1]
+    if w1.ndim != 3 or w1.shape[:2] != (E, d):
+        raise ValueError(
+            f"moe_mlp: w1 must be (experts, d_model, d_ff) = ({E}, {d}, F), got {tuple(w1.shape)}"
+        )
+    F = w1.shape[2] // 2 if gated else w1.shape[2]
+    if gated and w1.shape[2] % 2:
+        raise ValueError(
+            f"moe_mlp: a gated activation needs w1's last dim even (two halves), got {w1.shape[2]}"
+        )
+    if w2.shape != (E, F, d):
+        raise ValueError(
+            f"moe_mlp: w2 must be (experts, d_ff, d_model) = ({E}, {F}, {d}), got {tuple(w2.shape)}"
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= E:
+        raise ValueError(f"moe_mlp: top_k must be an integer in [1, experts={E}], got {top_k!r}")
+    return T, E
+
+
+def _check_mesh(mesh, expert_axis, T, E):
+    if expert_axis is None:
+        raise ValueError(
+            "moe_mlp: mesh is given but expert_axis is None; name the mesh axis that splits the experts"
+        )
+    names = tuple(mesh.axis_names)
+    if expert_axis not in names:
+        raise ValueError(f"moe_mlp: expert_axis {expert_axis!r} is not an axis of the mesh (axes {names})")
+    n = int(mesh.shape[expert_axis])
+    if E % n:
+        raise ValueError(
+            f"moe_mlp: experts ({E}, w1/w2's first dim) must be divisible by the size of mesh "
+            f"axis {expert_axis!r} ({n})"
+        )
+    if T % n:
+        raise ValueError(
+            f"moe_mlp: tokens ({T}, x's first dim) must be divisible by the size of mesh axis "
+            f"{expert_axis!r} ({n})"
+        )
+    return n
+
+
+def _check_state(recipe, state, E):
+    if not isinstance(recipe, DelayedScaling):
+        if state is not None:
+            raise ValueError(
+                f"moe_mlp: state is only used with DelayedScaling, not {type(recipe).__name__}; "
+                "pass state=None"
+            )
+        return None
+    hint = "(lowbit.init_grouped_delayed_state(recipe, E),) * 2"
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise ValueError(f"moe_mlp: DelayedScaling needs state=(fc1_state, fc2_state), e.g. {hint}")
+    return tuple(ds.check_state_arg(f"moe_mlp: state[{i}]", recipe, s, hint, E) for i, s in enumerate(state))
+
+
+def _pick_dispatch(dispatch, mesh):
+    platform = mesh.devices.flat[0].platform
+    if dispatch == "auto":
+        return "ragged" if platform in ("gpu", "cuda", "rocm") else "capacity"
+    if dispatch == "ragged" and platform not in _RAGGED_PLATFORMS:
+        raise ValueError(
+            f"moe_mlp: dispatch='ragged' needs a GPU mesh (XLA on {platform!r} has no "
+            "ragged-all-to-all); use dispatch='capacity' or 'auto'"
+        )
+    return dispatch
+
+
+def buffer_rows(
+    dispatch: str, tokens_local: int, top_k: int, experts: int, devices: int, capacity_factor=None
+) -> int:
+    """Rows of a device's receive buffer: ``"ragged"``: the whole buffer; ``"capacity"``: one
+    source device's block. The worst case (nothing dropped) when ``capacity_factor`` is None."""
+    if dispatch not in ("ragged", "capacity"):
+        raise ValueError(f"buffer_rows: dispatch must be 'ragged' or 'capacity', got {dispatch!r}")
+    per_source = tokens_local * min(top_k, experts // devices)  # one token picks an expert once
+    if capacity_factor is not None:
+        per_source = min(per_source, max(1, math.ceil(capacity_factor * tokens_local * top_k / devices)))
+    return per_source * devices if dispatch == "ragged" else per_source
+
+
+def moe_mlp(
+    x: ArrayLike,
+    router_kernel: ArrayLike,
+    w1: ArrayLike,
+    w2: ArrayLike,
+    *,
+    top_k: int,
+    activation: Union[str, Sequence[str]] = "gelu",
+    recipe: Optional[Recipe] = None,
+    state: Optional[tuple] = None,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    expert_axis: Optional[str] = None,
+    dispatch: str = "auto",
+    capacity_factor: Optional[float] = None,
+) -> jax.Array:
+    """A top-k mixture-of-experts MLP on lowbit's grouped GEMM (see the module docstring).
+
+    Args:
+      x: (T, d_model) float32 or bfloat16 tokens. With a mesh: split over ``expert_axis`` on
+        its first dim (T divisible by the axis size).
+      router_kernel: (d_model, E) router weights (replicated).
+      w1: (E, d_model, d_ff) fc1 of each expert ((E, d_model, 2 d_ff) for a gated activation,
+        the two halves side by side); w2: (E, d_ff, d_model) fc2. With a mesh: split over
+        ``expert_axis`` on their first dim (device i owns experts [i E/n, (i+1) E/n)).
+      top_k: experts per token, 1 <= top_k <= E.
+      activation: between the GEMMs, as :func:`lowbit.activation` names it (``"gelu"`` is the
+        tanh approximation; ``"swiglu"`` etc. are gated).
+      recipe: None: BF16 GEMMs. Float8CurrentScaling, DelayedScaling or Float8BlockScaling: FP8
+        grouped GEMMs (per-expert scales, see :func:`lowbit.grouped_gemm`).
+      state: DelayedScaling only: ``(fc1_state, fc2_state)``, each
+        ``lowbit.init_grouped_delayed_state(recipe, E)``; with a mesh, split over
+        ``expert_axis`` on their last dim. Its gradient is the updated state.
+      mesh, expert_axis: expert parallelism over mesh axis ``expert_axis`` (other mesh axes hold
+        replicas). Without a mesh: one device.
+      dispatch: ``"ragged"`` (ragged_all_to_all; GPU only), ``"capacity"`` (dense all_to_all of
+        fixed blocks) or ``"auto"`` (ragged on a GPU mesh, capacity elsewhere).
+      capacity_factor: None (default): buffers for the worst case, nothing dropped. A number
+        f > 0: receive buffers of f times a balanced load; pairs past them are dropped (their
+        contribution is zero) as the module docstring says. Ignored without a mesh.
+
+    Returns:
+      (T, d_model) in x's dtype, split like x.
+    """
+    x = as_array(x, "moe_mlp: x")
+    router_kernel = as_array(router_kernel, "moe_mlp: router_kernel")
+    w1, w2 = as_array(w1, "moe_mlp: w1"), as_array(w2, "moe_mlp: w2")
+    gated = parse_activations(activation)[1]
+    acts = (activation,) if isinstance(activation, str) else tuple(activation)
+    T, E = _check_args(x, router_kernel, w1, w2, top_k, gated)
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"moe_mlp: dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+    if capacity_factor is not None and not (
+        isinstance(capacity_factor, (int, float)) and capacity_factor > 0
+    ):
+        raise ValueError(f"moe_mlp: capacity_factor must be None or a number > 0, got {capacity_factor!r}")
+    state = _check_state(recipe, state, E)
+    out_dtype = np.dtype(x.dtype)
+    cfg = _MoeConfig(top_k=int(top_k), experts=E, act=acts, recipe=recipe, out_dtype=out_dtype)
+    if mesh is None:
+        if expert_axis is not None:
+            raise ValueError(f"moe_mlp: expert_axis={expert_axis!r} needs a mesh (mesh=None)")
+        return _local(cfg, x, router_kernel, w1, w2, state)
+
+    n = _check_mesh(mesh, expert_axis, T, E)
+    kind = _pick_dispatch(dispatch, mesh)
+    rows = buffer_rows(kind, T // n, cfg.top_k, E, n, capacity_factor)
+    cfg = dataclasses.replace(cfg, axis=expert_axis, devices=n, dispatch=kind, rows=rows)
+    body = functools.partial(_ragged if kind == "ragged" else _capacity, cfg)
+    tok = P(expert_axis)
+    st_spec = None if state is None else jax.tree_util.tree_map(_state_spec(expert_axis), state)
+    return shard_map(body, mesh, (tok, P(), tok, tok, st_spec), tok)(x, router_kernel, w1, w2, state)
+
+
+__all__ = ["DISPATCHES", "buffer_rows", "moe_mlp", "route"]

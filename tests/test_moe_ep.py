@@ -1,0 +1,426 @@
+"""lowbit.ops.fused.moe.moe_mlp: one device against a float64 NumPy MoE (routing, both GEMMs,
+the weighted combine, and every gradient), expert parallelism on 4 host devices against one
+device (capacity dispatch; ragged dispatch with ragged_all_to_all emulated on XLA:CPU), the
+documented drops under a capacity_factor, argument errors, and (``gpu``) the real ragged
+dispatch on >= 2 GPUs.
+
+Device checks run in subprocesses (this file as a script with a case name) with 4 forced host
+devices, as tests/test_multi_device.py does. Expert-parallel results are held to
+``lowbit.bench.multi_device.bound_ratio`` <= 1 against one device (a relative 2^-7 plus 2^-7 of
+the largest value: bf16 rounding)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowbit
+from lowbit.ops.fused import moe
+
+N_DEV = 4
+T, D, FF, E, K = 64, 32, 64, 8, 2
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 reference
+# ---------------------------------------------------------------------------------------------
+def bf(a):
+    return np.asarray(jnp.asarray(np.asarray(a, np.float32), jnp.bfloat16), np.float64)
+
+
+def _gelu(a):
+    return 0.5 * a * (1 + np.tanh(np.sqrt(2 / np.pi) * (a + 0.044715 * a**3)))
+
+
+def _dgelu(a):
+    c = np.sqrt(2 / np.pi)
+    t = np.tanh(c * (a + 0.044715 * a**3))
+    return 0.5 * (1 + t) + 0.5 * a * (1 - t**2) * c * (1 + 3 * 0.044715 * a**2)
+
+
+def routing64(x, router, k):
+    """float64 softmax top-k from the same logits: (probs, top (T, k), weights (T, k)); also
+    asserts no near tie at the k-th place (a tie could pick another expert in float32)."""
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    srt = -np.sort(-p, axis=-1)
+    if k < p.shape[1]:
+        assert np.all(srt[:, k - 1] - srt[:, k] > 1e-5 * srt[:, 0]), "near tie in routing: change the seed"
+    w = np.take_along_axis(p, top, -1)
+    return p, top, w / w.sum(-1, keepdims=True)
+
+
+def reference(x, router, w1, w2, k, dy, kept=None):
+    """The MoE in float64: routing from x's logits, experts on bf16-rounded x, w1, w2 (fc1's
+    output and the activation rounded to bf16, as the library's GEMM outputs are); ``kept``
+    (T, k) bool masks dropped pairs. Returns (y, {x, router, w1, w2} gradients of <y, dy>)."""
+    x, router, w1, w2, dy = (np.asarray(a, np.float64) for a in (x, router, w1, w2, dy))
+    p, top, w = routing64(x, router, k)
+    kept = np.ones(top.shape, bool) if kept is None else kept
+    xb, w1b, w2b = bf(x), bf(w1), bf(w2)
+    y = np.zeros_like(x)
+    g = {"x": np.zeros_like(x), "w1": np.zeros_like(w1), "w2": np.zeros_like(w2)}
+    dw = np.zeros_like(w)  # d<y, dy> / d weights
+    for e in range(w1.shape[0]):
+        t, j = np.nonzero((top == e) & kept)
+        a = bf(xb[t] @ w1b[e])
+        h = bf(_gelu(a))
+        o = h @ w2b[e]
+        y[t] += w[t, j][:, None] * o
+        dw[t, j] = np.sum(o * dy[t], axis=1)
+        do = w[t, j][:, None] * dy[t]
+        g["w2"][e] = h.T @ do
+        da = (do @ w2b[e].T) * _dgelu(a)
+        g["w1"][e] = xb[t].T @ da
+        np.add.at(g["x"], t, da @ w1b[e].T)
+    # Renormalised top-k of a softmax, back to the logits.
+    s = np.take_along_axis(p, top, -1).sum(-1, keepdims=True)
+    wsel = np.take_along_axis(p, top, -1)
+    dp = np.zeros_like(p)
+    np.put_along_axis(dp, top, dw / s - np.sum(dw * wsel, -1, keepdims=True) / s**2, -1)
+    dlogits = p * (dp - np.sum(dp * p, -1, keepdims=True))
+    g["router"] = x.T @ dlogits
+    g["x"] += dlogits @ router.T
+    return y, g
+
+
+def rel(got, ref) -> float:
+    got = np.asarray(got, np.float64)
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def inputs(seed=0, t=T, d=D, ff=FF, e=E):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    router = (rng.standard_normal((d, e)) / np.sqrt(d)).astype(np.float32)
+    w1 = (rng.standard_normal((e, d, ff)) / np.sqrt(d)).astype(np.float32)
+    w2 = (rng.standard_normal((e, ff, d)) / np.sqrt(ff)).astype(np.float32)
+    dy = rng.standard_normal((t, d)).astype(np.float32)
+    return x, router, w1, w2, dy
+
+
+def grad_step(k=K, recipe=None, **kw):
+    """jit(value_and_grad) of <moe_mlp(...), dy> over (x, router, w1, w2[, state])."""
+
+    def loss(x, r, w1, w2, dy, state=None):
+        y = moe.moe_mlp(x, r, w1, w2, top_k=k, recipe=recipe, state=state, **kw)
+        return jnp.sum(y.astype(jnp.float32) * dy), y
+
+    def step(x, r, w1, w2, dy, state=None):
+        argnums = (0, 1, 2, 3) if state is None else (0, 1, 2, 3, 5)
+        (_, y), g = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(x, r, w1, w2, dy, state)
+        return y, g
+
+    return jax.jit(step)
+
+
+RECIPES = {"bf16": None, "current": lowbit.Float8CurrentScaling(), "block": lowbit.Float8BlockScaling()}
+# Per-token output and whole-gradient bounds against float64: bf16 rounding; E4M3 quantization
+# (3 mantissa bits: up to 2^-4 per element, the largest of 64 tokens near 0.09).
+BOUNDS = {"bf16": (1e-2, 1e-2), "current": (0.15, 0.15), "block": (0.15, 0.15)}
+
+
+# ---------------------------------------------------------------------------------------------
+# One device
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_one_device_matches_float64(name):
+    x, r, w1, w2, dy = inputs(0)
+    d_ = 128 if name == "block" else D  # block scaling: contraction dims in whole 128-blocks
+    if name == "block":
+        x, r, w1, w2, dy = inputs(0, d=d_, ff=128)
+    y, g = grad_step(recipe=RECIPES[name])(x, r, w1, w2, dy)
+    ref_y, ref_g = reference(x, r, w1, w2, K, dy)
+    tok_bound, grad_bound = BOUNDS[name]
+    per_token = np.linalg.norm(np.asarray(y, np.float64) - ref_y, axis=1) / np.linalg.norm(ref_y, axis=1)
+    assert per_token.max() < tok_bound, (name, per_token.max())
+    errs = {key: rel(got, ref_g[key]) for key, got in zip(("x", "router", "w1", "w2"), g)}
+    print(name, per_token.max(), errs)
+    assert max(errs.values()) < grad_bound, (name, errs)
+
+
+def test_gated_activation_and_top1():
+    """swiglu: w1 holds the two halves side by side; top_k=1 (weights are 1)."""
+    x, r, w1, w2, dy = inputs(1)
+    rng = np.random.default_rng(5)
+    w1g = (rng.standard_normal((E, D, 2 * FF)) / np.sqrt(D)).astype(np.float32)
+    y = jax.jit(lambda *a: moe.moe_mlp(*a, top_k=1, activation="swiglu"))(x, r, w1g, w2)
+    _, top, _ = routing64(x, r, 1)
+    xb = bf(x)
+    for t in range(0, T, 7):
+        e = top[t, 0]
+        a = bf(xb[t] @ bf(w1g[e]))
+        u, v = a[:FF], a[FF:]
+        h = bf(u / (1 + np.exp(-u)) * v)
+        want = h @ bf(w2[e])
+        assert rel(y[t], want) < 1e-2, t
+
+
+def test_delayed_scaling_state_is_updated_per_expert():
+    x, r, w1, w2, dy = inputs(2)
+    recipe = lowbit.DelayedScaling(amax_history_len=4)
+    state = (lowbit.init_grouped_delayed_state(recipe, E),) * 2
+    y, g = grad_step(recipe=recipe)(x, r, w1, w2, dy, state)
+    new1, new2 = g[4]
+    _, top, _ = routing64(x, r, K)
+    used = np.bincount(top.reshape(-1), minlength=E) > 0
+    # fc1's x amax of each used expert is the largest |x| of its tokens (bf16-rounded).
+    xb = np.abs(bf(x))
+    for e in np.nonzero(used)[0]:
+        want = xb[np.any(top == e, axis=1)].max()
+        np.testing.assert_allclose(np.asarray(new1["x_amax_history"])[0, e], want, rtol=1e-6)
+    assert np.all(np.asarray(new2["grad_amax_history"])[0, used] > 0)
+    ref_y, _ = reference(x, r, w1, w2, K, dy)
+    assert rel(y, ref_y) < 8e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument errors (one device; the mesh ones in the subprocess)
+# ---------------------------------------------------------------------------------------------
+def _bad_calls(mesh=None):
+    x, r, w1, w2, _ = inputs(0)
+    call = moe.moe_mlp
+    cases = [
+        ("top_k > experts", lambda: call(x, r, w1, w2, top_k=E + 1), ["top_k", str(E)]),
+        ("top_k zero", lambda: call(x, r, w1, w2, top_k=0), ["top_k"]),
+        ("x 3-D", lambda: call(x[None], r, w1, w2, top_k=K), ["x", "2-D"]),
+        ("router rows", lambda: call(x, r[1:], w1, w2, top_k=K), ["router_kernel"]),
+        ("w1 experts", lambda: call(x, r, w1[1:], w2, top_k=K), ["w1"]),
+        ("w2 shape", lambda: call(x, r, w1, w2[:, 1:], top_k=K), ["w2"]),
+        ("capacity_factor", lambda: call(x, r, w1, w2, top_k=K, capacity_factor=0.0), ["capacity_factor"]),
+        ("state without delayed", lambda: call(x, r, w1, w2, top_k=K, state=({}, {})), ["state"]),
+        (
+            "delayed without state",
+            lambda: call(x, r, w1, w2, top_k=K, recipe=lowbit.DelayedScaling()),
+            ["state"],
+        ),
+        (
+            "expert_axis without mesh",
+            lambda: call(x, r, w1, w2, top_k=K, expert_axis="ep"),
+            ["expert_axis", "mesh"],
+        ),
+    ]
+    if mesh is not None:
+        cases += [
+            (
+                "axis missing",
+                lambda: call(x, r, w1, w2, top_k=K, mesh=mesh, expert_axis="tp"),
+                ["expert_axis", "tp"],
+            ),
+            ("no axis", lambda: call(x, r, w1, w2, top_k=K, mesh=mesh), ["expert_axis"]),
+            (
+                "experts not divisible",
+                lambda: call(x, r[:, :6], w1[:6], w2[:6], top_k=K, mesh=mesh, expert_axis="ep"),
+                ["experts", "6", "ep", "4"],
+            ),
+            (
+                "tokens not divisible",
+                lambda: call(x[:62], r, w1, w2, top_k=K, mesh=mesh, expert_axis="ep"),
+                ["tokens", "62", "ep"],
+            ),
+            (
+                "dispatch",
+                lambda: call(x, r, w1, w2, top_k=K, mesh=mesh, expert_axis="ep", dispatch="dense"),
+                ["dispatch", "dense"],
+            ),
+            (
+                "ragged on cpu",
+                lambda: call(x, r, w1, w2, top_k=K, mesh=mesh, expert_axis="ep", dispatch="ragged"),
+                ["ragged", "cpu", "capacity"],
+            ),
+        ]
+    return cases
+
+
+def _check_errors(cases):
+    for name, thunk, words in cases:
+        with pytest.raises(ValueError) as info:
+            thunk()
+        msg = str(info.value).lower()
+        assert all(w.lower() in msg for w in words), (name, str(info.value))
+
+
+def test_bad_arguments_name_the_argument():
+    _check_errors(_bad_calls())
+    x, r, w1, w2, _ = inputs(0)
+    with pytest.raises(TypeError, match="moe_mlp: x"):
+        moe.moe_mlp(x.astype(np.int32), r, w1, w2, top_k=K)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism on 4 host devices (subprocess)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ("capacity", "ragged_emulated", "drops", "errors"))
+def test_expert_parallel_on_host_devices(case):
+    from test_multi_device import _env  # 4 forced host devices, src/ on the path
+
+    argv = [sys.executable, os.path.abspath(__file__), case]
+    r = subprocess.run(argv, env=_env(N_DEV), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
+
+
+def _gpus():
+    try:
+        return jax.devices("cuda")
+    except RuntimeError:
+        return []
+
+
+@pytest.mark.gpu
+def test_ragged_dispatch_on_gpus():
+    """The real ragged_all_to_all (GPU only) against one device, BF16 and FP8; 'auto' picks it;
+    a smaller buffer; the documented drops; the capacity dispatch on the GPU too."""
+    gpus = _gpus()
+    if len(gpus) < 2:
+        pytest.skip(f"needs >= 2 CUDA devices, found {len(gpus)}")
+    n = 4 if len(gpus) >= 4 else 2
+    mesh = jax.sharding.Mesh(np.array(gpus[:n]), ("ep",))
+    with jax.default_device(gpus[0]):
+        _compare_ep(mesh, "ragged", ("bf16", "current"), hlo_op="ragged-all-to-all")
+        # auto = ragged on a GPU mesh; half the worst-case buffer (no drop for these tokens).
+        _compare_ep(mesh, "auto", ("bf16",), hlo_op="ragged-all-to-all", capacity_factor=2.0)
+        _check_drops(mesh, "ragged", 0.75)
+        _compare_ep(mesh, "capacity", ("current",), hlo_op="all-to-all")
+    print("OK ragged on", n, "GPUs")
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker (runs in the subprocess) and what it shares with the GPU test
+# ---------------------------------------------------------------------------------------------
+def _place(mesh, x, r, w1, w2, dy):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    specs = (P("ep"), P(), P("ep"), P("ep"), P("ep"))
+    return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, r, w1, w2, dy), specs)]
+
+
+def _compare_ep(mesh, dispatch, names, hlo_op=None, capacity_factor=None, seed=3):
+    """Expert-parallel outputs and gradients within bf16 rounding of one device's."""
+    from lowbit.bench.multi_device import bound_ratio
+
+    data = inputs(seed)
+    for name in names:
+        one = grad_step(recipe=RECIPES[name])(*data)
+        ep = grad_step(
+            recipe=RECIPES[name],
+            mesh=mesh,
+            expert_axis="ep",
+            dispatch=dispatch,
+            capacity_factor=capacity_factor,
+        )
+        args = _place(mesh, *data)
+        got = ep(*args)
+        worst, leaf = bound_ratio(one, got, where=True)
+        assert worst <= 1.0, (dispatch, name, worst, leaf)
+        if hlo_op is not None:
+            hlo = ep.lower(*args).compile().as_text()
+            assert f" {hlo_op}(" in hlo or f" {hlo_op}-start(" in hlo, (dispatch, name)
+            assert " all-gather(" not in hlo and " all-gather-start(" not in hlo, (dispatch, name)
+
+
+def _emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """jax.lax.ragged_all_to_all as its docstring specifies, from dense all_to_alls (XLA:CPU
+    has no ragged-all-to-all): every slice padded to the operand's rows."""
+    n = jax.lax.axis_size(axis_name)
+    N, M = input_offsets.shape[0], operand.shape[0]
+    rows = jnp.arange(M)
+    idx = jnp.minimum(input_offsets[:, None] + rows, M - 1)
+    valid = rows[None, :] < send_sizes[:, None]
+    buf = jnp.where(valid[..., None], operand[idx], 0).reshape(n, (N // n) * M, *operand.shape[1:])
+    got = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True).reshape(N, M, *operand.shape[1:])
+    where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    dst = jnp.where(rows[None, :] < recv_sizes[:, None], where[:, None] + rows, output.shape[0])
+    return output.at[dst.reshape(-1)].set(got.reshape(N * M, *operand.shape[1:]), mode="drop")
+
+
+def _dropped(top, n, rows, dispatch):
+    """kept (T, k) under the documented drop rule: 'capacity': per (source, destination), the
+    source's pairs in (expert, token) order past ``rows``; 'ragged': per destination, its rows
+    in (expert, source, token) order (= (expert, token): sources hold consecutive tokens) past
+    ``rows``."""
+    Tg, k = top.shape
+    flat = np.arange(Tg * k)  # pair (t, j) at t * k + j
+    expert = top.reshape(-1)
+    dest = expert // (E // n)
+    group = dest * n + flat // k // (Tg // n) if dispatch == "capacity" else dest
+    order = np.lexsort((flat, expert))
+    kept = np.ones(Tg * k, bool)
+    for g in np.unique(group):
+        kept[order[group[order] == g][rows:]] = False
+    return kept.reshape(Tg, k)
+
+
+def _check_drops(mesh, dispatch, factor):
+    n = mesh.shape["ep"]
+    x, r, w1, w2, dy = inputs(4)
+    _, top, _ = routing64(x, r, K)
+    rows = moe.buffer_rows(dispatch, T // n, K, E, n, factor)
+    kept = _dropped(top, n, rows, dispatch)
+    dropped = int((~kept).sum())
+    assert dropped > 0, (dispatch, factor, rows)
+    ref_y, ref_g = reference(x, r, w1, w2, K, dy, kept)
+    full_y, _ = reference(x, r, w1, w2, K, dy)
+    y, g = grad_step(mesh=mesh, expert_axis="ep", dispatch=dispatch, capacity_factor=factor)(
+        *_place(mesh, x, r, w1, w2, dy)
+    )
+    y = np.asarray(y, np.float64)
+    scale = np.linalg.norm(full_y, axis=1)  # a token may lose all its pairs (then y is 0)
+    err = np.linalg.norm(y - ref_y, axis=1) / scale
+    assert err.max() < 1e-2, (dispatch, err.max())
+    # The count: exactly the tokens with a dropped pair differ from the dropless result.
+    off = np.linalg.norm(y - full_y, axis=1) / scale > 2e-2
+    assert np.array_equal(off, ~kept.all(axis=1)), (dispatch, off.sum(), (~kept.all(axis=1)).sum())
+    for key, got in zip(("x", "router", "w1", "w2"), g):
+        assert rel(got, ref_g[key]) < 2e-2, (dispatch, key, rel(got, ref_g[key]))
+    print(f"{dispatch} capacity_factor={factor}: {rows} rows, {dropped} of {T * K} pairs dropped")
+
+
+def _worker(case: str) -> None:
+    assert len(jax.devices()) == N_DEV, jax.devices()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
+    if case == "capacity":
+        _compare_ep(mesh, "capacity", ("bf16", "current"), hlo_op="all-to-all")
+        _compare_ep(mesh, "auto", ("bf16",))  # auto: capacity on CPU
+        # DelayedScaling: the per-expert state sharded like the experts, updated as on one device.
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from lowbit.bench.multi_device import bound_ratio
+
+        recipe = lowbit.DelayedScaling(amax_history_len=4)
+        state = (lowbit.init_grouped_delayed_state(recipe, E),) * 2
+        data = inputs(6)
+        one = grad_step(recipe=recipe)(*data, state)
+        sh = jax.tree_util.tree_map(lambda a: NamedSharding(mesh, P(*([None] * (a.ndim - 1)), "ep")), state)
+        got = grad_step(recipe=recipe, mesh=mesh, expert_axis="ep", dispatch="capacity")(
+            *_place(mesh, *data), jax.device_put(state, sh)
+        )
+        assert bound_ratio(one, got) <= 1.0
+    elif case == "ragged_emulated":
+        jax.lax.ragged_all_to_all = _emulated_ragged_all_to_all
+        moe._RAGGED_PLATFORMS += ("cpu",)
+        _compare_ep(mesh, "ragged", ("bf16", "current"))
+        _compare_ep(mesh, "ragged", ("bf16",), capacity_factor=2.0)  # half the worst case, no drop
+        _check_drops(mesh, "ragged", 0.75)
+    elif case == "drops":
+        _check_drops(mesh, "capacity", 0.6)
+    elif case == "errors":
+        _check_errors(_bad_calls(mesh))
+    else:
+        raise SystemExit(f"unknown case {case}")
+    print(f"OK {case}")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
