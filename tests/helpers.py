@@ -39,3 +39,15 @@ def multi_device_env(devices: int) -> dict:
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_SRC, env.get("PYTHONPATH")) if p)
     return env
+
+
+def jaxpr_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it (jit, shard_map, custom VJPs:
+    lowbit's shard_map is jitted, so its body sits one level down)."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner)

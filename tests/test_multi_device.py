@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import multi_device_env
+from helpers import jaxpr_eqns, multi_device_env
 
 from lowbit.bench import multi_device as md
 
@@ -93,16 +93,6 @@ def test_seed_check_names_each_problem():
 # ---------------------------------------------------------------------------------------------
 # On 4 host devices (subprocess)
 # ---------------------------------------------------------------------------------------------
-def _eqns(jaxpr):
-    """Every equation of ``jaxpr`` and of the jaxprs nested in it (lowbit's shard_map is jitted)."""
-    for e in jaxpr.eqns:
-        yield e
-        for p in e.params.values():
-            inner = getattr(p, "jaxpr", p)
-            if hasattr(inner, "eqns"):
-                yield from _eqns(inner)
-
-
 CASES = ("seed", "layers", "moe", "no_zero_size_operands", "attention_dp_tp", "softmax_dp_tp")
 
 
@@ -322,7 +312,7 @@ def _worker(case: str) -> None:
             hlo = step.lower(*args).compile().as_text()
         got = ctx.wrap(step)(*args)
 
-        assert any(e.primitive.name == "shard_map" for e in _eqns(jaxpr)), "attention not run per shard"
+        assert any(e.primitive.name == "shard_map" for e in jaxpr_eqns(jaxpr)), "attention not run per shard"
         assert md.audit_hlo(hlo)["counts"]["all-gather"] == 0
         # The bias gradient sums over the batch: per shard, then over dp, in bf16 (one rounding of
         # each partial); everything else is computed per (sequence, head) exactly as on one device.
@@ -352,7 +342,7 @@ def _worker(case: str) -> None:
                 jaxpr = jax.make_jaxpr(step)(*args).jaxpr
                 hlo = step.lower(*args).compile().as_text()
             got = ctx.wrap(step)(*args)
-            assert any(e.primitive.name == "shard_map" for e in _eqns(jaxpr)), kind
+            assert any(e.primitive.name == "shard_map" for e in jaxpr_eqns(jaxpr)), kind
             assert md.audit_hlo(hlo)["counts"]["all-gather"] == 0, kind
             (_, y_ref), dx_ref = ref
             (_, y_got), dx_got = got  # (the loss sums in another order: not compared)
@@ -376,7 +366,7 @@ def _worker(case: str) -> None:
         g = shard_map(body, mesh, (P("dp", None),), P("dp", None))
         x = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
 
-        eqns = [e for e in _eqns(jax.make_jaxpr(g)(x).jaxpr) if e.primitive.name == "shard_map"]
+        eqns = [e for e in jaxpr_eqns(jax.make_jaxpr(g)(x).jaxpr) if e.primitive.name == "shard_map"]
         assert eqns, "no shard_map in the jaxpr"
         shapes = [tuple(v.aval.shape) for e in eqns for v in e.invars]
         assert all(0 not in s for s in shapes), shapes

@@ -16,9 +16,11 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import multi_device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "dense_multi_gpu.py")
+SRC = os.path.join(ROOT, "src")
 
 
 def test_lowbit_shard_map_is_one_jitted_program():
@@ -36,12 +38,7 @@ def test_lowbit_shard_map_is_one_jitted_program():
     np.testing.assert_array_equal(np.asarray(fn(a)), np.arange(4.0) * 2)
 
 
-def _run(args, env_extra, timeout=900):
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(p for p in (os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")) if p),
-    )
-    env.update(env_extra)
+def _run(args, env, timeout=900):
     code = (
         "import sys, json; sys.argv = ['x'] + sys.argv[1:]\n"
         f"sys.path.insert(0, {os.path.dirname(EXAMPLE)!r})\n"
@@ -61,7 +58,7 @@ def _run(args, env_extra, timeout=900):
 def test_seed_flow_on_cpu_mesh(flow, recipe):
     res = _run(
         ["--small", "--flow", flow, "--recipe", recipe, "--iters", "1"],
-        {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+        multi_device_env(4),
     )
     # Sharded and one-device kernel gradients agree to bf16 partial sums, and both are as close
     # to the float64 reference as FP8 (E5M2 gradients) allows.
@@ -82,6 +79,11 @@ def test_seed_flow_on_four_gpus(flow, recipe):
 
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 GPUs")
-    res = _run(["--flow", flow, "--recipe", recipe, "--iters", "3"], {"NCCL_NVLS_ENABLE": "0"})
+    env = dict(
+        os.environ,
+        NCCL_NVLS_ENABLE="0",
+        PYTHONPATH=os.pathsep.join(filter(None, (SRC, os.environ.get("PYTHONPATH")))),
+    )
+    res = _run(["--flow", flow, "--recipe", recipe, "--iters", "3"], env)
     assert res["kernel_grad_rel_err"] < 2e-2, res
     assert res["sharded_err_vs_f64"] < 0.1, res

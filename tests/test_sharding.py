@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import multi_device_env
+from helpers import jaxpr_eqns, multi_device_env
 
 N_DEV = 4
 CASES = (
@@ -113,16 +113,7 @@ def test_second_gemms_ask_for_row_parallel(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 def _primitive_inputs(jaxpr, name: str) -> list:
     """The input variables of every ``name`` equation in ``jaxpr`` and its nested jaxprs."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            found += list(eqn.invars)
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _primitive_inputs(inner, name)
-    return found
+    return [v for e in jaxpr_eqns(jaxpr) if e.primitive.name == name for v in e.invars]
 
 
 def _worker(case: str) -> None:
