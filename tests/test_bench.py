@@ -188,3 +188,46 @@ def test_timing_fills_clocks_only_where_sampled(monkeypatch, tmp_path):
     monkeypatch.setattr(common, "on_gpu", lambda: True)
     common.time_fn(step, jnp.ones(4), warmup=1, iters=1, repeats=1, clocks=clocks)
     assert clocks == {"sm_mhz": 1600, "power_w": 675.0}
+
+
+def test_cpu_tables_and_charts_say_lowbit_ran_its_reference_kernels(tmp_path, monkeypatch, capsys):
+    """On the CPU the printed header, each table's title and each chart (title and footnote) say
+    that lowbit ran its reference kernels; on a GPU none of them does."""
+    import sys
+    import types
+
+    import matplotlib.figure
+    import matplotlib.text
+
+    from lowbit.bench import __main__ as bench_main
+    from lowbit.bench import common
+
+    texts = {}
+    savefig = matplotlib.figure.Figure.savefig
+
+    def recording_savefig(fig, path, *a, **k):
+        texts[str(path)] = " ".join(t.get_text() for t in fig.findobj(matplotlib.text.Text))
+        return savefig(fig, path, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_savefig)
+    rows = [
+        dict(model="m", name="flax", ms=1.0, speedup=1.0, speedup_vs="flax"),
+        dict(model="m", name="lowbit delayed", ms=10.0, speedup=0.1, speedup_vs="flax"),
+    ]
+    fake = types.ModuleType("fake_suite")
+    fake.run = lambda small: rows
+    monkeypatch.setitem(sys.modules, "fake_suite", fake)
+    monkeypatch.setattr(bench_main, "SUITES", {"fake": ("fake_suite", None)})
+    for platform, device in (("cpu", "cpu"), ("gpu", "NVIDIA H100")):
+        env = dict(common.environment(), platform=platform, device=device)
+        monkeypatch.setattr(bench_main, "environment", lambda env=env: env)
+        texts.clear()
+        assert bench_main.main(["fake", "--small", "--out", str(tmp_path / platform)]) == 0
+        out = capsys.readouterr().out
+        header = next(ln for ln in out.splitlines() if ln.startswith("## fake"))
+        assert len(texts) == 1
+        chart = next(iter(texts.values()))
+        said = ["reference kernels" in s for s in (out.split("## fake")[0], header, chart)]
+        assert said == [platform == "cpu"] * 3, (platform, out, chart)
+        if platform == "cpu":  # the footnote names what ran where
+            assert "C++ reference kernels" in chart and "XLA" in chart and "GPU" in chart
