@@ -15,6 +15,7 @@ def test_case_named_unknown_name_lists_the_cases():
         case_named([("a", 1), ("b", 2)], "c", "layer")
 
 
+@pytest.mark.slow
 def test_layer_cases_time_the_recipe_they_name():
     """Each fused-layer case runs under its recipe when timed, not only when first traced: the
     recipe is part of jit's cache key, so a call outside autocast would silently time BF16."""
@@ -34,6 +35,7 @@ def test_layer_cases_time_the_recipe_they_name():
     assert abs(a - b) > 1e-4 * abs(a), loss  # FP8 rounding moves the loss; the same BF16 step would not
 
 
+@pytest.mark.slow
 def test_gemm_suite_times_each_format_against_bf16():
     """The GEMM table times every format on each shape and its ratios are relative to that
     shape's BF16 and per-tensor FP8 rows (not to another shape's)."""
@@ -49,6 +51,7 @@ def test_gemm_suite_times_each_format_against_bf16():
             assert r["ms"] > 0 and abs(r["vs_bf16"] - part["bf16"]["ms"] / r["ms"]) < 1e-12
 
 
+@pytest.mark.slow
 def test_layer_attention_dropout_case_runs_with_dropout():
     """The seed layer with attention dropout 0.1 through lowbit's modules runs (on CPU too) and
     really drops: the attention's output-kernel gradient (context^T dy) differs from the same

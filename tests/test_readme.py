@@ -202,7 +202,6 @@ def test_test_tiers_select_what_the_readme_says(tmp_path):
 
     assert collected() == {"test_fast", "test_p[1]"}
     assert collected("--all") == {"test_fast", "test_slow", "test_p[1]", "test_p[2]"}
-    assert collected("-m", "slow") == {"test_slow", "test_p[2]"}
     assert collected("test_t.py::test_slow") == {"test_slow"}
 
 

@@ -29,7 +29,15 @@ CASES = (
 )
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.slow)
+        if c in ("column_current", "column_mxfp8", "column_block", "row_block", "dp_only", "flax_dot_general")
+        else c
+        for c in CASES
+    ],
+)
 def test_sharded(case):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEV}").strip()
