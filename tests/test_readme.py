@@ -93,6 +93,25 @@ def test_flax_snippet_keeps_delayed_scaling_state_and_trains():
     assert rel(g["params"]["kernel"], 2 * x.T @ y / y.size) < 0.1
 
 
+FLAX_SNIPPET = next(c for c in SNIPPETS if "make_dot_general_cls(recipe)" in c and "Mesh" not in c)
+OTHER_RECIPES = re.findall(
+    r"(\w+)\(\)", re.search(r"recipe = lowbit\.DelayedScaling\(\)  # or (.*)", FLAX_SNIPPET)[1]
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OTHER_RECIPES)
+def test_flax_snippet_runs_with_each_recipe_its_comment_names(name):
+    code = FLAX_SNIPPET.replace("lowbit.DelayedScaling()", f"lowbit.{name}()")
+    ns: dict = {}
+    with jax.default_device(jax.devices("cpu")[0]):
+        exec(compile(code, f"README.md Flax block with {name}", "exec"), ns)  # noqa: S102
+    assert all(
+        np.isfinite(np.asarray(a, np.float32)).all() for a in jax.tree_util.tree_leaves(ns["variables"])
+    )
+    assert set(ns["variables"]) == {"params"}  # only DelayedScaling keeps state
+
+
 def test_fused_ops_snippet_matches_float64():
     ns = namespace_with("n", "a", "s")
     h = f64(ns["h"])
