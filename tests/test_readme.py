@@ -184,6 +184,17 @@ def test_te_tutorial_import_ported_by_the_rule(line):
         assert ns["te"] is lowbit.te
 
 
+def test_modules_the_readme_says_lowbit_te_mirrors_import():
+    import importlib
+
+    flat = " ".join(readme_text().split())
+    listed = re.search(r"The rule holds for the modules `lowbit.te` mirrors \((.*?)\)", flat)[1]
+    names = re.findall(r"`(?:lowbit\.te)?\.(\w+)`", listed)
+    assert len(names) >= 10, listed
+    for name in names:
+        importlib.import_module(f"lowbit.te.{name}")
+
+
 def test_te_snippet_lines_follow_the_rule():
     """In the README's TE block each line's comment is the TE line it replaces."""
     block = next(c for c in SNIPPETS if "transformer_engine" in c)
