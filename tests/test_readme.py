@@ -95,7 +95,7 @@ def test_flax_snippet_keeps_delayed_scaling_state_and_trains():
 
 FLAX_SNIPPET = next(c for c in SNIPPETS if "make_dot_general_cls(recipe)" in c and "Mesh" not in c)
 OTHER_RECIPES = re.findall(
-    r"(\w+)\(\)", re.search(r"recipe = lowbit\.DelayedScaling\(\)  # or (.*)", FLAX_SNIPPET)[1]
+    r"(\w+)\(\)", re.search(r"# or (.*):\nrecipe = lowbit\.DelayedScaling\(\)", FLAX_SNIPPET)[1]
 )
 
 
