@@ -2,7 +2,8 @@
 # One entry point for a fresh machine: sets lowbit up the first time (a virtual environment, the
 # Python dependencies, the native library), printing a line per stage, then runs.
 #   scripts/lowbit.sh demo [bench args]   -> python -m lowbit.bench (small shapes on CPU)
-#   scripts/lowbit.sh test [pytest args]  -> the test suite (GPU tests skip without a GPU)
+#   scripts/lowbit.sh test [pytest args]  -> the default test tier (GPU tests skip without a GPU);
+#                                            --all adds the tests marked slow, -m slow runs them alone
 #   scripts/lowbit.sh setup               -> set-up only
 # Python: $PYTHON if set, else the active virtual environment, else ./.venv (created here).
 # LOWBIT_CUDA=AUTO|ON|OFF: AUTO (default) builds the CUDA kernels only where nvcc and a GPU are

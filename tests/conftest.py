@@ -5,6 +5,9 @@ the ``device`` fixture runs twice: ``[cpu]`` always, ``[gpu]`` (marked ``gpu``) 
 device, skipped when ``jax.devices('cuda')`` has none. ``run_on(device, fn, *args)`` puts the
 arguments on that device and runs ``jax.jit(fn)`` there, so the same body tests both backends;
 ``to_cpu`` brings results back for comparisons. Select with ``-m gpu`` / ``-m "not gpu"``.
+
+Two tiers: the tests marked ``slow`` are deselected unless ``--all`` is given, a ``-m`` expression
+picks the tests, or a test is named by node id (``file.py::test``); CI runs both tiers.
 """
 
 from __future__ import annotations
@@ -19,6 +22,20 @@ import pytest
 
 # Make `import oracle` work however pytest is invoked (rootdir / importmode).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", help="run the slow tier too (deselected by default)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # The default tier fits 10 minutes on two cores; an explicit choice of tests overrides it.
+    if config.getoption("--all") or config.option.markexpr or any("::" in a for a in config.args):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @functools.cache

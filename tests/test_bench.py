@@ -15,6 +15,7 @@ def test_case_named_unknown_name_lists_the_cases():
         case_named([("a", 1), ("b", 2)], "c", "layer")
 
 
+@pytest.mark.slow
 def test_layer_cases_time_the_recipe_they_name():
     """Each fused-layer case runs under its recipe when timed, not only when first traced: the
     recipe is part of jit's cache key, so a call outside autocast would silently time BF16."""
@@ -34,6 +35,7 @@ def test_layer_cases_time_the_recipe_they_name():
     assert abs(a - b) > 1e-4 * abs(a), loss  # FP8 rounding moves the loss; the same BF16 step would not
 
 
+@pytest.mark.slow
 def test_gemm_suite_times_each_format_against_bf16():
     """The GEMM table times every format on each shape and its ratios are relative to that
     shape's BF16 and per-tensor FP8 rows (not to another shape's)."""
@@ -49,6 +51,7 @@ def test_gemm_suite_times_each_format_against_bf16():
             assert r["ms"] > 0 and abs(r["vs_bf16"] - part["bf16"]["ms"] / r["ms"]) < 1e-12
 
 
+@pytest.mark.slow
 def test_layer_attention_dropout_case_runs_with_dropout():
     """The seed layer with attention dropout 0.1 through lowbit's modules runs (on CPU too) and
     really drops: the attention's output-kernel gradient (context^T dy) differs from the same
@@ -188,3 +191,46 @@ def test_timing_fills_clocks_only_where_sampled(monkeypatch, tmp_path):
     monkeypatch.setattr(common, "on_gpu", lambda: True)
     common.time_fn(step, jnp.ones(4), warmup=1, iters=1, repeats=1, clocks=clocks)
     assert clocks == {"sm_mhz": 1600, "power_w": 675.0}
+
+
+def test_cpu_tables_and_charts_say_lowbit_ran_its_reference_kernels(tmp_path, monkeypatch, capsys):
+    """On the CPU the printed header, each table's title and each chart (title and footnote) say
+    that lowbit ran its reference kernels; on a GPU none of them does."""
+    import sys
+    import types
+
+    import matplotlib.figure
+    import matplotlib.text
+
+    from lowbit.bench import __main__ as bench_main
+    from lowbit.bench import common
+
+    texts = {}
+    savefig = matplotlib.figure.Figure.savefig
+
+    def recording_savefig(fig, path, *a, **k):
+        texts[str(path)] = " ".join(t.get_text() for t in fig.findobj(matplotlib.text.Text))
+        return savefig(fig, path, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_savefig)
+    rows = [
+        dict(model="m", name="flax", ms=1.0, speedup=1.0, speedup_vs="flax"),
+        dict(model="m", name="lowbit delayed", ms=10.0, speedup=0.1, speedup_vs="flax"),
+    ]
+    fake = types.ModuleType("fake_suite")
+    fake.run = lambda small: rows
+    monkeypatch.setitem(sys.modules, "fake_suite", fake)
+    monkeypatch.setattr(bench_main, "SUITES", {"fake": ("fake_suite", None)})
+    for platform, device in (("cpu", "cpu"), ("gpu", "NVIDIA H100")):
+        env = dict(common.environment(), platform=platform, device=device)
+        monkeypatch.setattr(bench_main, "environment", lambda env=env: env)
+        texts.clear()
+        assert bench_main.main(["fake", "--small", "--out", str(tmp_path / platform)]) == 0
+        out = capsys.readouterr().out
+        header = next(ln for ln in out.splitlines() if ln.startswith("## fake"))
+        assert len(texts) == 1
+        chart = next(iter(texts.values()))
+        said = ["reference kernels" in s for s in (out.split("## fake")[0], header, chart)]
+        assert said == [platform == "cpu"] * 3, (platform, out, chart)
+        if platform == "cpu":  # the footnote names what ran where
+            assert "C++ reference kernels" in chart and "XLA" in chart and "GPU" in chart

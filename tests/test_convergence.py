@@ -81,6 +81,7 @@ def test_nvfp4_default_keeps_first_and_last_layer_bf16(conv):
     assert _quantized_layers(conv, None) == set()
 
 
+@pytest.mark.slow
 def test_script_runs_and_every_recipe_learns(conv):
     rows = conv.run(list(conv.DEFAULT_RECIPES), [0], 12, conv.SMALL, log=lambda s: None)
     assert [r["recipe"] for r in rows] == list(conv.DEFAULT_RECIPES)

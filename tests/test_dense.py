@@ -156,7 +156,10 @@ def test_dense_general_dimension_numbers(rng, dims, kshape, spec):
     assert rel(dw, np.einsum(f"{xs},{out}->{ws}", x64, dy64)) < 0.1
 
 
-@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "block"])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param("mxfp8", marks=pytest.mark.slow), pytest.param("nvfp4", marks=pytest.mark.slow), "block"],
+)
 def test_block_recipes_pad_tokens(rng, name):
     """10 tokens are not whole 32/16-row blocks for the colwise copies: padded with zero rows."""
     x, w, b, dy = inputs(rng, lead=(10,), K=64, N=32)

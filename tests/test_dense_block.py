@@ -33,8 +33,10 @@ def dense_vjp(recipe, x, w, b, dy):
         BLOCK,
         lowbit.Float8BlockScaling(use_f32_scales=True),
         lowbit.Float8BlockScaling(w_block_scaling_dim=1),
-        lowbit.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
-        lowbit.Float8BlockScaling(fp8_format=lowbit.Format.HYBRID),
+        pytest.param(
+            lowbit.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1), marks=pytest.mark.slow
+        ),
+        pytest.param(lowbit.Float8BlockScaling(fp8_format=lowbit.Format.HYBRID), marks=pytest.mark.slow),
     ],
     ids=["default", "f32_scales", "w1d", "x2d", "hybrid"],
 )
@@ -96,6 +98,7 @@ def test_norm_and_activation_outputs(device, rng):
         lowbit.layernorm(h, g, be, quantize=(SM.CURRENT_TENSOR_SCALING, None, None, "both", True))
 
 
+@pytest.mark.slow
 def test_flax_dot_general_and_modules(device, rng):
     x = jnp.asarray(rng.standard_normal((4, 24, 160)), BF16)
     key = jax.random.PRNGKey(0)

@@ -65,8 +65,10 @@ def _split_grads(fn, recipe, norm_type, zc, ret):
 
 
 @pytest.mark.parametrize("recipe_name", sorted(RECIPES))
-@pytest.mark.parametrize("norm", NORMS, ids=NORM_IDS)
-@pytest.mark.parametrize("ret", [False, True], ids=["", "ret"])
+@pytest.mark.parametrize(
+    "norm", [NORMS[0], pytest.param(NORMS[1], marks=pytest.mark.slow), NORMS[2]], ids=NORM_IDS
+)
+@pytest.mark.parametrize("ret", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["", "ret"])
 def test_split_dense_norm_equals_composition(device, rng, recipe_name, norm, ret):
     """Two steps (DelayedScaling: the second with the state the first returned)."""
     recipe, (norm_type, zc) = RECIPES[recipe_name], norm
@@ -103,8 +105,8 @@ def _mlp_composed(x, gamma, beta, k1, b1, k2, b2, recipe, states, norm_type, ret
 
 
 @pytest.mark.parametrize("recipe_name", sorted(RECIPES))
-@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("ret", [False, True], ids=["", "ret"])
+@pytest.mark.parametrize("norm_type", ["layernorm", pytest.param("rmsnorm", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ret", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["", "ret"])
 def test_mlp_norm_equals_composition(device, rng, recipe_name, norm_type, ret):
     """Two steps; with ``ret`` the norm output is returned and a cotangent flows into it (as
     LayerNormMLP's ``return_layernorm_output``, TE's default)."""
@@ -191,7 +193,9 @@ def _custom_calls(fn, *args):
     return {name: len(re.findall(rf"@lowbit_{name}\(", text)) for name in ("norm_fwd", "quantize")}
 
 
-@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize(
+    "recipe_name", [pytest.param(r, marks=pytest.mark.slow) if r == "current" else r for r in sorted(RECIPES)]
+)
 def test_transformer_layer_norms_write_fp8(on_cpu, recipe_name):
     """In the fused layer's step both norms write their GEMM's FP8 input: two norm calls, and the
     quantize calls are the four kernels', the attention output's and three gradients' (the

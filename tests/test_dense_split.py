@@ -114,8 +114,8 @@ def _sliced(x, k, b, recipe, state):
 
 
 @pytest.mark.parametrize("recipe_name", sorted(RECIPES))
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("bias", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["bias", "nobias"])
 def test_split_dense_equals_sliced_dense(device, rng, recipe_name, n, bias):
     """Two steps (DelayedScaling: the second with the first's new state): outputs, gradients of
     x, kernel and bias, and the new state are the bits of dense followed by slicing (on the GPU

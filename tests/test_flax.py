@@ -44,7 +44,9 @@ def rngs_for(recipe, key=0):
     return r
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in ("mxfp8", "nvfp4") else n for n in RECIPES]
+)
 def test_variables(name):
     recipe = RECIPES[name]
     model = MLP(dot_general_cls=lf.make_dot_general_cls(recipe))
@@ -72,7 +74,9 @@ def test_variables(name):
         assert set(v) == {"params"}
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in ("mxfp8", "nvfp4") else n for n in RECIPES]
+)
 def test_matches_dense_and_runs_fwd_bwd(device, name):
     """The module's output is lowbit.dense's; a jitted fwd+bwd runs on each device."""
     recipe = RECIPES[name]
@@ -287,7 +291,9 @@ def bf16_loss():
 TRAIN_RATIO = {"delayed": 1.1, "current": 1.1, "mxfp8": 1.1, "block": 1.1, "nvfp4": 1.6}
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize(
+    "name", [n if n == "delayed" else pytest.param(n, marks=pytest.mark.slow) for n in RECIPES]
+)
 def test_training_reaches_bf16_loss(bf16_loss, name):
     recipe = RECIPES[name]
     final, first = _train(lf.make_dot_general_cls(recipe), recipe)

@@ -213,7 +213,11 @@ def test_softmax(softmax_type):
 
 
 # ---- DenseGeneral and the fused modules ------------------------------------------------------
-@pytest.mark.parametrize("name,recipe,dtype,tol_out,tol_grad", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(
+    "name,recipe,dtype,tol_out,tol_grad",
+    [c if c[0] in ("f32", "bf16", "delayed") else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+    ids=CASE_IDS,
+)
 def test_dense_general(name, recipe, dtype, tol_out, tol_grad):
     m = lf.DenseGeneral(features=(2, 32), use_bias=True)
     check_module(
@@ -235,7 +239,11 @@ def test_dense_general_multi_axis():
     )
 
 
-@pytest.mark.parametrize("name,recipe,dtype,tol_out,tol_grad", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(
+    "name,recipe,dtype,tol_out,tol_grad",
+    [c if c[0] in ("f32", "delayed") else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+    ids=CASE_IDS,
+)
 def test_layernorm_dense_general(name, recipe, dtype, tol_out, tol_grad):
     m = lf.LayerNormDenseGeneral(
         features=64, layernorm_type="rmsnorm", use_bias=True, return_layernorm_output=True
@@ -267,7 +275,16 @@ MLP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("acts,case", MLP_CASES, ids=[f"{'-'.join(a)}-{c[0]}" for a, c in MLP_CASES])
+@pytest.mark.parametrize(
+    "acts,case",
+    [
+        (a, c)
+        if (a, c[0]) in ((("gelu",), "f32"), (("silu", "linear"), "delayed"))
+        else pytest.param(a, c, marks=pytest.mark.slow)
+        for a, c in MLP_CASES
+    ],
+    ids=[f"{'-'.join(a)}-{c[0]}" for a, c in MLP_CASES],
+)
 def test_layernorm_mlp(acts, case):
     name, recipe, dtype, tol_out, tol_grad = case
     m = lf.LayerNormMLP(intermediate_dim=64, activations=acts, use_bias=True, intermediate_dropout_rate=0.0)
@@ -289,7 +306,9 @@ def test_mlp_dropout():
 
 
 @pytest.mark.parametrize(
-    "name,recipe,dtype,tol_out,tol_grad", [CASES[0], CASES[2], CASES[4]], ids=["f32", "delayed", "mxfp8"]
+    "name,recipe,dtype,tol_out,tol_grad",
+    [CASES[0], CASES[2], pytest.param(*CASES[4], marks=pytest.mark.slow)],
+    ids=["f32", "delayed", "mxfp8"],
 )
 def test_lora_equals_dense_update(name, recipe, dtype, tol_out, tol_grad):
     r, alpha = 4, 8.0
@@ -375,7 +394,7 @@ def test_attention_dropout_path(mask_type):
     assert o1.shape == o2.shape and rel(o1, o2) > 1e-2
 
 
-@pytest.mark.parametrize("groups", [4, 2])
+@pytest.mark.parametrize("groups", [pytest.param(4, marks=pytest.mark.slow), 2])
 def test_multi_head_attention(groups):
     """TransformerEngine's layout: fused ``qkv (H, 3, h*d)`` for MHA, ``query`` + ``kv (H, 2, g*d)``
     for GQA; logits unscaled by default (scale_attn_logits=False, scaled_query_init=True)."""
@@ -441,7 +460,11 @@ LAYER = dict(
 )
 
 
-@pytest.mark.parametrize("name,recipe,dtype,tol_out,tol_grad", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(
+    "name,recipe,dtype,tol_out,tol_grad",
+    [c if c[0] == "delayed" else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+    ids=CASE_IDS,
+)
 def test_transformer_layer(name, recipe, dtype, tol_out, tol_grad):
     acts = ("gelu", "linear")
     if name == "nvfp4":
@@ -591,6 +614,7 @@ def test_transformer_layer_decoder_is_causal_and_axes():
     assert spec["mlp"]["scale"] == jax.sharding.PartitionSpec("nvte_w_no_shard")
 
 
+@pytest.mark.slow
 def test_transformer_layer_gpu_attention_matches_xla(device):
     """On a GPU the bf16 layer takes cuDNN's attention; it must match the XLA path."""
     m = lf.TransformerLayer(**LAYER)
@@ -634,6 +658,7 @@ def _train(recipe, steps=100):
     return float(np.mean(losses[-10:])), float(np.mean(losses[:5])), v
 
 
+@pytest.mark.slow
 def test_training_delayed_scaling_tracks_no_recipe():
     ref, ref_first, _ = _train(None)
     final, first, v = _train(RECIPES["delayed"])

@@ -313,7 +313,11 @@ class _Experts(nn.Module):
 
 @pytest.mark.parametrize(
     "recipe",
-    [None, lowbit.Float8CurrentScaling(), lowbit.DelayedScaling(amax_history_len=2)],
+    [
+        pytest.param(None, marks=pytest.mark.slow),
+        pytest.param(lowbit.Float8CurrentScaling(), marks=pytest.mark.slow),
+        lowbit.DelayedScaling(amax_history_len=2),
+    ],
     ids=["bf16", "current", "delayed"],
 )
 def test_make_ragged_dot_cls(device, rng, recipe):

@@ -58,8 +58,12 @@ def _grads(fn, acts, recipe):
 
 
 @pytest.mark.parametrize("recipe_name", sorted(RECIPES))
-@pytest.mark.parametrize("acts", ACTS, ids=["-".join(a) for a in ACTS])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(
+    "acts",
+    [pytest.param(a, marks=pytest.mark.slow) if a in (("relu",), ("gelu", "linear")) else a for a in ACTS],
+    ids=["-".join(a) for a in ACTS],
+)
+@pytest.mark.parametrize("bias", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["bias", "nobias"])
 def test_fused_equals_composition(device, rng, recipe_name, acts, bias):
     """Two steps (DelayedScaling: the second with the state the first returned): loss, every
     gradient and the new states are the same bits as the unfused composition's."""
@@ -139,7 +143,9 @@ def _quantize_calls(module, variables, x, recipe):
     return len(re.findall(r"lowbit_quantize\b", text))
 
 
-@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+@pytest.mark.parametrize(
+    "recipe_name", [pytest.param(r, marks=pytest.mark.slow) if r == "current" else r for r in sorted(RECIPES)]
+)
 def test_layernorm_mlp_takes_fused_path(on_cpu, recipe_name):
     """The step quantizes two kernels and the output's gradient: 3 quantize calls (x's FP8 copies
     come from the norm kernel, inside the same VJP). The composed path had 6 (x, the activation

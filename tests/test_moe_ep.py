@@ -260,10 +260,10 @@ def test_bad_arguments_name_the_argument():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ("capacity", "ragged_emulated", "drops", "errors"))
 def test_expert_parallel_on_host_devices(case):
-    from test_multi_device import _env  # 4 forced host devices, src/ on the path
+    from helpers import multi_device_env  # 4 forced host devices, src/ on the path
 
     argv = [sys.executable, os.path.abspath(__file__), case]
-    r = subprocess.run(argv, env=_env(N_DEV), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(argv, env=multi_device_env(N_DEV), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
 
 

@@ -96,7 +96,9 @@ def test_seed_check_names_each_problem():
 CASES = ("seed", "layers", "moe", "no_zero_size_operands", "attention_dp_tp", "softmax_dp_tp")
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in ("seed", "layers", "moe") else c for c in CASES]
+)
 def test_sharded_matches_one_device(case):
     r = subprocess.run(
         [sys.executable, os.path.abspath(__file__), case],

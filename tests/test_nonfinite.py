@@ -42,7 +42,9 @@ def _finite(a) -> bool:
     return bool(jnp.all(jnp.isfinite(a)))
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "mxfp8" else n for n in RECIPES]
+)
 def test_dense_inf_gives_nonfinite_output_and_gradients(name):
     r = RECIPES[name]
     state = lowbit.init_delayed_state(r) if name == "delayed" else None

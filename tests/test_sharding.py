@@ -33,7 +33,15 @@ CASES = (
 )
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.slow)
+        if c in ("column_current", "column_mxfp8", "column_block", "row_block", "dp_only", "flax_dot_general")
+        else c
+        for c in CASES
+    ],
+)
 def test_sharded(case):
     r = subprocess.run(
         [sys.executable, os.path.abspath(__file__), case],

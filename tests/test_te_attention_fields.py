@@ -168,7 +168,15 @@ MASK_TYPES = [
 
 
 @pytest.mark.parametrize("mask_type", MASK_TYPES)
-@pytest.mark.parametrize("window", [None, (2, 0), (1, 2), (-1, 1)])
+@pytest.mark.parametrize(
+    "window",
+    [
+        None,
+        pytest.param((2, 0), marks=pytest.mark.slow),
+        pytest.param((1, 2), marks=pytest.mark.slow),
+        pytest.param((-1, 1), marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("sq,sk", [(8, 8), (6, 10)])
 def test_dpa_masks_and_windows(mask_type, window, sq, sk):
     g = 2
@@ -253,6 +261,7 @@ def test_dpa_qkv_layouts():
     assert rel(mp.apply({}, q, k, v, pad), ref) > 1e-3
 
 
+@pytest.mark.slow
 def test_dpa_dropout_reference_path_and_rng():
     """CPU: logits -> softmax -> dropout from dropout_rng_name's stream -> values."""
     b, s, g, rate = 2, 8, 2, 0.3
@@ -532,8 +541,14 @@ MHA_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("cfg_name", list(MHA_CONFIGS))
-@pytest.mark.parametrize("name,recipe,dtype,tol_out,tol_grad", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(
+    "cfg_name", [pytest.param(c, marks=pytest.mark.slow) if c == "cross" else c for c in MHA_CONFIGS]
+)
+@pytest.mark.parametrize(
+    "name,recipe,dtype,tol_out,tol_grad",
+    [c if c[0] == "f32" else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+    ids=CASE_IDS,
+)
 def test_mha_against_reference(cfg_name, name, recipe, dtype, tol_out, tol_grad):
     cfg = MHA_CONFIGS[cfg_name]
     if not cfg["self"] and dtype != jnp.float32:
@@ -802,8 +817,20 @@ def test_errors_name_the_field():
         )
 
 
-@pytest.mark.parametrize("g,fuse", [(H, True), (2, True), (2, False)], ids=["qkv", "query+kv", "unfused"])
-@pytest.mark.parametrize("name,recipe,dtype,tol_out,tol_grad", [CASES[0], CASES[3]], ids=["f32", "current"])
+@pytest.mark.parametrize(
+    "g,fuse",
+    [
+        (H, True),
+        pytest.param(2, True, marks=pytest.mark.slow),
+        pytest.param(2, False, marks=pytest.mark.slow),
+    ],
+    ids=["qkv", "query+kv", "unfused"],
+)
+@pytest.mark.parametrize(
+    "name,recipe,dtype,tol_out,tol_grad",
+    [CASES[0], pytest.param(*CASES[3], marks=pytest.mark.slow)],
+    ids=["f32", "current"],
+)
 def test_mha_lora_as_te(g, fuse, name, recipe, dtype, tol_out, tol_grad):
     """low_rank_adaptation_scope="all": TE's adapters, one per slot of the fused kernels (qkv
     ``(H, 3, r)``/``(3, r, h*d)``, kv ``(H, 2, r)``/``(2, r, g*d)``), forward and gradients
@@ -947,7 +974,7 @@ def test_dpa_gpu_cudnn_matches_xla(gpu_device, mask_type, window, bias_type, sq,
         assert rel(np.asarray(g1, np.float32), np.asarray(g2, np.float32)) < 3e-2
 
 
-@pytest.mark.parametrize("tbs", [False, True])
+@pytest.mark.parametrize("tbs", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "g,rotary,window", [(H, None, None), (2, "alternate", (2, 0)), (H, "consecutive", None)]
 )

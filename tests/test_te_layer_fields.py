@@ -378,7 +378,16 @@ MLP_ACTS = [
 ]
 
 
-@pytest.mark.parametrize("acts", MLP_ACTS, ids=["-".join(a) for a in MLP_ACTS])
+@pytest.mark.parametrize(
+    "acts",
+    [
+        a
+        if a in (("relu",), ("gelu", "linear"), ("squared_relu",))
+        else pytest.param(a, marks=pytest.mark.slow)
+        for a in MLP_ACTS
+    ],
+    ids=["-".join(a) for a in MLP_ACTS],
+)
 def test_layernorm_mlp_activations(acts):
     m = lf.LayerNormMLP(intermediate_dim=F, activations=acts, use_bias=True, intermediate_dropout_rate=0.0)
     v = check(m, (randn((B, S, H)),), lambda p, x: _mlp_ref(p, x, acts)[0], F32)
@@ -404,7 +413,7 @@ def test_which_activations_stay_fused():
     assert not any(fused_mlp_activation(normalize_mlp_activations(a)) for a in unfused)
 
 
-@pytest.mark.parametrize("case", [F32, FP8], ids=["f32", "current"])
+@pytest.mark.parametrize("case", [F32, pytest.param(FP8, marks=pytest.mark.slow)], ids=["f32", "current"])
 def test_layernorm_mlp_lora(case):
     m = lf.LayerNormMLP(
         intermediate_dim=F,
@@ -444,7 +453,9 @@ def _layer(**kw):
     return lf.TransformerLayer(**base)
 
 
-@pytest.mark.parametrize("case", [F32, LAYER_FP8], ids=["f32", "current"])
+@pytest.mark.parametrize(
+    "case", [F32, pytest.param(LAYER_FP8, marks=pytest.mark.slow)], ids=["f32", "current"]
+)
 def test_encoder_with_te_defaults(case):
     """TE's defaults: relative position bias, unscaled logits (scale_attn_logits=False), causal
     self-attention, ReLU MLP."""
@@ -452,7 +463,9 @@ def test_encoder_with_te_defaults(case):
     assert v["params"]["relpos_bias"]["rel_embedding"].shape == (HEADS, 32)
 
 
-@pytest.mark.parametrize("case", [F32, LAYER_FP8], ids=["f32", "current"])
+@pytest.mark.parametrize(
+    "case", [F32, pytest.param(LAYER_FP8, marks=pytest.mark.slow)], ids=["f32", "current"]
+)
 def test_decoder_with_cross_attention(case):
     enc = randn((B, 6, H), 3)
     ed_mask = np.zeros((B, 1, S, 6), bool)
@@ -473,20 +486,29 @@ def test_decoder_with_cross_attention(case):
     "kw,ref_kw",
     [
         (dict(output_layernorm=True), dict(output_ln=True)),
-        (dict(apply_residual_connection_post_layernorm=True), dict(post_ln_residual=True)),
-        (
+        pytest.param(
+            dict(apply_residual_connection_post_layernorm=True),
+            dict(post_ln_residual=True),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
             dict(apply_residual_connection_post_layernorm=True, output_layernorm=True),
             dict(post_ln_residual=True, output_ln=True),
+            marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             dict(scale_attn_logits=True, enable_relative_embedding=False),
             dict(scale=1 / math.sqrt(H // HEADS)),
+            marks=pytest.mark.slow,
         ),
-        (dict(hidden_size=16), dict(head_dim=4)),  # heads of hidden_size/heads dims, input width 32
-        (dict(transpose_batch_sequence=True), dict(transpose=True)),
-        (dict(self_attn_mask_type="no_mask"), dict(causal=False)),
+        # heads of hidden_size/heads dims, input width 32
+        pytest.param(dict(hidden_size=16), dict(head_dim=4), marks=pytest.mark.slow),
+        pytest.param(dict(transpose_batch_sequence=True), dict(transpose=True), marks=pytest.mark.slow),
+        pytest.param(dict(self_attn_mask_type="no_mask"), dict(causal=False), marks=pytest.mark.slow),
         (dict(layernorm_type="rmsnorm", layernorm_epsilon=1e-5), dict(kind="rmsnorm", eps=1e-5)),
-        (dict(mlp_activations=("squared_relu",)), dict(acts=("squared_relu",))),
+        pytest.param(
+            dict(mlp_activations=("squared_relu",)), dict(acts=("squared_relu",)), marks=pytest.mark.slow
+        ),
     ],
     ids=[
         "output_layernorm",
@@ -514,6 +536,7 @@ def test_layer_fields(kw, ref_kw):
         assert {"scale", "ln_bias"} <= set(v["params"]["mlp"]) and "output_layernorm" in v["params"]
 
 
+@pytest.mark.slow
 def test_padding_causal_and_gqa_f32():
     mask = np.zeros((B, 1, S, S), bool)
     mask[1, :, :, 6:] = True
@@ -650,9 +673,11 @@ def test_mha_fields_passed_under_te_names(monkeypatch):
     assert seen["self_attention"]["decode"] is True and seen["encoder_decoder_attention"]["decode"] is False
 
 
-@pytest.mark.parametrize("tbs", [False, True])
+@pytest.mark.parametrize("tbs", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
-    "kw", [{}, dict(num_gqa_groups=2, mlp_activations=("gelu", "linear"))], ids=["relpos", "gqa"]
+    "kw",
+    [{}, pytest.param(dict(num_gqa_groups=2, mlp_activations=("gelu", "linear")), marks=pytest.mark.slow)],
+    ids=["relpos", "gqa"],
 )
 def test_decoder_decode_steps_equal_full_forward(tbs, kw):
     """decode=True (TE's signature): the init call with max_decode_length sizes the cache; one
@@ -768,6 +793,7 @@ def test_param_tree_te_layout():
     }
 
 
+@pytest.mark.slow
 def test_sliding_window_and_rotary():
     for kw, ref_kw in [
         (dict(window_size=(2, 0)), dict(window=(2, 0))),

@@ -58,7 +58,14 @@ class MnistNet(nn.Module):  # TE's examples/jax/mnist layout, Dense layers throu
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-@pytest.mark.parametrize("name", ["delayed", "current", "mxfp8"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "delayed",
+        pytest.param("current", marks=pytest.mark.slow),
+        pytest.param("mxfp8", marks=pytest.mark.slow),
+    ],
+)
 def test_mnist_style(device, name):
     r = {
         "delayed": recipe.DelayedScaling(amax_history_len=4),
@@ -82,6 +89,7 @@ class EncoderBlock(nn.Module):  # TE's examples/jax/encoder: fused LN+MLP and LN
         return te_flax.DenseGeneral(features=32)(x)
 
 
+@pytest.mark.slow
 def test_encoder_style_delayed():
     x, y = _data()
     with te.fp8_autocast(True, recipe.DelayedScaling(amax_history_len=8)):
@@ -98,7 +106,7 @@ class SeedDense(nn.Module):  # the seeds' tutorial: only dot_general changes
         return nn.Dense(32, dot_general=self.dot_general_cls())(x)
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "delayed"])
+@pytest.mark.parametrize("name", [pytest.param("nvfp4", marks=pytest.mark.slow), "delayed"])
 def test_seed_dot_general_swap(name):
     r = recipe.NVFP4BlockScaling() if name == "nvfp4" else recipe.DelayedScaling(amax_history_len=4)
     x, y = _data()

@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-from lowbit.bench.charts import ratio_chart
+from lowbit.bench.charts import CPU_TAG, backend_note, ratio_chart
 from lowbit.bench.common import environment, on_gpu, print_table, write_json
 
 SUITES = {
@@ -42,7 +42,10 @@ def main(argv=None) -> int:
     small = args.small or (not args.full and not on_gpu())
 
     env = environment()
+    note = backend_note(env["platform"])
     print(f"lowbit benchmark on {env['device']} (jax {env['jax']}, {'small' if small else 'full'} shapes)")
+    if note:
+        print(f"({note})")
     names = list(SUITES) if args.suite == "all" else [args.suite]
     suffix = "small" if small else "full"
     for name in names:
@@ -60,12 +63,18 @@ def main(argv=None) -> int:
         if bar:
             bar.close()
         cols = columns or list(rows[0].keys()) if rows else []
-        print_table(f"{name} ({env['device']})", rows, columns or cols)
+        print_table(table_title(name, env), rows, columns or cols)
         path = write_json(f"{name}-{suffix}", {"env": env, "rows": rows}, args.out)
         print(f"wrote {path}")
-        for chart in _charts(name, rows, args.out, suffix, env["device"]):
+        for chart in _charts(name, rows, args.out, suffix, env["device"], note):
             print(f"wrote {chart}")
     return 0
+
+
+def table_title(name: str, env: dict) -> str:
+    """A suite's table heading: the device, and on the CPU that lowbit ran its reference kernels."""
+    title = f"{name} ({env['device']})"
+    return f"{title}: {CPU_TAG}" if env["platform"] == "cpu" else title
 
 
 def _progress(name, total):
@@ -78,9 +87,10 @@ def _progress(name, total):
     return tqdm(total=total, desc=name, file=sys.stderr, leave=False)
 
 
-def _charts(name: str, rows: list, out: str, suffix: str, device: str) -> list:
+def _charts(name: str, rows: list, out: str, suffix: str, device: str, note: str | None = None) -> list:
     """One PNG per baseline: quantize against copy bandwidth, grouped GEMM against
-    jax.lax.ragged_dot, dense/layer against each row's ``speedup_vs``."""
+    jax.lax.ragged_dot, dense/layer against each row's ``speedup_vs``; ``note`` as each chart's
+    footnote."""
     if name == "quantize":
         rows = [dict(r, bar=r["case"]) for r in rows if not r["case"].startswith("copy")]
         specs = [("", rows, "fraction of copy bandwidth (copy = 1)", "frac_of_copy", "shape")]
@@ -110,11 +120,12 @@ def _charts(name: str, rows: list, out: str, suffix: str, device: str) -> list:
         path = ratio_chart(
             os.path.join(out, f"{name}{tag}-{suffix}.png"),
             part,
-            f"{name} on {device}",
+            f"{name} on {device}" + (f" ({CPU_TAG})" if note else ""),
             xlabel,
             value=value,
             group=group,
             label="bar",
+            note=note,
         )
         if path:
             paths.append(path)

@@ -2,7 +2,8 @@
 
 Each bar is a ratio against the chart's single baseline (drawn as the line at 1), so a peer that
 is 50x slower does not flatten the rest: the axis turns logarithmic when the ratios span more
-than 20x.
+than 10x. Timings taken on the CPU carry ``CPU_NOTE`` (chart footnote, table title): there
+lowbit runs its reference kernels, so the bars say nothing about its speed on a GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +12,16 @@ import os
 from typing import Sequence
 
 PEER_COLOR, LOWBIT_COLOR = "#9a9a9a", "#3f6fb0"
+CPU_TAG = "lowbit on its CPU reference kernels, not timed for speed"
+CPU_NOTE = (
+    "CPU: lowbit runs its C++ reference kernels (written to be exact, not fast) next to XLA's "
+    "optimized CPU code; lowbit's speed is measured on a GPU"
+)
+
+
+def backend_note(platform: str) -> str | None:
+    """The caveat a reader needs for timings taken on ``platform`` (None on a GPU)."""
+    return CPU_NOTE if platform == "cpu" else None
 
 
 def ratio_chart(
@@ -21,9 +32,11 @@ def ratio_chart(
     value: str = "speedup",
     group: str = "model",
     label: str = "name",
+    note: str | None = None,
 ) -> str | None:
-    """Bars of ``row[value]`` labelled ``row[label]``, one panel per distinct ``row[group]``.
-    Returns the path, or None when matplotlib is missing or there is nothing to draw."""
+    """Bars of ``row[value]`` labelled ``row[label]``, one panel per distinct ``row[group]``, with
+    ``note`` as a footnote under them. Returns the path, or None when matplotlib is missing or
+    there is nothing to draw."""
     rows = [r for r in rows if isinstance(r.get(value), (int, float))]
     if not rows:
         return None
@@ -37,8 +50,10 @@ def ratio_chart(
     groups = list(dict.fromkeys(r[group] for r in rows))
     per = [[r for r in rows if r[group] == g] for g in groups]
     heights = [0.32 * len(p) + 0.7 for p in per]
+    foot = 0.45 if note else 0.0  # inches kept free for the footnote
+    total = sum(heights) + 0.8 + foot
     fig, axes = plt.subplots(
-        len(groups), 1, figsize=(9, sum(heights) + 0.8), squeeze=False, gridspec_kw={"height_ratios": heights}
+        len(groups), 1, figsize=(9, total), squeeze=False, gridspec_kw={"height_ratios": heights}
     )
     values = [r[value] for r in rows]
     log = max(values) / max(min(values), 1e-9) > 10
@@ -58,7 +73,9 @@ def ratio_chart(
         ax.set_title(str(g), fontsize=9, loc="left")
     axes[-1, 0].set_xlabel(xlabel)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (sum(heights) + 0.8)))
+    if note:
+        fig.text(0.01, 0.1 / total, note, fontsize=7, ha="left", va="bottom", wrap=True, color="#a03000")
+    fig.tight_layout(rect=(0, foot / total, 1, 1 - 0.35 / total))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
