@@ -258,7 +258,9 @@ def test_bad_arguments_name_the_argument():
 # ---------------------------------------------------------------------------------------------
 # Expert parallelism on 4 host devices (subprocess)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ("capacity", "ragged_emulated", "drops", "errors"))
+@pytest.mark.parametrize(
+    "case", ("capacity", pytest.param("ragged_emulated", marks=pytest.mark.slow), "drops", "errors")
+)
 def test_expert_parallel_on_host_devices(case):
     from helpers import multi_device_env  # 4 forced host devices, src/ on the path
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The multi-GPU check and benchmark in one device call on a multi-GPU host: the multi-GPU pytest
+# cases (the seed tutorial's flow, expert parallelism), then the multi_device stages seed, layer,
+# moe and collectives (scripts/gpu_multi.sh, one time limit each), TransformerEngine's rows where
+# it is installed (source /tmp/te-site/env.sh first: ../shared/tepeer). Logs and JSON under $OUT.
+#   scripts/gpu_multi_suite.sh [pytest] [seed] [layer] [moe] [collectives] [mp-seed]  (default: all but mp-seed)
+# LAYER_ARGS: extra layer-stage arguments (default: TransformerLayer, every layout, delayed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-$PWD/gpu_out} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+STAGES=${*:-pytest seed layer moe collectives}
+BUILD=${LOWBIT_BUILD_DIR:-build/gpu}
+status=0
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+if has pytest; then
+  echo "=== multi-GPU pytest ($(date +%T))"
+  PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$(realpath -m "$BUILD") \
+    timeout 420 python3 -m pytest tests/test_seed_multi_device.py tests/test_moe_ep.py -m gpu -q \
+    -k "${PYTEST_K:-not outside}" -p no:cacheprovider 2>&1 | tee "$OUT/pytest_multi.log" | tail -8
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+run_stage() {
+  LOWBIT_STAGE_TIMEOUT=$1 bash scripts/gpu_multi.sh "${@:2}" 2>&1 | grep -v "^  File\|^    \|Warning\|warn(" | tail -${TAIL:-14}
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+has seed && run_stage 200 seed
+has layer && run_stage 420 layer ${LAYER_ARGS:---models TransformerLayer --recipe delayed}
+has moe && run_stage 240 moe
+has collectives && run_stage 200 collectives
+has mp-seed && run_stage 240 mp-seed
+exit $status
