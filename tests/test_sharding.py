@@ -95,9 +95,9 @@ def test_second_gemms_ask_for_row_parallel(monkeypatch):
     asked = []
     plan = dense_mod.plan_dense
 
-    def recording(recipe, M, K, N, tp_layout=None):
+    def recording(recipe, M, K, N, tp_layout=None, lead=()):
         asked.append((K, N, tp_layout))
-        return plan(recipe, M, K, N, tp_layout)
+        return plan(recipe, M, K, N, tp_layout, lead)
 
     monkeypatch.setattr(dense_mod, "plan_dense", recording)
     recipe = lowbit.MXFP8BlockScaling()  # not tensor-scaled: every GEMM goes through dense()

@@ -5,6 +5,14 @@ lowbit's ops read the MeshResource to name their sharding; a user sets it once, 
 :func:`global_shard_guard` or through :func:`lowbit.autocast`'s ``mesh_resource``. This module
 decides the layout (:func:`plan_dense`, column- or row-parallel as the caller's ``tp_layout``
 says); lowbit.ops.dense_sharded runs it.
+
+Sequence parallelism (TransformerEngine's ``tpsp_resource``): its axis is the tensor-parallel axis,
+and it also splits the sequence of the activations between blocks (the residual stream). An
+activation ``(b, s, ...)`` is then laid out ``P(batch axes, tpsp, None...)``: the row-wise ops on it
+(norms) run per (batch, sequence) shard; a column-parallel dense all-gathers its FP8 input along
+the sequence before the GEMM, a row-parallel one reduce-scatters its output along the sequence
+(lowbit.ops.dense_sharded). Attention sees whole sequences with its heads split, as under plain
+tensor parallelism.
 """
 
 from __future__ import annotations
@@ -12,10 +20,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lowbit._trace_context import TraceKeyedContext
@@ -185,13 +194,20 @@ def shard_map(f, mesh, in_specs, out_specs):
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
-    """How a dense (M, K) x (K, N) is split over the mesh: the axes splitting each size."""
+    """How a dense (M, K) x (K, N) is split over the mesh: the axes splitting each size.
+
+    Under sequence parallelism (``seq`` non-empty) M is viewed as ``rows = (B, S)`` (x's leading
+    axis, the product of the others: the batch and the sequence): the batch axes split B, the
+    ``seq`` axes (the tp axis) split S between blocks: x's S in the column layout (gathered
+    before the GEMM), y's in the row layout (reduce-scattered after it)."""
 
     mesh: Any
-    batch: tuple  # mesh axes splitting M
+    batch: tuple  # mesh axes splitting M (B under sequence parallelism)
     k_axes: tuple  # mesh axes splitting K
     n_axes: tuple  # mesh axes splitting N
     partial_sum_dtype: Optional[str] = None  # MeshResource.partial_sum_dtype
+    seq: tuple = ()  # sequence parallelism: the tp axes splitting S between blocks
+    rows: tuple = ()  # sequence parallelism: (B, S), M = B * S
 
     @staticmethod
     def _entry(axes):
@@ -200,52 +216,149 @@ class ShardPlan:
     def spec(self, *dims) -> P:
         return P(*(self._entry(getattr(self, d)) for d in dims))
 
+    @property
+    def x_seq(self) -> tuple:
+        """The axes splitting x's sequence on arrival (column layout under sequence parallelism)."""
+        return () if self.k_axes else self.seq
+
+    @property
+    def y_seq(self) -> tuple:
+        """The axes splitting y's sequence on leaving (row layout under sequence parallelism)."""
+        return self.seq if self.k_axes else ()
+
+    @property
+    def x_rows(self) -> tuple:
+        """Every axis splitting the rows of an x shard (batch, then sequence)."""
+        return self.batch + self.x_seq
+
+    @property
+    def y_rows(self) -> tuple:
+        """Every axis splitting the rows of a y shard (batch, then sequence)."""
+        return self.batch + self.y_seq
+
+    @property
+    def b_local(self) -> int:
+        """B per shard (sequence parallelism): the rows of a shard are (b_local, S or S/tp)."""
+        return self.rows[0] // _axis_size(self.mesh, self.batch) if self.rows else 0
+
 
 def _axis_size(mesh, axes) -> int:
     return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
 
 
-def _mesh_axes():
-    """(mesh, batch axes, tp axes) of the MeshResource and mesh in context (axes of size 1
-    dropped), or None: no MeshResource or mesh, or already inside a shard_map over its axes."""
+class _Axes(NamedTuple):
+    mesh: Any
+    batch: tuple  # dp, fsdp
+    tp: tuple  # tp_resource or tpsp_resource
+    seq: tuple  # tpsp_resource: the tp axis, also splitting the sequence between blocks
+
+
+def _mesh_axes() -> Optional[_Axes]:
+    """The mesh and the axes of the MeshResource in context (axes of size 1 dropped), or None: no
+    MeshResource or mesh, or already inside a shard_map over its axes."""
     res = global_mesh_resource()
-    if res.dp_resource is None and res.fsdp_resource is None and res.tp_resource is None:
+    named = {
+        "dp_resource": res.dp_resource,
+        "fsdp_resource": res.fsdp_resource,
+        "tp_resource": res.tp_resource,
+        "tpsp_resource": res.tpsp_resource,
+    }
+    used = [a for a in named.values() if a is not None]
+    if not used:
         return None
     mesh = current_mesh()
     if mesh is None:
         return None
     names = tuple(mesh.axis_names)
-    for a in (res.dp_resource, res.fsdp_resource, res.tp_resource):
+    for field, a in named.items():
         if a is not None and a not in names:
             raise ValueError(
-                f"lowbit: MeshResource names mesh axis {a!r}, but the mesh in context has axes {names}"
+                f"lowbit: MeshResource.{field} names mesh axis {a!r}, but the mesh in context has "
+                f"axes {names}"
             )
+    tp, tpsp = res.tp_resource, res.tpsp_resource
+    if tp is not None and tpsp is not None and mesh.shape[tp] > 1 and mesh.shape[tpsp] > 1:
+        raise ValueError(
+            f"lowbit: MeshResource sets both tp_resource={tp!r} and tpsp_resource={tpsp!r}; use one "
+            "(tpsp_resource is tensor parallelism over its axis with sequence parallelism), as "
+            "TransformerEngine requires"
+        )
     get_abstract = getattr(jax.sharding, "get_abstract_mesh", None)
     manual = set(getattr(get_abstract(), "manual_axes", ()) or ()) if get_abstract else set()
-    used = [a for a in (res.dp_resource, res.fsdp_resource, res.tp_resource) if a is not None]
     if manual & set(used):
         return None  # already inside a shard_map over these axes: the caller handles them
     batch = tuple(a for a in (res.dp_resource, res.fsdp_resource) if a is not None and mesh.shape[a] > 1)
-    tp = (res.tp_resource,) if res.tp_resource is not None and mesh.shape[res.tp_resource] > 1 else ()
-    return mesh, batch, tp
+    seq = (tpsp,) if tpsp is not None and mesh.shape[tpsp] > 1 else ()
+    tp_axes = seq or ((tp,) if tp is not None and mesh.shape[tp] > 1 else ())
+    return _Axes(mesh, batch, tp_axes, seq)
 
 
-def plan_rows(shape, split_last: bool = False):
+def seq_view(lead, n_batch: int, n_seq: int, block: int = 1) -> tuple:
+    """(B, S): the (batch, sequence) view of the rows ``lead`` (x's leading axes) that sequence
+    parallelism splits (B over ``n_batch`` shards, S over ``n_seq``), or () where it cannot:
+    ``(b, s, ...)`` is ``(b, s * ...)`` with s split (so the layout is x's own
+    ``P(batch, tp, None...)``); a flat ``(M,)`` is ``(n_batch, M / n_batch)``, the layout
+    ``P((batch..., tp))``. Each shard's S must hold whole scaling blocks of ``block`` rows."""
+    lead = tuple(int(d) for d in lead)
+    if len(lead) >= 2:
+        B, S = lead[0], int(np.prod(lead[1:]))
+        ok = B % n_batch == 0 and lead[1] % n_seq == 0
+    elif len(lead) == 1:
+        B, S = n_batch, lead[0] // n_batch
+        ok = lead[0] % (n_batch * n_seq) == 0
+    else:
+        return ()
+    return (B, S) if ok and (S // n_seq) % block == 0 else ()
+
+
+def plan_rows(shape, split_last: bool = False, split_seq: bool = False):
     """(mesh, PartitionSpec) for a row-wise op (norm, activation) on x of ``shape`` (..., C):
-    the first axis split over the batch axes (dp, fsdp), and with ``split_last`` (elementwise
-    ops) the last axis over tp, as a column-parallel dense leaves its output. None to run
-    unsharded (no MeshResource or mesh, nothing to split, or uneven shards)."""
+    the first axis split over the batch axes (dp, fsdp); with ``split_last`` (elementwise ops)
+    the last axis over tp, as a column-parallel dense leaves its output; with ``split_seq`` (an
+    op on the residual stream, a norm) the sequence over ``tpsp_resource`` too: axis 1 of a
+    (b, s, ..., C) x, the rows of a 2-D one after the batch axes (:func:`seq_view`; dropped
+    where it does not divide). None to run unsharded (no MeshResource or mesh, nothing to split,
+    or uneven shards)."""
     found = _mesh_axes()
     if found is None or len(shape) < 2:
         return None
-    mesh, batch, tp = found
+    mesh, batch, tp, seq = found
     tp = tp if split_last else ()
-    if not batch and not tp:
+    seq = seq if split_seq and not split_last else ()
+    if seq and not seq_view(shape[:-1], _axis_size(mesh, batch), _axis_size(mesh, seq)):
+        seq = ()
+    if not batch and not tp and not seq:
         return None
     if shape[0] % _axis_size(mesh, batch) or shape[-1] % _axis_size(mesh, tp):
         return None
     entry = ShardPlan._entry
+    if seq and len(shape) == 2:
+        return mesh, P(entry(batch + seq), None)
+    if seq:
+        return mesh, P(entry(batch), entry(seq), *([None] * (len(shape) - 2)))
     return mesh, P(entry(batch), *([None] * (len(shape) - 2)), entry(tp))
+
+
+def constrain_sequence(x):
+    """``x`` (b, s, ...) pinned to the layout sequence parallelism keeps between blocks, the one
+    the ops read and leave (:func:`plan_rows` with ``split_seq``: ``P(batch, tpsp, None...)``):
+    a sharding constraint under a MeshResource with ``tpsp_resource`` and a mesh in context, x
+    as it is otherwise. What TransformerEngine's ``SEQLEN_TP_AXES`` constraints resolve to under
+    its logical axis rules, for the Flax modules' ``enable_sequence_parallel``."""
+    found = _mesh_axes()
+    plan = plan_rows(x.shape, split_seq=True) if found is not None and found.seq else None
+    if plan is None:
+        return x
+    mesh, spec = plan
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def spec_row_axes(spec) -> tuple:
+    """The mesh axes of a :func:`plan_rows` spec that split rows (every entry but the last)."""
+    out = []
+    for e in tuple(spec)[:-1]:
+        out += [] if e is None else ([e] if isinstance(e, str) else list(e))
+    return tuple(out)
 
 
 def plan_attention(q_shape, kv_shape):
@@ -256,7 +369,7 @@ def plan_attention(q_shape, kv_shape):
     found = _mesh_axes()
     if found is None or len(q_shape) != 4 or len(kv_shape) != 4:
         return None
-    mesh, batch, tp = found
+    mesh, batch, tp, _ = found
     if q_shape[0] % _axis_size(mesh, batch):
         batch = ()
     if q_shape[2] % _axis_size(mesh, tp) or kv_shape[2] % _axis_size(mesh, tp):
@@ -266,15 +379,21 @@ def plan_attention(q_shape, kv_shape):
     return mesh, ShardPlan._entry(batch), ShardPlan._entry(tp)
 
 
-def plan_dense(recipe, M: int, K: int, N: int, tp_layout: Optional[str] = None) -> Optional[ShardPlan]:
+def plan_dense(
+    recipe, M: int, K: int, N: int, tp_layout: Optional[str] = None, lead: tuple = ()
+) -> Optional[ShardPlan]:
     """The shard plan for a (M, K) x (K, N) dense under ``recipe``, tp splitting the kernel's N
     or K as ``tp_layout`` says (:func:`resolve_tp_layout`), or None to run unsharded (no
-    MeshResource or mesh, already inside a shard_map over these axes, or uneven shards)."""
+    MeshResource or mesh, already inside a shard_map over these axes, or uneven shards).
+
+    Under ``tpsp_resource`` the plan is sequence-parallel where x's leading axes ``lead``
+    (M = prod(lead)) have a :func:`seq_view` whose shards hold whole scaling blocks; elsewhere it
+    is the plain tensor-parallel plan."""
     row = resolve_tp_layout(tp_layout) == "row"
     found = _mesh_axes()
     if found is None:
         return None
-    mesh, batch, tp = found
+    mesh, batch, tp, seq = found
     plan = ShardPlan(
         mesh, batch, tp if row else (), () if row else tp, global_mesh_resource().partial_sum_dtype
     )
@@ -288,4 +407,7 @@ def plan_dense(recipe, M: int, K: int, N: int, tp_layout: Optional[str] = None) 
         n = _axis_size(mesh, axes)
         if size % n or (size // n) % blk:
             return None
+    rows = seq_view(lead, _axis_size(mesh, batch), _axis_size(mesh, seq), blk) if seq else ()
+    if rows and int(np.prod(rows)) == M:
+        plan = dataclasses.replace(plan, seq=seq, rows=rows)
     return plan

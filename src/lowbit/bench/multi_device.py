@@ -10,9 +10,10 @@ default ``benchmarks/results/<device>/``):
   ``P('dp', None, None)``, output gradient ``P('dp', None, 'tp')``, ``MeshResource`` through
   ``autocast``): step time of lowbit next to plain Flax BF16 on the same mesh, and an audit of
   the compiled step's collectives (:func:`audit_hlo`, :func:`check_seed_collectives`).
-* ``layer``: lowbit's ``LayerNormMLP`` and ``TransformerLayer`` under DP, DP x TP and FSDP, each
-  against the same model on one device (results and time) and against plain Flax sharded the
-  same way.
+* ``layer``: lowbit's ``LayerNormMLP`` and ``TransformerLayer`` under DP, DP x TP, FSDP and DP x TP
+  with sequence parallelism (``dp_tpsp``: TE's ``tpsp_resource``), each against the same model on
+  one device (results and time) and against plain Flax sharded the same way (for ``dp_tpsp``:
+  dp_tp's kernels, the input split along the sequence, XLA's choices after that).
 * ``moe``: the MoE MLP of ``examples/moe.py`` with its experts sharded over the devices
   (:func:`moe_ep`, :func:`lowbit.ops.fused.moe.moe_mlp`): each (token, expert) pair sent to the
   expert's owner by ragged_all_to_all (GPU) or a capacity all_to_all (CPU), the grouped GEMMs
@@ -546,6 +547,15 @@ PARALLEL = {
         (("embed", "fsdp"),),
         ("fsdp", None, None),
     ),
+    # Sequence parallelism (TE's tpsp_resource): kernels as dp_tp, the activations between blocks
+    # (input, output, their gradients) split along the sequence over tp.
+    "dp_tpsp": (
+        lambda n: (n // 2, 2),
+        ("dp", "tp"),
+        dict(dp_resource="dp", tpsp_resource="tp"),
+        (("mlp", "tp"), ("joined_kv", "tp"), ("nvte_seqlen_tp", "tp")),
+        ("dp", "tp", None),
+    ),
 }
 
 
@@ -601,6 +611,9 @@ def _lowbit_models(cfg, lf=None):
         use_bias=True,
         self_attn_mask_type="causal",
         dtype=jnp.bfloat16,
+        # The residual stream split along the sequence where the MeshResource names tpsp_resource
+        # (dp_tpsp); no effect on the other layouts (TE's and lowbit's alike).
+        enable_sequence_parallel=True,
     )
     return {
         "LayerNormMLP": (mlp, {"deterministic": True}, 0),
@@ -616,7 +629,7 @@ def _flax_param_spec(path: str, ndim: int, par: str):
     if par == "dp":
         return P()
     up = path.endswith("Dense_0']['kernel']") or path.endswith("Dense_0']['bias']")
-    if par == "dp_tp":
+    if par in ("dp_tp", "dp_tpsp"):  # dp_tpsp: the same kernels; its input is split along the sequence
         if path.endswith("['kernel']"):
             return P(None, "tp") if up else P("tp", None)
         if path.endswith("['bias']") and up:
@@ -676,7 +689,7 @@ def layer_rows(
         for par in pars:
             mshape_fn, names, rkw, rules, xspec = PARALLEL[par]
             mshape = mshape_fn(n)
-            if _prod(mshape) != n or (par == "dp_tp" and n < 4):
+            if _prod(mshape) != n or (par in ("dp_tp", "dp_tpsp") and n < 4):
                 continue
             mesh = _mesh(mshape, names)
             res = lowbit.MeshResource(**rkw)

@@ -52,6 +52,7 @@ from lowbit.flax.attention_paths import traced_in_loop as _traced_in_loop
 from lowbit.flax.attention_projections import out_projection, qkv_projections
 from lowbit.flax.params import Initializer, check_norm_type
 from lowbit.flax.positions import canonical_group_method, check_rotary_windows, rotary_pos_emb
+from lowbit.sharding import constrain_sequence
 
 _CP_STRATEGIES = ("DEFAULT", "ALL_GATHER", "ALLGATHER", "RING")
 _LORA_SCOPES = (
@@ -307,7 +308,13 @@ class MultiHeadAttention(nn.Module):
     ``return_layernorm_output`` (and, as in TransformerEngine, for self-attention without the
     fused ``qkv``), else None. ``decode=True`` keeps TransformerEngine's key/value cache
     (collection "cache"): the call that creates it attends normally, each later call takes one
-    position and attends to the cached keys up to it."""
+    position and attends to the cached keys up to it.
+
+    Sequence parallelism (``MeshResource(tpsp_resource=...)``): the projections gather their FP8
+    input along the sequence and the output projection reduce-scatters along it; the attention
+    sees whole sequences, heads split over the tpsp axis. ``enable_sequence_parallel`` pins
+    ``inputs_q`` to the sequence-split layout (TransformerEngine's ``SEQLEN_TP_AXES`` constraint;
+    :func:`lowbit.sharding.constrain_sequence`); without ``tpsp_resource`` it does nothing."""
 
     head_dim: int
     num_attention_heads: int
@@ -401,7 +408,9 @@ class MultiHeadAttention(nn.Module):
             if d % 2:
                 raise ValueError(f"enable_rotary_pos_emb needs an even head_dim, got {d}")
         is_self = inputs_kv is None or inputs_kv is inputs_q
-        if inputs_kv is None:
+        if self.enable_sequence_parallel:  # the residual stream arrives split along the sequence
+            inputs_q = constrain_sequence(inputs_q)
+        if inputs_kv is None or is_self:
             inputs_kv = inputs_q
         if inputs_q.dtype != inputs_kv.dtype:
             raise ValueError(

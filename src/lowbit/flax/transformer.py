@@ -32,7 +32,7 @@ from lowbit.flax.layernorm_mlp import LayerNormMLP
 from lowbit.flax.modules import LayerNorm
 from lowbit.flax.params import Initializer
 from lowbit.flax.positions import RelativePositionBiases
-from lowbit.sharding import W_FSDP_AXES, W_JOINED_AXES, W_NO_SHARD_AXES, W_TP_AXES
+from lowbit.sharding import W_FSDP_AXES, W_JOINED_AXES, W_NO_SHARD_AXES, W_TP_AXES, constrain_sequence
 
 
 class TransformerLayerType(enum.Enum):
@@ -61,9 +61,19 @@ class TransformerLayer(nn.Module):
     :class:`MultiHeadAttention` does, with the relative position bias built for
     ``max_decode_length`` positions. Refused with an error naming the field or argument:
     ``mlp_activation_params`` (clamped SwiGLU). ``transpose_batch_sequence=True`` takes
-    ``(seq, batch, hidden)`` inputs. ``enable_sequence_parallel`` and TransformerEngine's
-    activation sharding constraints are not applied by the layer itself (parameters carry
-    TransformerEngine's logical axis names)."""
+    ``(seq, batch, hidden)`` inputs. Parameters carry TransformerEngine's logical axis names.
+
+    Sequence parallelism: under ``MeshResource(tpsp_resource=...)`` lowbit's ops split the
+    activations between blocks along the sequence over that axis (norms per shard, FP8 all-gather
+    before the column-parallel GEMMs, reduce-scatter after the row-parallel ones, attention on
+    whole sequences with its heads split). ``enable_sequence_parallel`` does what it does in
+    TransformerEngine: the residual stream (the layer's input, each block's output and residual,
+    the MLP's input, the output) is constrained to that sequence-split layout, TE's
+    ``(BATCH_AXES, SEQLEN_TP_AXES, HIDDEN_AXES)`` (:func:`lowbit.sharding.constrain_sequence`),
+    so the layer takes and returns it without resharding; without ``tpsp_resource`` it does
+    nothing. The GEMM inputs are not constrained to whole sequences (TE's ``SEQLEN_AXES`` there):
+    lowbit's dense gathers them itself, in FP8. With ``transpose_batch_sequence`` the split is
+    still on axis 1 (the batch there) and axis 0 over the batch axes, as the ops lay it out."""
 
     hidden_size: int = 512
     mlp_hidden_size: int = 2048
@@ -240,20 +250,25 @@ class TransformerLayer(nn.Module):
                 return ln_out
             return block_input
 
+        # The residual stream between blocks, split along the sequence (TE's constraints).
+        sp = constrain_sequence if self.enable_sequence_parallel else (lambda a: a)
+        inputs = sp(inputs)
         x, ln_out = attention(
             "self_attention" if decoder else "attention",
             not self.output_layernorm,
             self.self_attn_mask_type,
             self.self_attn_bias_type,
         )(inputs, inputs, attention_mask, attn_bias, deterministic=deterministic, decode=decode)
-        x = drop_path(hidden_dropout(x)) + residual_of(inputs, ln_out)
+        x = drop_path(hidden_dropout(sp(x))) + sp(residual_of(inputs, ln_out))
 
         mlp_input = x
         if decoder:
+            x = sp(x)
             y, ln_out = attention("encoder_decoder_attention", True, "padding", "no_bias")(
                 x, encoded, encoder_decoder_mask, deterministic=deterministic
             )
-            mlp_input = hidden_dropout(y) + residual_of(x, ln_out)
+            mlp_input = hidden_dropout(sp(y)) + sp(residual_of(x, ln_out))
+        mlp_input = sp(mlp_input)
 
         z, ln_out = LayerNormMLP(
             layernorm_type=self.layernorm_type,
@@ -281,7 +296,7 @@ class TransformerLayer(nn.Module):
             transpose_batch_sequence=self.transpose_batch_sequence,
             name="mlp",
         )(mlp_input, deterministic=deterministic)
-        z = drop_path(hidden_dropout(z)) + residual_of(mlp_input, ln_out)
+        z = drop_path(hidden_dropout(sp(z))) + sp(residual_of(mlp_input, ln_out))
 
         if self.output_layernorm:
             z = LayerNorm(

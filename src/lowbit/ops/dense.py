@@ -310,7 +310,9 @@ def dense(
         ``NVTE_JAX_FP8_2X_ACC_FPROP=1`` turns the forward's off), as in TransformerEngine.
       tp_layout: under a MeshResource with ``tp_resource`` (lowbit.sharding), how tp splits the
         kernel: "column" (its output features; None: the default) or "row" (its contracted
-        axes, y summed over tp: the second GEMM of a column/row pair, as an MLP's).
+        axes, y summed over tp: the second GEMM of a column/row pair, as an MLP's). Under
+        ``tpsp_resource`` (sequence parallelism) "column" takes x split along the sequence (axis
+        1, gathered in FP8) and "row" leaves y so (reduce-scattered).
 
     Returns:
       ``x.shape[:-c] + F...``.
@@ -384,9 +386,15 @@ def dense(
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
     k2 = kernel.reshape(K, N)
     # Under a MeshResource and a mesh in context, per shard with global scales (NVFP4 excepted).
-    plan = None if cfg.nvfp4 else plan_dense(recipe, M + pad, K, N, tp_layout)
+    plan = None if cfg.nvfp4 else plan_dense(recipe, M + pad, K, N, tp_layout, lead=() if pad else lead)
     if plan is None:
         y2 = _dense_2d(cfg, x2, k2, bias, state, rng)
+    elif plan.rows:
+        # Sequence parallelism: x as (batch, sequence, K), reshaped from (and y to) x's own leading
+        # axes, never through (M, K): the flattened rows of a (batch, sequence)-split array are not
+        # one split axis, and XLA would move them.
+        y3 = dense_sharded.dense_2d(cfg, plan, x.reshape(plan.rows + (K,)), k2, bias, state)
+        return y3.reshape(lead + feat)
     else:
         y2 = dense_sharded.dense_2d(cfg, plan, x2, k2, bias, state)
     if pad:

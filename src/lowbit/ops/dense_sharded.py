@@ -13,6 +13,16 @@ lowbit.ops.dense asks for the plan and calls :func:`dense_2d` with it. Per shard
   output dtype; with "float32" the results match one device's to one rounding of the output.
   The dbias partial sums stay float32 (a vector: no bytes worth saving).
 
+Sequence parallelism (``plan.seq``, the MeshResource's ``tpsp_resource``): x, y and their
+gradients cross the shard_map as (B, S, C) (batch, sequence, features), laid out
+``P(batch, seq, ...)`` on the sequence-split side. Column layout: each shard quantizes its
+(batch, sequence) block of x and all-gathers the FP8 copies along the sequence over tp (the
+rowwise copy before the forward GEMM, the colwise one before the wgrad in the backward; per-tensor
+scales are global already, block scales travel with their data); the dgrad's partial sums are
+reduce-scattered along the sequence. Row layout: y's partial sums are reduce-scattered along the
+sequence; in the backward each shard quantizes its block of dy and all-gathers its FP8 copies
+before the dgrad and wgrad. The reduce-scatters sum in ``plan.partial_sum_dtype`` as the psums do.
+
 NVFP4 (its per-tensor scale comes from the amax inside the kernel) and shapes whose shards would
 split a scaling block run the unsharded op (no plan). FP8 block scaling (Float8BlockScaling)
 quantizes each shard on its own: with shards of whole 128-blocks (plan_dense checks) its blocks
@@ -34,7 +44,7 @@ from lowbit import delayed_scaling as ds
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
 from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import quantize, quantize_dbias
-from lowbit.quantization.scaling_modes import ScalingMode
+from lowbit.quantization.scaling_modes import ScalingMode, fp8_block_scale_shape
 from lowbit.quantization.tensor import ScaledTensor
 from lowbit.sharding import ShardPlan
 from lowbit.sharding import shard_map as _shard_map
@@ -118,8 +128,18 @@ def _partial_dtype(plan, a, b, out_dtype):
     return np.dtype(inputs if np.dtype(inputs).itemsize < np.dtype(out_dtype).itemsize else out_dtype)
 
 
-def _mm(plan, a, b, a_layout, b_layout, out_dtype, sum_axes, bias=None, fast_accum=False):
-    """a . b^T (+ bias); a split contraction is summed over ``sum_axes`` (see the module doc)."""
+def _reduce(y, axes, scatter_b: int):
+    """The psum of split-contraction partials over ``axes``; with ``scatter_b`` (a shard's B under
+    sequence parallelism) a reduce-scatter along the sequence instead: rows (b, S) -> (b, S/n)."""
+    if not scatter_b:
+        return jax.lax.psum(y, axes)
+    y = y.reshape(scatter_b, -1, y.shape[-1])
+    return jax.lax.psum_scatter(y, axes, scatter_dimension=1, tiled=True).reshape(-1, y.shape[-1])
+
+
+def _mm(plan, a, b, a_layout, b_layout, out_dtype, sum_axes, bias=None, fast_accum=False, scatter_b=0):
+    """a . b^T (+ bias); a split contraction is summed over ``sum_axes`` (see the module doc),
+    reduce-scattered along the sequence with ``scatter_b`` (:func:`_reduce`)."""
     if not sum_axes:
         y = gemm(
             a,
@@ -135,7 +155,7 @@ def _mm(plan, a, b, a_layout, b_layout, out_dtype, sum_axes, bias=None, fast_acc
     y = gemm(
         a, b, a_layout=a_layout, b_layout=b_layout, out_dtype=gemm_out_dtype(part), fast_accum=fast_accum
     )
-    y = jax.lax.psum(y.astype(part), sum_axes)
+    y = _reduce(y.astype(part), sum_axes, scatter_b)
     if bias is not None:
         y = y.astype(jnp.float32) + bias.astype(jnp.float32)
     return y.astype(out_dtype)
@@ -147,12 +167,81 @@ def _scale_spec(cfg, plan, role, colwise: bool):
     FP8 block-scale arrays by their (block rows, block cols) dims, which for 1x128 blocks are
     (the copy's cols, its rows) (lowbit.quantization.scaling_modes.fp8_block_scale_shape)."""
     mode = cfg.recipe.scaling_mode(role)
-    dims = ("k_axes", "batch") if colwise else ("k_axes", "n_axes")
+    dims = ("k_axes", "x_rows") if colwise else ("k_axes", "n_axes")
     if mode.is_tensor_scaling:
         return P()
     if mode == ScalingMode.BLOCK_1D_SCALING:
         return plan.spec(dims[1], dims[0])
     return plan.spec(*dims)
+
+
+def _act_spec(plan, side: str) -> P:
+    """The spec of x / dx (``side`` "x") or y / dy ("y"): (M, C), or (B, S, C) under sequence
+    parallelism with the sequence split on the side the plan names."""
+    feat = "k_axes" if side == "x" else "n_axes"
+    return plan.spec("batch", f"{side}_seq", feat) if plan.rows else plan.spec("batch", feat)
+
+
+def _gather_rows(a, axis: int, b: int, axes):
+    """``a`` whose ``axis`` lists a shard's rows (b, s) (b-major; or their scale entries), with
+    each batch row's s gathered over ``axes`` (mesh order: the sequence)."""
+    a = a.reshape(a.shape[:axis] + (b, a.shape[axis] // b) + a.shape[axis + 1 :])
+    a = jax.lax.all_gather(a, axes, axis=axis + 1, tiled=True)
+    return a.reshape(a.shape[:axis] + (-1,) + a.shape[axis + 2 :])
+
+
+#: (scaling mode, colwise copy) -> (the axis of its decode-scale array that follows the tensor's
+#: rows, rows per entry): MXFP8 (rows, cols/32) / (cols, rows/32); FP8 block scales as
+#: fp8_block_scale_shape lays them out for the rowwise (R, C) and the colwise (C, R) copy.
+_SCALE_ROWS = {
+    (ScalingMode.MXFP8_1D_SCALING, False): (0, 1),
+    (ScalingMode.MXFP8_1D_SCALING, True): (1, 32),
+    (ScalingMode.BLOCK_1D_SCALING, False): (1, 1),
+    (ScalingMode.BLOCK_1D_SCALING, True): (0, 128),
+    (ScalingMode.BLOCK_2D_SCALING, False): (0, 128),
+    (ScalingMode.BLOCK_2D_SCALING, True): (1, 128),
+}
+
+
+def _gather_scales(mode, s, colwise: bool, R: int, C: int, n: int, b: int, axes):
+    """The decode scales of one copy of an (R, C) shard whose rows are gathered ``n``-fold."""
+    if mode.is_tensor_scaling:
+        return s  # per-tensor: global already
+    ax, unit = _SCALE_ROWS[(mode, colwise)]
+    s = _gather_rows(jax.lax.slice_in_dim(s, 0, R // unit, axis=ax), ax, b, axes)  # no padding
+    if mode.is_fp8_block:  # the gathered copy's layout may pad (entries 1.0)
+        want = fp8_block_scale_shape(mode, *((C, R * n) if colwise else (R * n, C)))[ax]
+        if want > s.shape[ax]:
+            pad = [(0, 0)] * s.ndim
+            pad[ax] = (0, want - s.shape[ax])
+            s = jnp.pad(s, pad, constant_values=1)
+    return s
+
+
+def _gather_seq(plan, qt: ScaledTensor, axes) -> ScaledTensor:
+    """A quantized shard of rows (b, s) x C with the sequence gathered over ``axes`` (sequence
+    parallelism): the FP8 data and decode scales of each copy it holds; FP8 travels, never the
+    high-precision tensor."""
+    if not axes:
+        return qt
+    n, b = int(np.prod([plan.mesh.shape[a] for a in axes])), plan.b_local
+    (R, C), mode, kw = qt.shape, qt.scaling_mode, {}
+    if qt.data is not None:
+        kw.update(
+            data=_gather_rows(qt.data, 0, b, axes),
+            scale_inv=_gather_scales(mode, qt.scale_inv, False, R, C, n, b, axes),
+        )
+    if qt.colwise_data is not None:
+        kw.update(
+            colwise_data=_gather_rows(qt.colwise_data, 1, b, axes),
+            colwise_scale_inv=_gather_scales(mode, qt.colwise_scale_inv, True, R, C, n, b, axes),
+        )
+    return dataclasses.replace(qt, shape=(R * n, C), **kw)
+
+
+def _rows_out(plan, v):
+    """A shard's 2-D result as it leaves the shard_map: (b, s, C) under sequence parallelism."""
+    return v.reshape(plan.b_local, -1, v.shape[-1]) if plan.rows else v
 
 
 def _call(plan, body, args: dict, specs: dict, out_specs):
@@ -174,16 +263,25 @@ def _amax_axes(plan, *dims):
 # ---------------------------------------------------------------------------------------------
 def _fwd(cfg, plan: ShardPlan, x, k, bias, state):
     def body(x, k, bias, sx, sk):
+        x = x.reshape(-1, x.shape[-1])  # (b, s, K) under sequence parallelism
         axes = _amax_axes(plan, "batch", "k_axes", "n_axes")
         pre = _global_amaxes(cfg, {"x": x, "kernel": k}, axes)
         qx, _ = _quantize(cfg, "x", x, sx, pre.get("x"))
         qk, _ = _quantize(cfg, "kernel", k, sk, pre.get("kernel"))
         qx, qk = _reduce_amaxes(cfg, {"x": qx, "kernel": qk}, axes)
-        y = _mm(plan, qx, qk, "rowwise", "colwise", cfg.out_dtype, plan.k_axes, bias, cfg.fast_accum)
-        return y, (qx.colwise_data, qx.colwise_scale_inv, qk.data, qk.scale_inv), (qx.amax, qk.amax)
+        # Column layout under sequence parallelism: the GEMM reads whole sequences (the rowwise
+        # FP8 copy gathered); the colwise copy stays a shard until the backward needs it.
+        xg = qx
+        if plan.x_seq:
+            rowwise = dataclasses.replace(qx, colwise_data=None, colwise_scale_inv=None)
+            xg = _gather_seq(plan, rowwise, plan.x_seq)
+        scatter = plan.b_local if plan.y_seq else 0
+        y = _mm(plan, xg, qk, "rowwise", "colwise", cfg.out_dtype, plan.k_axes, bias, cfg.fast_accum, scatter)
+        res = (qx.colwise_data, qx.colwise_scale_inv, qk.data, qk.scale_inv)
+        return _rows_out(plan, y), res, (qx.amax, qk.amax)
 
     res_specs = (
-        plan.spec("k_axes", "batch"),
+        plan.spec("k_axes", "x_rows"),
         _scale_spec(cfg, plan, "x", colwise=True),
         plan.spec("k_axes", "n_axes"),
         _scale_spec(cfg, plan, "kernel", colwise=False),
@@ -191,13 +289,13 @@ def _fwd(cfg, plan: ShardPlan, x, k, bias, state):
     sx, sk = ds.scale_of(state, "x"), ds.scale_of(state, "kernel")
     args = dict(x=x, k=k, bias=gemm_bias(bias), sx=sx, sk=sk)
     specs = dict(
-        x=plan.spec("batch", "k_axes"),
+        x=_act_spec(plan, "x"),
         k=plan.spec("k_axes", "n_axes"),
         bias=plan.spec("n_axes"),
         sx=P(),
         sk=P(),
     )
-    y, res, amaxes = _call(plan, body, args, specs, (plan.spec("batch", "n_axes"), res_specs, (P(), P())))
+    y, res, amaxes = _call(plan, body, args, specs, (_act_spec(plan, "y"), res_specs, (P(), P())))
     return y, res, amaxes
 
 
@@ -225,39 +323,52 @@ def _local_tensor(cfg, role, data, s_inv, colwise):
 
 def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
     def body(dy, xc, xcs, kr, krs, sg):
+        dy = dy.reshape(-1, dy.shape[-1])  # (b, s, N) under sequence parallelism
         # Split rows: sum dbias in float32 here (the fused one rounds each partial to dy's dtype).
-        fused = cfg.bias_dtype is not None and not plan.batch
+        fused = cfg.bias_dtype is not None and not plan.y_rows
         axes = _amax_axes(plan, "batch", "k_axes", "n_axes")
         qdy, db = _quantize(
             cfg, "grad", dy, sg, _global_amaxes(cfg, {"grad": dy}, axes).get("grad"), dbias=fused
         )
         (qdy,) = _reduce_amaxes(cfg, {"grad": qdy}, axes)
-        if cfg.bias_dtype is not None and plan.batch:
+        if cfg.bias_dtype is not None and plan.y_rows:
             db = jnp.sum(dy.astype(jnp.float32), axis=0)
-        qx = _local_tensor(cfg, "x", xc, xcs, colwise=True)
+        # Sequence parallelism: the GEMMs read whole sequences: dy's FP8 copies gathered (row
+        # layout), x's colwise FP8 copy gathered (column layout).
+        qdy = _gather_seq(plan, qdy, plan.y_seq)
+        qx = _gather_seq(plan, _local_tensor(cfg, "x", xc, xcs, colwise=True), plan.x_seq)
         qk = _local_tensor(cfg, "kernel", kr, krs, colwise=False)
+        scatter = plan.b_local if plan.x_seq else 0
         dx = _mm(
-            plan, qdy, qk, "rowwise", "rowwise", cfg.x_dtype, plan.n_axes, fast_accum=cfg.fast_accum_dgrad
+            plan,
+            qdy,
+            qk,
+            "rowwise",
+            "rowwise",
+            cfg.x_dtype,
+            plan.n_axes,
+            fast_accum=cfg.fast_accum_dgrad,
+            scatter_b=scatter,
         )
         dk = _mm(
             plan, qx, qdy, "colwise", "colwise", cfg.kernel_dtype, plan.batch, fast_accum=cfg.fast_accum_wgrad
         )
         if db is not None:
-            db = (jax.lax.psum(db, plan.batch) if plan.batch else db).astype(cfg.bias_dtype)
-        return dx, dk, db, qdy.amax
+            db = (jax.lax.psum(db, plan.y_rows) if plan.y_rows else db).astype(cfg.bias_dtype)
+        return _rows_out(plan, dx), dk, db, qdy.amax
 
     xc, xcs, kr, krs = res
     args = dict(dy=dy, xc=xc, xcs=xcs, kr=kr, krs=krs, sg=grad_scale)
     specs = dict(
-        dy=plan.spec("batch", "n_axes"),
-        xc=plan.spec("k_axes", "batch"),
+        dy=_act_spec(plan, "y"),
+        xc=plan.spec("k_axes", "x_rows"),
         xcs=_scale_spec(cfg, plan, "x", colwise=True),
         kr=plan.spec("k_axes", "n_axes"),
         krs=_scale_spec(cfg, plan, "kernel", colwise=False),
         sg=P(),
     )
     db_spec = plan.spec("n_axes") if cfg.bias_dtype is not None else None
-    outs = (plan.spec("batch", "k_axes"), plan.spec("k_axes", "n_axes"), db_spec, P())
+    outs = (_act_spec(plan, "x"), plan.spec("k_axes", "n_axes"), db_spec, P())
     if cfg.bias_dtype is None:
 
         def body_nb(**kw):
@@ -293,5 +404,7 @@ _sharded_2d.defvjp(_sharded_2d_fwd, _sharded_2d_bwd)
 
 def dense_2d(cfg, plan: ShardPlan, x, kernel, bias, state):
     """lowbit.ops.dense's 2-D op (``cfg`` its config) per shard as ``plan`` lays it out:
-    x (M, K), kernel (K, N), bias (N,) or None; M, K and N split evenly (plan_dense checks)."""
+    x (M, K) -> y (M, N), or under sequence parallelism x (B, S, K) -> y (B, S, N)
+    (``plan.rows``); kernel (K, N), bias (N,) or None; every size split evenly (plan_dense
+    checks)."""
     return _sharded_2d(cfg, plan, x, kernel, bias, state)

@@ -36,7 +36,7 @@ from lowbit.ops.fused_quantize import (
 )
 from lowbit.quantization.checks import check_input
 from lowbit.quantization.tensor import ScaledTensor, prod
-from lowbit.sharding import plan_rows, shard_map
+from lowbit.sharding import plan_rows, shard_map, spec_row_axes
 
 NORM_TYPES = {"layernorm": ffi.LAYERNORM, "rmsnorm": ffi.RMSNORM}
 
@@ -186,7 +186,9 @@ def layernorm(
     beta_arg = beta if has_beta else jnp.zeros((0,), gamma.dtype)
     static_spec = None if spec is None else spec._replace(scale=None)
     cfg = _NormConfig(norm_type, zero_centered_gamma, epsilon, has_beta, static_spec)
-    plan = None if spec is not None else plan_rows(x.shape)
+    # Under a MeshResource: per batch shard, and per sequence shard under sequence parallelism
+    # (a norm reads the residual stream, which lies split along the sequence between blocks).
+    plan = None if spec is not None else plan_rows(x.shape, split_seq=True)
     if plan is not None:
         return _layernorm_sharded(cfg, plan, x, gamma, beta_arg)
     return _layernorm(cfg, x, gamma, beta_arg, scale)
@@ -245,9 +247,10 @@ _layernorm.defvjp(_layernorm_fwd, _layernorm_bwd)
 
 
 # ------------------------------------------------------------------------------------------------
-# its sharded path: per batch shard under a MeshResource (the FFI call has no partitioning rule,
-# so XLA would gather x). gamma/beta stay replicated; their gradients are summed over the shards
-# in float32 and rounded once, as one device does.
+# its sharded path: per row shard under a MeshResource (batch, and sequence under sequence
+# parallelism; the FFI call has no partitioning rule, so XLA would gather x). gamma/beta stay
+# replicated; their gradients are summed over the shards in float32 and rounded once, as one
+# device does.
 # ------------------------------------------------------------------------------------------------
 def _shard_fwd(cfg: _NormConfig, plan):
     """(x, gamma, beta_arg) -> (out, mean (rsigma for RMSNorm), rsigma), per shard."""
@@ -265,7 +268,7 @@ def _shard_fwd(cfg: _NormConfig, plan):
 def _shard_bwd(cfg: _NormConfig, plan):
     """(dy, x, mean, rsigma, gamma) -> (dx, dgamma, dbeta), the float32 sums over the shards."""
     mesh, xs = plan
-    axes, rs = xs[0], P(*tuple(xs)[:-1])
+    axes, rs = spec_row_axes(xs), P(*tuple(xs)[:-1])
     ln = cfg.norm_type == "layernorm"
 
     def body(dy, x, mean, rsigma, g):
