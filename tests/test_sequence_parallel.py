@@ -18,9 +18,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import jaxpr_eqns, multi_device_env
 
 N_DEV = 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = (
     "dense_column",
     "dense_row",
@@ -36,14 +36,9 @@ CASES = (
 
 @pytest.mark.parametrize("case", CASES)
 def test_sequence_parallel(case):
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={N_DEV}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "src"), env.get("PYTHONPATH")) if p)
     r = subprocess.run(
         [sys.executable, os.path.abspath(__file__), case],
-        env=env,
+        env=multi_device_env(N_DEV),
         capture_output=True,
         text=True,
         timeout=900,
@@ -113,7 +108,8 @@ def _dense_worker(case, rng):
         return jax.jit(step)
 
     def run(recipe, layout, resource=sp):
-        """(one device's results, the sharded ones, the sharded step's (StableHLO, compiled HLO))."""
+        """(one device's results, the sharded ones, the sharded step's (jaxpr, StableHLO, compiled
+        HLO))."""
         st = lowbit.init_delayed_state(recipe) if isinstance(recipe, lowbit.DelayedScaling) else None
         step = step_for(recipe, layout)
         ref = step(x, w, b, dy, st)
@@ -123,7 +119,7 @@ def _dense_worker(case, rng):
         ctx = md._Ctx(mesh, resource, None)
         with ctx:
             lowered = step.lower(*args, st)
-            hlo = (lowered.as_text(), lowered.compile().as_text())
+            hlo = (jax.make_jaxpr(step)(*args, st).jaxpr, lowered.as_text(), lowered.compile().as_text())
         return ref, ctx.wrap(step)(*args, st), hlo
 
     def compare(ref, got, exact):
@@ -149,7 +145,10 @@ def _dense_worker(case, rng):
     elif case == "dense_hlo":
         for layout in ("column", "row"):
             for name in ("delayed", "current"):
-                _, _, (stablehlo, hlo) = run(recipes[name](), layout)
+                _, _, (jaxpr, stablehlo, hlo) = run(recipes[name](), layout)
+                # The amaxes as before: one scalar all-reduce per direction over every plan axis.
+                pmax = [e for e in jaxpr_eqns(jaxpr) if e.primitive.name == "pmax"]
+                assert len(pmax) == 2 and all(e.params["axes"] == ("dp", "tp") for e in pmax), (layout, pmax)
                 colls = md.collectives(hlo)
                 gathers = [c for c in colls if c["op"] == "all-gather"]
                 scatters = [c for c in colls if c["op"] == "reduce-scatter"]
@@ -368,7 +367,9 @@ def _constraints_worker(rng):
         with md._Ctx(mesh, resource, recipe):
             jaxpr = jax.make_jaxpr(lambda v, x: layer.apply(v, x, deterministic=True))(v, x)
         return [
-            e.params["sharding"].spec for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "sharding_constraint"
+            e.params["sharding"].spec
+            for e in jaxpr_eqns(jaxpr.jaxpr)
+            if e.primitive.name == "sharding_constraint"
         ]
 
     sp = lowbit.MeshResource(dp_resource="dp", tpsp_resource="tp")
@@ -377,17 +378,6 @@ def _constraints_worker(rng):
     assert len(got) >= 6 and all(_spec(s) == ("dp", "tp", None) for s in got), got
     assert constraints(False, sp) == []
     assert constraints(True, lowbit.MeshResource(dp_resource="dp", tp_resource="tp")) == []
-
-
-def _eqns(jaxpr):
-    """Every equation of ``jaxpr`` and of the jaxprs nested in it."""
-    for e in jaxpr.eqns:
-        yield e
-        for p in e.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
 
 
 def _worker(case: str) -> None:
