@@ -15,7 +15,7 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has pytest; then
   echo "=== multi-GPU pytest ($(date +%T))"
   PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$(realpath -m "$BUILD") \
-    timeout 420 python3 -m pytest tests/test_seed_multi_device.py tests/test_moe_ep.py -m gpu -q \
+    timeout "${LIMIT_PYTEST:-420}" python3 -m pytest tests/test_seed_multi_device.py tests/test_moe_ep.py -m gpu -q \
     -k "${PYTEST_K:-not outside}" -p no:cacheprovider 2>&1 | tee "$OUT/pytest_multi.log" | tail -8
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
@@ -23,9 +23,10 @@ run_stage() {
   LOWBIT_STAGE_TIMEOUT=$1 bash scripts/gpu_multi.sh "${@:2}" 2>&1 | grep -v "^  File\|^    \|Warning\|warn(" | tail -${TAIL:-14}
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
-has seed && run_stage 200 seed
-has layer && run_stage 420 layer ${LAYER_ARGS:---models TransformerLayer --recipe delayed}
-has moe && run_stage 240 moe
-has collectives && run_stage 200 collectives
-has mp-seed && run_stage 240 mp-seed
+# Stage time limits (seconds): LIMIT_SEED, LIMIT_LAYER, LIMIT_MOE, LIMIT_COLLECTIVES, LIMIT_MP.
+has seed && run_stage "${LIMIT_SEED:-200}" seed
+has layer && run_stage "${LIMIT_LAYER:-420}" layer ${LAYER_ARGS:---models TransformerLayer --recipe delayed}
+has moe && run_stage "${LIMIT_MOE:-240}" moe
+has collectives && run_stage "${LIMIT_COLLECTIVES:-200}" collectives
+has mp-seed && run_stage "${LIMIT_MP:-240}" mp-seed
 exit $status

@@ -689,7 +689,7 @@ def layer_rows(
         for par in pars:
             mshape_fn, names, rkw, rules, xspec = PARALLEL[par]
             mshape = mshape_fn(n)
-            if _prod(mshape) != n or (par in ("dp_tp", "dp_tpsp") and n < 4):
+            if _prod(mshape) != n:
                 continue
             mesh = _mesh(mshape, names)
             res = lowbit.MeshResource(**rkw)
