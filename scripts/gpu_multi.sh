@@ -33,13 +33,13 @@ nvidia-smi topo -m 2>/dev/null | head -8 || true
 
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 case $STAGE in
-  seed | layer | moe | all)
+  seed | layer | moe | collectives | all)
     cmd=("$PY" -m lowbit.bench multi_device --stage "$STAGE" --out "$OUT/results" "$@") ;;
   mp-seed | mp-layer | mp-moe | mp-all)
     n=${LOWBIT_PROCESSES:-$GPUS}
     cmd=("$PY" -m lowbit.bench multi_device --stage "${STAGE#mp-}" --out "$OUT/results"
       --processes "$n" --local-devices 1 --timeout $((LIMIT - 20)) "$@") ;;
-  *) echo "unknown stage $STAGE (seed, layer, moe, all, mp-seed, mp-layer, mp-moe, mp-all)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (seed, layer, moe, collectives, all, mp-seed, mp-layer, mp-moe, mp-all)"; exit 2 ;;
 esac
 echo "=== $STAGE: ${cmd[*]} ($(date +%T), limit ${LIMIT} s)"
 timeout --kill-after=15 "$LIMIT" "${cmd[@]}" 2>&1 | grep -v "^W0000\|^I0000\|^\[Gloo\]" | tee "$OUT/$STAGE.log"
