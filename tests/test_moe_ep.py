@@ -278,7 +278,7 @@ def _gpus():
 
 @pytest.mark.gpu
 def test_ragged_dispatch_on_gpus():
-    """The real ragged_all_to_all (GPU only) against one device, BF16 and FP8; 'auto' picks it;
+    """The real ragged_all_to_all (GPU only) against one device, BF16 and FP8; 'auto' (capacity);
     a smaller buffer; the documented drops; the capacity dispatch on the GPU too."""
     gpus = _gpus()
     if len(gpus) < 2:
@@ -287,8 +287,9 @@ def test_ragged_dispatch_on_gpus():
     mesh = jax.sharding.Mesh(np.array(gpus[:n]), ("ep",))
     with jax.default_device(gpus[0]):
         _compare_ep(mesh, "ragged", ("bf16", "current"), hlo_op="ragged-all-to-all")
-        # auto = ragged on a GPU mesh; half the worst-case buffer (no drop for these tokens).
-        _compare_ep(mesh, "auto", ("bf16",), hlo_op="ragged-all-to-all", capacity_factor=2.0)
+        # half the worst-case buffer (no drop for these tokens); auto = the capacity dispatch.
+        _compare_ep(mesh, "ragged", ("bf16",), hlo_op="ragged-all-to-all", capacity_factor=2.0)
+        _compare_ep(mesh, "auto", ("bf16",), hlo_op="all-to-all")
         _check_drops(mesh, "ragged", 0.75)
         _compare_ep(mesh, "capacity", ("current",), hlo_op="all-to-all")
     print("OK ragged on", n, "GPUs")
