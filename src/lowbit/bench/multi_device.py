@@ -695,12 +695,7 @@ def layer_rows(
             res = lowbit.MeshResource(**rkw)
             data = (NamedSharding(mesh, P(*xspec)), NamedSharding(mesh, P(*xspec)))
             # lowbit: the modules' logical axes through the rules; other variables replicated.
-            lb_specs = nn.logical_to_mesh_sharding(lb_logical, mesh, list(rules))
-            lb_specs = jax.tree_util.tree_map(
-                lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, P()),
-                lb_specs,
-                is_leaf=lambda s: s is None or isinstance(s, (NamedSharding, P)),
-            )
+            lb_specs = _logical_shardings(lb_logical, mesh, rules)
             lb_args = put((lb_v, x, dy), (lb_specs, *data))
             fx_specs = jax.tree_util.tree_map_with_path(
                 lambda p, a: NamedSharding(mesh, _flax_param_spec(jax.tree_util.keystr(p), a.ndim, par)), fx_v
@@ -748,6 +743,21 @@ def layer_rows(
     return rows
 
 
+def _logical_shardings(logical, mesh, rules):
+    """NamedShardings of boxed variables' logical axes through ``rules``; the rest replicated."""
+    import flax.linen as nn
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    specs = nn.logical_to_mesh_sharding(logical, mesh, list(rules))
+    return jax.tree_util.tree_map(
+        lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, P()),
+        specs,
+        is_leaf=lambda s: s is None or isinstance(s, (NamedSharding, P)),
+    )
+
+
 _TE_ONE_DEVICE: dict = {}  # (model, recipe, shape) -> TE's one-device ms, measured once per run
 
 
@@ -758,8 +768,6 @@ def _te_layer_cols(cfg, mname, recipe_name, mesh, rkw, rules, data, x, dy, small
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     te = te_peer()
     try:
@@ -776,12 +784,7 @@ def _te_layer_cols(cfg, mname, recipe_name, mesh, rkw, rules, data, x, dy, small
             _TE_ONE_DEVICE[one_key] = _timed(one, (v, jnp.asarray(x), jnp.asarray(dy)), small)
         with te.context(mesh, rkw, recipe, rules):
             full_rules = te.flax.extend_logical_axis_rules(tuple(rules))
-            specs = nn.logical_to_mesh_sharding(logical, mesh, list(full_rules))
-            specs = jax.tree_util.tree_map(
-                lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, P()),
-                specs,
-                is_leaf=lambda s: s is None or isinstance(s, (NamedSharding, P)),
-            )
+            specs = _logical_shardings(logical, mesh, full_rules)
             args = put((v, x, dy), (specs, *data))
             fn = step.lower(*args).compile()
         t = _timed(fn, args, small)
