@@ -441,3 +441,19 @@ def _worker(case: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+def test_peer_rows_run_the_te_api(monkeypatch):
+    """The seed and layer stages' TransformerEngine rows, with lowbit.te standing in for TE (TE
+    is not installed here): the TE-API code path (autocast with a MeshResource, TE's recipe
+    module, make_dot_general_cls, extend_logical_axis_rules) runs and its gradients match one
+    device's. One CPU device: the meshes have size-1 axes."""
+    from lowbit.bench import multi_device as md
+    from lowbit.bench import peers
+
+    monkeypatch.setattr(md, "te_peer", peers.lowbit_peer)
+    monkeypatch.setattr(md, "_QUICK", True)
+    seed = {r["case"]: r for r in md.seed_rows(True, recipes=("current",))}
+    assert seed["te current"]["rel_diff_vs_one"] < 2.0**-6, seed["te current"]
+    layer = md.layer_rows(True, ("LayerNormMLP",), ("dp",), "current")
+    assert layer and "te_error" not in layer[0] and layer[0]["te_ms"] > 0, layer[0].get("te_error")

@@ -361,22 +361,22 @@ def spec_row_axes(spec) -> tuple:
     return tuple(out)
 
 
-def plan_attention(q_shape, kv_shape):
-    """(mesh, batch entry, head entry) to run an attention (q (b, sq, h, d), k/v (b, skv, g, d))
-    per shard: batch over the batch axes (dp, fsdp), heads over tp where h and g both divide (a
-    column-parallel QKV projection leaves its heads so). None to run it as one op: no
-    MeshResource or mesh, nothing to split, or uneven shards."""
+def plan_heads(batch: int, *heads: int):
+    """(mesh, batch entry, head entry) to run a per-(sequence, head) op (attention, its softmax)
+    per shard: ``batch`` over the batch axes (dp, fsdp), heads over tp where every count in
+    ``heads`` (query heads, kv groups) divides (a column-parallel QKV projection leaves its heads
+    so). None to run it as one op: no MeshResource or mesh, nothing to split, or uneven shards."""
     found = _mesh_axes()
-    if found is None or len(q_shape) != 4 or len(kv_shape) != 4:
+    if found is None:
         return None
-    mesh, batch, tp, _ = found
-    if q_shape[0] % _axis_size(mesh, batch):
-        batch = ()
-    if q_shape[2] % _axis_size(mesh, tp) or kv_shape[2] % _axis_size(mesh, tp):
+    mesh, batch_axes, tp, _ = found
+    if batch % _axis_size(mesh, batch_axes):
+        batch_axes = ()
+    if any(h % _axis_size(mesh, tp) for h in heads):
         tp = ()
-    if not batch and not tp:
+    if not batch_axes and not tp:
         return None
-    return mesh, ShardPlan._entry(batch), ShardPlan._entry(tp)
+    return mesh, ShardPlan._entry(batch_axes), ShardPlan._entry(tp)
 
 
 def plan_dense(

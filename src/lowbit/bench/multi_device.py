@@ -430,7 +430,8 @@ def seed_rows(small: bool, recipes=("delayed", "current")) -> list[dict]:
     n = len(jax.devices())
     dp, tp = (n // 2, 2) if n >= 4 else (n, 1)
     mesh = _mesh((dp, tp), ("dp", "tp"))
-    res = lowbit.MeshResource(dp_resource="dp", tp_resource="tp")
+    rkw = dict(dp_resource="dp", tp_resource="tp")
+    res = lowbit.MeshResource(**rkw)
     B, S, H, F = (2 * dp, 64, 256, 512) if small else (8, 2048, 4096, 16384)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((B, S, H)).astype(jnp.bfloat16)
@@ -441,18 +442,18 @@ def seed_rows(small: bool, recipes=("delayed", "current")) -> list[dict]:
         "lowbit current": lowbit.Float8CurrentScaling(),
         "lowbit mxfp8": lowbit.MXFP8BlockScaling(),
     }
-    # (row name, recipe, MeshResource): the last row shows what the audit catches: without a
-    # MeshResource lowbit's FFI calls run unsharded and XLA gathers their operands.
-    cases = [("flax bf16", None, res)] + [(f"lowbit {r}", named[f"lowbit {r}"], res) for r in recipes]
-    cases.append(("lowbit current, no MeshResource", named["lowbit current"], None))
-    te = te_peer()  # TransformerEngine's rows, in this process, where it is installed
+    # (row name, peer (None: lowbit itself), recipe, MeshResource): the "no MeshResource" row shows
+    # what the audit catches: without one lowbit's FFI calls run unsharded and XLA gathers their
+    # operands. TransformerEngine's rows (peer te) run in this process where it is installed.
+    cases = [("flax bf16", None, None, res)]
+    cases += [(f"lowbit {r}", None, named[f"lowbit {r}"], res) for r in recipes]
+    cases.append(("lowbit current, no MeshResource", None, named["lowbit current"], None))
+    te = te_peer()
     if te is not None:
-        cases += [(f"te {r}", (te, te.make_recipe(r)), res) for r in recipes]
+        cases += [(f"te {r}", te, te.make_recipe(r), res) for r in recipes]
     rows = []
-    for name, recipe, resource in cases:
-        peer = None
-        if isinstance(recipe, tuple):
-            peer, recipe = recipe
+    for name, peer, recipe, resource in cases:
+        if peer is not None:
             cls = peer.flax.make_dot_general_cls(recipe)
         else:
             cls = (lambda: None) if recipe is None else lowbit.flax.make_dot_general_cls(recipe)
@@ -473,7 +474,7 @@ def seed_rows(small: bool, recipes=("delayed", "current")) -> list[dict]:
         if peer is None:
             ctx, one = _Ctx(mesh, resource, recipe), _Ctx(None, None, recipe).wrap(step)
         else:
-            ctx = peer.context(mesh, dict(dp_resource="dp", tp_resource="tp"), recipe)
+            ctx = peer.context(mesh, rkw, recipe)
             one = _wrap(lambda: peer.context(None, None, recipe), step)
         with ctx:  # the compiled step is called directly: one compile, the HLO audited is the one timed
             fn = step.lower(*args).compile()

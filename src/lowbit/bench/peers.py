@@ -43,6 +43,8 @@ class Peer:
 
 
 def lowbit_peer() -> Peer:
+    """lowbit.te as the peer: the TE rows' code path where TransformerEngine is not installed
+    (tests/test_multi_device.py runs it so)."""
     import lowbit.te
     import lowbit.te.flax
     from lowbit import recipe

@@ -271,10 +271,12 @@ class DotProductAttention(nn.Module):
         else:
             keep = None if (masked is None or plain_causal) else jnp.logical_not(masked)
             kw = dict(is_causal=plain_causal, scale=scale)
-        impls = ("cudnn",) if self.implementation == "cudnn" else ()
-        if not impls and self._use_cudnn(query.dtype, query.shape[-1]):
-            impls = ("cudnn", "xla")  # cuDNN may refuse the configuration at trace time
-        impls = impls or ("xla",)
+        if self.implementation == "cudnn":
+            impls = ("cudnn",)
+        elif self._use_cudnn(query.dtype, query.shape[-1]):
+            impls = ("cudnn", "xla")  # cuDNN may refuse the configuration at trace time: XLA then
+        else:
+            impls = ("xla",)
         for impl in impls:
 
             def attend(q, k, v, b, m, impl=impl):
@@ -283,7 +285,7 @@ class DotProductAttention(nn.Module):
             try:
                 return per_shard_attention(attend, query, key, value, bias, keep)
             except Exception:
-                if impl == impls[-1] or self.implementation == "cudnn":
+                if impl == impls[-1]:
                     raise
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from lowbit.ops.softmax import softmax as _softmax
-from lowbit.sharding import plan_attention, shard_map
+from lowbit.sharding import plan_heads, shard_map
 
 # Traces whose body XLA runs repeatedly: cuDNN's dropout inside them aborts XLA (jax 0.11.2, H100:
 # "Fatal Python error: Aborted" compiling lax.scan over the attention), so dropout there takes the
@@ -100,13 +100,13 @@ def attention_reference(q, k, v, masked, bias, bias_type, scale, rate, rng, plai
 
 def per_shard_attention(fn, query, key, value, bias=None, mask=None):
     """``fn(query, key, value, bias, mask)`` (layouts (b, s, heads, d); bias and mask
-    broadcastable to (b, h, sq, skv)) run per shard under a mesh (lowbit.sharding.plan_attention):
+    broadcastable to (b, h, sq, skv)) run per shard under a mesh (lowbit.sharding.plan_heads):
     batch over dp/fsdp, heads over tp. The fused attention custom call has no partitioning rule
     XLA can use for a heads-split bias (its cuDNN graph build failed on DP x TP, issue 24), and
     attention is independent per sequence and head, so each shard runs the whole op locally. A
     bias or mask shared over the batch (leading dim 1) is replicated over the batch axes: its
     cotangent is summed over them."""
-    plan = plan_attention(query.shape, key.shape)
+    plan = plan_heads(query.shape[0], query.shape[2], key.shape[2]) if query.ndim == key.ndim == 4 else None
     if plan is None:
         return fn(query, key, value, bias, mask)
     mesh, b, h = plan

@@ -254,8 +254,10 @@ def _call(plan, body, args: dict, specs: dict, out_specs):
     return _shard_map(inner, plan.mesh, tuple(specs[k] for k in keys), out_specs)(*(args[k] for k in keys))
 
 
-def _amax_axes(plan, *dims):
-    return tuple(a for d in dims for a in getattr(plan, d))
+def _plan_axes(plan) -> tuple:
+    """Every mesh axis of the plan: a per-tensor amax is reduced over all of them (each tensor
+    is replicated over the axes that do not split it, so the max over those is its own)."""
+    return plan.batch + plan.k_axes + plan.n_axes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +266,7 @@ def _amax_axes(plan, *dims):
 def _fwd(cfg, plan: ShardPlan, x, k, bias, state):
     def body(x, k, bias, sx, sk):
         x = x.reshape(-1, x.shape[-1])  # (b, s, K) under sequence parallelism
-        axes = _amax_axes(plan, "batch", "k_axes", "n_axes")
+        axes = _plan_axes(plan)
         pre = _global_amaxes(cfg, {"x": x, "kernel": k}, axes)
         qx, _ = _quantize(cfg, "x", x, sx, pre.get("x"))
         qk, _ = _quantize(cfg, "kernel", k, sk, pre.get("kernel"))
@@ -326,7 +328,7 @@ def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
         dy = dy.reshape(-1, dy.shape[-1])  # (b, s, N) under sequence parallelism
         # Split rows: sum dbias in float32 here (the fused one rounds each partial to dy's dtype).
         fused = cfg.bias_dtype is not None and not plan.y_rows
-        axes = _amax_axes(plan, "batch", "k_axes", "n_axes")
+        axes = _plan_axes(plan)
         qdy, db = _quantize(
             cfg, "grad", dy, sg, _global_amaxes(cfg, {"grad": dy}, axes).get("grad"), dbias=fused
         )

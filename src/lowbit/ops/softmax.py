@@ -27,7 +27,7 @@ from jax.typing import ArrayLike
 from lowbit.ops._ffi import softmax as ffi
 from lowbit.quantization.checks import as_array, check_input
 from lowbit.quantization.tensor import prod
-from lowbit.sharding import plan_attention, shard_map
+from lowbit.sharding import plan_heads, shard_map
 
 _TYPES = {
     "scaled": ffi.SCALED,
@@ -112,8 +112,7 @@ def softmax(
                 softmax_type = "scaled_masked"
         else:
             shape4 = (1, 1, prod(shape[:-1]), Sk)
-    bh = (shape[0], 1, shape[1], 1) if x.ndim == 4 else None  # (b, h) in attention's (b, s, h, d) slots
-    if bh is not None and (plan := plan_attention(bh, bh)) is not None:
+    if x.ndim == 4 and (plan := plan_heads(shape[0], shape[1])) is not None:
         return _softmax_sharded(plan, x, scale, mask4, softmax_type)
     return _softmax(_SoftmaxConfig(_TYPES[softmax_type], scale, shape4), x, mask4)
 
