@@ -10,6 +10,7 @@ that says so; docs/te_compat.md lists every name with its status.
 
 from lowbit.te import (
     activation,
+    attention,
     checkpoint_policies,
     dense,
     flax,
@@ -34,6 +35,7 @@ from lowbit.te.sharding import MeshResource
 
 __all__ = [
     "activation",
+    "attention",
     "checkpoint_policies",
     "dense",
     "flax",
