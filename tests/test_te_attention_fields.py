@@ -22,7 +22,7 @@ import lowbit
 import lowbit.te.flax as te_flax
 from lowbit.flax.attention import DotProductAttention, MultiHeadAttention, attention_reference
 from lowbit.flax.positions import RelativePositionBiases, rotary_pos_emb
-from lowbit.te.softmax import SoftmaxType
+from lowbit.te.softmax import SoftmaxFusionType
 from lowbit.te.softmax import softmax as te_softmax
 
 B, H, D = 2, 4, 8  # batch, heads, head_dim (tiny: CPU runs stay fast)
@@ -208,10 +208,26 @@ def test_dpa_masks_and_windows(mask_type, window, sq, sk):
     )
 
 
-def test_dpa_transpose_batch_sequence_default_and_gqa():
-    assert DotProductAttention(head_dim=D, num_attention_heads=H).transpose_batch_sequence is True
+def test_dpa_default_is_batch_first_as_te_2_10():
+    """TE >= 2.10: transpose_batch_sequence None -> False. A default module given TE-default
+    (batch, seq, heads, dim) inputs attends over the sequence (old default True: over the batch)."""
+    m = DotProductAttention(head_dim=D, num_attention_heads=H)
+    assert m.transpose_batch_sequence is False
+    q, k, v = randn((B, 8, H, D), 1), randn((B, 8, H, D), 2), randn((B, 8, H, D), 3)
+    out = m.apply({}, q, k, v)
+    with jax.enable_x64(True):
+        ref = ref_attention(
+            *(jnp.asarray(np.asarray(t, np.float64)) for t in (q, k, v)),
+            jnp.asarray(ref_mask("causal", None, 8, 8)),
+        )
+    assert out.shape == (B, 8, H, D) and rel(out, ref) < 1e-5
+
+
+def test_dpa_transpose_batch_sequence_and_gqa():
     q, k, v = randn((B, 8, H, D), 1), randn((B, 8, 1, D), 2), randn((B, 8, 1, D), 3)
-    m = DotProductAttention(head_dim=D, num_attention_heads=H, num_gqa_groups=1)
+    m = DotProductAttention(
+        head_dim=D, num_attention_heads=H, num_gqa_groups=1, transpose_batch_sequence=True
+    )
     sw = lambda t: jnp.swapaxes(t, 0, 1)  # noqa: E731
     out = m.apply({}, sw(q), sw(k), sw(v))  # (seq, batch, ...) in and out
     with jax.enable_x64(True):
@@ -368,8 +384,8 @@ def test_softmax_causal_fallback_non_square(sq, sk):
         1e-5,
         1e-5,
     )
-    y = te_softmax(x, None, 0.7, SoftmaxType.SCALED_UPPER_TRIANG_MASKED)
-    y2 = lowbit.flax.Softmax(scale_factor=0.7, softmax_type="scaled_upper_triang_masked").apply({}, x)
+    y = te_softmax(x, None, 0.7, SoftmaxFusionType.SCALED_UPPER_TRIANG_MASKED)
+    y2 = lowbit.flax.Softmax(scale_factor=0.7, softmax_fusion_type="scaled_upper_triang_masked").apply({}, x)
     with jax.enable_x64(True):
         r = ref(jnp.asarray(np.asarray(x, np.float64)))
     assert rel(y, r) < 1e-5 and rel(y2, r) < 1e-5
@@ -591,12 +607,13 @@ def test_mha_against_reference(cfg_name, name, recipe, dtype, tol_out, tol_grad)
 
 
 def test_mha_transpose_batch_sequence():
-    """TE's default (True): (seq, batch, hidden) in and out, the same math as batch-first."""
-    assert MultiHeadAttention(head_dim=D, num_attention_heads=H).transpose_batch_sequence is True
+    """transpose_batch_sequence=True (TE's default before 2.10; now None -> False):
+    (seq, batch, hidden) in and out, the same math as batch-first."""
+    assert MultiHeadAttention(head_dim=D, num_attention_heads=H).transpose_batch_sequence is False
     kw = dict(head_dim=D, num_attention_heads=H, num_gqa_groups=2, enable_rotary_pos_emb=True)
     x = randn((B, 8, 32), 1)
-    mb = MultiHeadAttention(**kw, transpose_batch_sequence=False)
-    ms = MultiHeadAttention(**kw)
+    mb = MultiHeadAttention(**kw)
+    ms = MultiHeadAttention(**kw, transpose_batch_sequence=True)
     v = mb.init(jax.random.PRNGKey(0), x, x, deterministic=True)
     yb, lnb = mb.apply(v, x, x, deterministic=True)
     xs = jnp.swapaxes(x, 0, 1)
@@ -650,30 +667,27 @@ def _fields(cls):
 
 def test_field_order_and_defaults_match_te():
     dpa = _fields(DotProductAttention)
-    assert (
-        dpa[:19]
-        == [
-            ("head_dim", dataclasses.MISSING),
-            ("num_attention_heads", dataclasses.MISSING),
-            ("num_gqa_groups", None),
-            ("attention_dropout", 0.0),
-            ("attn_mask_type", "causal"),
-            ("attn_bias_type", None),
-            ("dtype", jnp.float32),
-            ("dropout_rng_name", "dropout"),
-            ("float32_logits", False),
-            ("qkv_layout", "bshd_bshd_bshd"),
-            ("scale_factor", None),
-            ("transpose_batch_sequence", True),
-            ("window_size", None),
-            ("max_segments_per_seq", 1),
-            ("context_parallel_causal_load_balanced", False),
-            ("context_parallel_axis", ""),
-            ("context_parallel_strategy", "DEFAULT"),
-            ("context_checkpoint_name", "context"),
-            ("implementation", None),  # lowbit's, after TE's fields
-        ][:19]
-    )
+    assert dpa[:19] == [
+        ("head_dim", dataclasses.MISSING),
+        ("num_attention_heads", dataclasses.MISSING),
+        ("num_gqa_groups", None),
+        ("attention_dropout", 0.0),
+        ("attn_mask_type", "causal"),
+        ("attn_bias_type", None),
+        ("dtype", jnp.float32),
+        ("dropout_rng_name", "dropout"),
+        ("float32_logits", False),
+        ("qkv_layout", "bshd_bshd_bshd"),
+        ("scale_factor", None),
+        ("transpose_batch_sequence", None),
+        ("window_size", None),
+        ("max_segments_per_seq", 1),
+        ("context_parallel_causal_load_balanced", False),
+        ("context_parallel_axis", ""),
+        ("context_parallel_strategy", "DEFAULT"),
+        ("context_checkpoint_name", "context"),
+        ("softmax_type", "vanilla"),
+    ]
     mha = _fields(MultiHeadAttention)
     names = [n for n, _ in mha]
     assert names == [
@@ -706,6 +720,7 @@ def test_field_order_and_defaults_match_te():
         "scaled_query_init",
         "float32_logits",
         "window_size",
+        "softmax_type",
         "num_heads",
         "dropout_rate",
         "output_layernorm",
@@ -717,7 +732,7 @@ def test_field_order_and_defaults_match_te():
     assert d["kernel_init"] is None and d["use_bias"] is False and d["attn_mask_type"] == "causal"
     assert d["rotary_pos_emb_windows"] == (1, 10000) and d["rotary_pos_emb_group_method"] == "consecutive"
     assert d["low_rank_adaptation_scope"] == "none" and d["low_rank_adaptation_dim"] == 32
-    assert d["fuse_qkv_params"] is True and d["transpose_batch_sequence"] is True
+    assert d["fuse_qkv_params"] is True and d["transpose_batch_sequence"] is None
     assert d["scale_attn_logits"] is False and d["scaled_query_init"] is True and d["float32_logits"] is False
     rpb = _fields(RelativePositionBiases)
     assert [n for n, _ in rpb] == [
@@ -782,8 +797,10 @@ def test_errors_name_the_field():
         dpa(window_size=3)(q, q, q)
     with pytest.raises(ValueError, match=r"attention_dropout must be in \[0, 1\)"):
         dpa(attention_dropout=1.0)(q, q, q)
-    with pytest.raises(ValueError, match="mask is required"):
-        dpa(attn_mask_type="padding")(q, q, q)
+    with pytest.raises(NotImplementedError, match="softmax_type='off_by_one'"):
+        dpa(softmax_type="off_by_one")(q, q, q)
+    with pytest.raises(ValueError, match="softmax_type must be"):
+        dpa(softmax_type="sparse")(q, q, q)
     with pytest.raises(NotImplementedError, match="SequenceDescriptor"):
         dpa(attn_mask_type="padding")(q, q, q, object())
     with pytest.raises(ValueError, match="cannot be provided at the same time"):
@@ -1110,3 +1127,32 @@ def test_cudnn_dropout_needs_opt_in_or_command_buffers_without_cudnn(monkeypatch
     monkeypatch.delenv("XLA_FLAGS")
     monkeypatch.setenv("LOWBIT_CUDNN_DROPOUT", "1")
     assert _cudnn_dropout_allowed(None)
+
+
+@pytest.mark.parametrize("mask_type", ["padding", "padding_causal"])
+def test_padding_types_without_a_mask_keep_every_position(mask_type):
+    """TE: a padding mask type called without a mask (a decoder's cross-attention without
+    encoder_decoder_mask) treats every position as valid; lowbit raised before."""
+    q, k, v = randn((B, 8, H, D), 1), randn((B, 8, H, D), 2), randn((B, 8, H, D), 3)
+    out = DotProductAttention(head_dim=D, num_attention_heads=H, attn_mask_type=mask_type).apply({}, q, k, v)
+    plain = "causal" if "causal" in mask_type else "no_mask"
+    with jax.enable_x64(True):
+        ref = ref_attention(
+            *(jnp.asarray(np.asarray(t, np.float64)) for t in (q, k, v)),
+            jnp.asarray(ref_mask(plain, None, 8, 8)),
+        )
+    assert rel(out, ref) < 1e-5
+
+
+def test_attention_softmax_type_vanilla_accepted():
+    from lowbit.te.attention import AttnSoftmaxType
+
+    q = randn((B, 8, H, D), 1)
+    base = DotProductAttention(head_dim=D, num_attention_heads=H).apply({}, q, q, q)
+    for st in ("vanilla", AttnSoftmaxType.VANILLA_SOFTMAX):
+        m = DotProductAttention(head_dim=D, num_attention_heads=H, softmax_type=st)
+        np.testing.assert_array_equal(m.apply({}, q, q, q), base)
+    mha = MultiHeadAttention(head_dim=D, num_attention_heads=H, softmax_type="learnable")
+    x = randn((B, 8, 32), 2)
+    with pytest.raises(NotImplementedError, match="softmax_type='learnable'"):
+        mha.init(jax.random.PRNGKey(0), x, x)

@@ -16,7 +16,7 @@ from lowbit.te.layernorm import layernorm
 from lowbit.te.layernorm_dense import layernorm_dense
 from lowbit.te.layernorm_mlp import layernorm_mlp
 from lowbit.te.quantize import QuantizerFactory, noop_quantizer_set, recipe_of
-from lowbit.te.softmax import SoftmaxType, softmax
+from lowbit.te.softmax import SoftmaxFusionType, softmax
 
 pytestmark = pytest.mark.usefixtures("on_cpu")
 RECIPES = {
@@ -119,8 +119,35 @@ def test_activation_layout(rng):
     assert rel(activation(x[:, :1], ("relu",)), np.maximum(x64[:, 0], 0)) < 1e-6
     with pytest.raises(ValueError, match="shape"):
         activation(x, ("gelu",))
-    with pytest.raises(NotImplementedError, match="quantizer"):
+    with pytest.raises(TypeError, match="quantizer"):
         activation(x, ("relu", "linear"), quantizer=object())
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "mxfp8"])
+def test_norm_and_activation_quantizer_output_is_dequantized(rng, recipe_name):
+    """TE's layernorm/activation with a quantizer: the forward output is the dequantized FP8
+    value (within the format's rounding of the unquantized one), the gradient as unquantized."""
+    from lowbit import recipe as lr
+    from lowbit.te.layernorm import layernorm
+    from lowbit.te.quantize import QuantizerFactory
+
+    r = {"current": lr.Float8CurrentScaling(), "mxfp8": lr.MXFP8BlockScaling()}[recipe_name]
+    q = QuantizerFactory.create_set(fp8_recipe=r).x
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    g, b = jnp.full((64,), 1.5), jnp.full((64,), 0.25)
+    x64 = np.asarray(x, np.float64)
+    ref = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-6) * 1.5 + 0.25
+    y = layernorm(x, g, b, "layernorm", quantizer=q)
+    err = np.abs(np.asarray(y, np.float64) - ref)
+    assert 0 < err.max() <= 2.0**-3 * np.abs(ref).max()  # E4M3: 3 mantissa bits
+    dy = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    gq = jax.grad(lambda x: (layernorm(x, g, b, "layernorm", quantizer=q) * dy).sum())(x)
+    g0 = jax.grad(lambda x: (layernorm(x, g, b, "layernorm") * dy).sum())(x)
+    np.testing.assert_array_equal(gq, g0)
+    xa = jnp.asarray(rng.standard_normal((32, 2, 64)), jnp.float32)
+    ya = activation(xa, ("relu", "linear"), quantizer=q)
+    ra = np.maximum(np.asarray(xa[:, 0], np.float64), 0) * np.asarray(xa[:, 1], np.float64)
+    assert np.abs(np.asarray(ya, np.float64) - ra).max() <= 2.0**-3 * np.abs(ra).max()
 
 
 def test_softmax_types(rng):
@@ -134,8 +161,46 @@ def test_softmax_types(rng):
     assert rel(softmax(x, scale_factor=0.5), sm(x64)) < 1e-5
     mask = (rng.random((2, 1, 8, 8)) < 0.3).astype(np.uint8)
     mask[..., 0] = 0
-    got = softmax(x, jnp.asarray(mask), 0.5, SoftmaxType.SCALED_MASKED)
+    got = softmax(x, jnp.asarray(mask), 0.5, SoftmaxFusionType.SCALED_MASKED)
     assert rel(got, sm(np.where(mask, -np.inf, x64))) < 1e-5
     causal = np.triu(np.ones((8, 8), bool), 1)
-    got = softmax(x, None, 0.5, SoftmaxType.SCALED_UPPER_TRIANG_MASKED)
+    got = softmax(x, None, 0.5, SoftmaxFusionType.SCALED_UPPER_TRIANG_MASKED)
     assert rel(got, sm(np.where(causal, -np.inf, x64))) < 1e-5
+
+
+def test_softmax_fusion_type_renames_and_ignored_masks(rng):
+    """TE 2.10 renamed SoftmaxType/softmax_type to SoftmaxFusionType/softmax_fusion_type; a mask
+    given with the SCALED or causal types is ignored (lowbit raised before)."""
+    import warnings
+
+    import lowbit.te.softmax as te_sm
+    from lowbit.flax import Softmax
+
+    x = jnp.asarray(rng.standard_normal((2, 2, 8, 8)), jnp.float32)
+    x64 = np.asarray(x, np.float64) * 0.5
+    mask = jnp.asarray(rng.random((2, 1, 8, 8)) < 0.3)
+    e = np.exp(x64 - x64.max(-1, keepdims=True))
+    plain = e / e.sum(-1, keepdims=True)
+    assert rel(softmax(x, mask, 0.5, softmax_fusion_type=SoftmaxFusionType.SCALED), plain) < 1e-5
+    causal = np.where(np.triu(np.ones((8, 8), bool), 1), -np.inf, x64)
+    e = np.exp(causal - causal.max(-1, keepdims=True))
+    tri = e / e.sum(-1, keepdims=True)
+    assert rel(softmax(x, mask, 0.5, "scaled_upper_triang_masked"), tri) < 1e-5
+    m = Softmax(scale_factor=0.5, softmax_fusion_type=SoftmaxFusionType.SCALED)
+    assert rel(m.apply({}, x, mask), plain) < 1e-5
+    with pytest.warns(DeprecationWarning, match="SoftmaxFusionType"):
+        old = te_sm.SoftmaxType
+    assert old is SoftmaxFusionType
+    with pytest.warns(DeprecationWarning, match="softmax_fusion_type"):
+        y = softmax(x, None, 0.5, softmax_type=SoftmaxFusionType.SCALED_UPPER_TRIANG_MASKED)
+    assert rel(y, tri) < 1e-5
+    with pytest.warns(DeprecationWarning, match="softmax_fusion_type"):
+        y = Softmax(scale_factor=0.5, softmax_type="scaled_upper_triang_masked").apply({}, x)
+    assert rel(y, tri) < 1e-5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Softmax(softmax_type="vanilla").apply({}, x)
+    with pytest.raises(NotImplementedError, match="softmax_type='off_by_one'"):
+        Softmax(softmax_type="off_by_one").apply({}, x)
+    with pytest.raises(ValueError, match="softmax_fusion_type"):
+        softmax(x, None, 0.5, "causal")

@@ -50,6 +50,7 @@ from lowbit.flax.attention_paths import cudnn_dropout_allowed as _cudnn_dropout_
 from lowbit.flax.attention_paths import default_is_gpu as _default_is_gpu
 from lowbit.flax.attention_paths import traced_in_loop as _traced_in_loop
 from lowbit.flax.attention_projections import out_projection, qkv_projections
+from lowbit.flax.compat import batch_first_default, check_attn_softmax_type
 from lowbit.flax.params import Initializer, check_norm_type
 from lowbit.flax.positions import canonical_group_method, check_rotary_windows, rotary_pos_emb
 from lowbit.sharding import constrain_sequence
@@ -85,8 +86,9 @@ class DotProductAttention(nn.Module):
     Inputs per ``qkv_layout``: "bshd_bshd_bshd" ``query (b, sq, heads, d)``, ``key``/``value
     (b, sk, groups, d)``; "bshd_bs2hd" ``key (b, sk, 2, groups, d)`` (``value`` ignored);
     "bs3hd" ``query (b, s, 3, heads, d)`` (``key``/``value`` ignored). With
-    ``transpose_batch_sequence`` (TransformerEngine's default, True) the first two axes are
-    ``(seq, batch)`` instead, for the inputs and the output. ``scale_factor`` defaults to
+    ``transpose_batch_sequence=True`` (TransformerEngine's default before 2.10; None, the default,
+    is False as in TE >= 2.10) the first two axes are ``(seq, batch)`` instead, for the inputs and
+    the output. ``scale_factor`` defaults to
     ``1/sqrt(head_dim)``. ``attn_bias_type`` None: "post_scale_bias" with a bias, else "no_bias";
     "pre_scale_bias" is ``softmax(scale * (q k^T + bias))``. ``float32_logits`` is accepted and
     always in effect (lowbit's logits and softmax are float32 on every path)."""
@@ -102,15 +104,20 @@ class DotProductAttention(nn.Module):
     float32_logits: bool = False
     qkv_layout: str = "bshd_bshd_bshd"
     scale_factor: Optional[float] = None
-    transpose_batch_sequence: bool = True
+    transpose_batch_sequence: Optional[bool] = None  # None: False (batch-first), as TE >= 2.10
     window_size: Optional[Tuple[int, int]] = None
     max_segments_per_seq: Optional[int] = 1
     context_parallel_causal_load_balanced: bool = False
     context_parallel_axis: str = ""
     context_parallel_strategy: str = "DEFAULT"
     context_checkpoint_name: str = "context"
+    softmax_type: Any = "vanilla"
     #: lowbit: None = cuDNN on a GPU where it applies, else XLA; or force "cudnn" / "xla".
     implementation: Optional[str] = None
+
+    def __post_init__(self):
+        batch_first_default(self)
+        super().__post_init__()
 
     @nn.compact
     def __call__(
@@ -129,6 +136,7 @@ class DotProductAttention(nn.Module):
                 raise ValueError("sequence_descriptor and mask cannot be provided at the same time")
             sequence_descriptor = mask
         self._check_unsupported()
+        check_attn_softmax_type(self.softmax_type)
         mask_type = enum_name(self.attn_mask_type, "attn_mask_type", MASK_TYPES)
         btype = bias_type(self.attn_bias_type, bias)
         layout = enum_name(self.qkv_layout, "qkv_layout", QKV_LAYOUTS + THD_LAYOUTS)
@@ -341,18 +349,23 @@ class MultiHeadAttention(nn.Module):
     low_rank_adaptation_alpha: Optional[float] = None
     dtype: Any = jnp.float32
     fuse_qkv_params: bool = True
-    transpose_batch_sequence: bool = True
+    transpose_batch_sequence: Optional[bool] = None  # None: False (batch-first), as TE >= 2.10
     enable_sequence_parallel: bool = False
     scale_attn_logits: bool = False
     scaled_query_init: bool = True
     float32_logits: bool = False
     window_size: Optional[Tuple[int, int]] = None
+    softmax_type: Any = "vanilla"
     # Deprecated in TransformerEngine (same handling here)
     num_heads: Optional[int] = None
     dropout_rate: Optional[float] = None
     output_layernorm: Optional[bool] = None
     apply_residual_connection_post_layernorm: Optional[bool] = None
     fuse_qkv: Optional[bool] = None
+
+    def __post_init__(self):
+        batch_first_default(self)
+        super().__post_init__()
 
     def _deprecated(self):
         h, rate = self.num_attention_heads, self.attention_dropout
@@ -455,6 +468,7 @@ class MultiHeadAttention(nn.Module):
             scale_factor=(1.0 / math.sqrt(d)) if self.scale_attn_logits else 1.0,
             transpose_batch_sequence=tbs,
             window_size=window,
+            softmax_type=self.softmax_type,
         )(q, k, v, mask, bias, deterministic=deterministic)
         x = x.reshape(x.shape[:2] + (h * d,))
         out = out_projection(self, x, inputs_q.shape[-1], lora_out)

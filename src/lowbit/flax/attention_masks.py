@@ -71,12 +71,7 @@ def check_window(window_size):
 def check_mask(mask, mask_type, b, h, sq, sk):
     """The user mask of the padding types, validated; None for the others (TE ignores it)."""
     needs = mask_type.startswith("padding")
-    if mask is None:
-        if needs:
-            raise ValueError(
-                f"mask is required for attn_mask_type={mask_type!r} (True = masked out, "
-                f"shape (batch, 1, sq, sk))"
-            )
+    if mask is None:  # a padding type without a mask: every position valid, as in TE
         return None
     if not needs:
         return None  # TransformerEngine ignores the mask of the no_mask/causal types

@@ -37,12 +37,15 @@ def _check_dimension_numbers(dimension_numbers, lhs_ndim: int):
     return tuple(lc), tuple(rc)
 
 
-def make_dot_general_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = True) -> type[nn.Module]:
+def make_dot_general_cls(
+    quantization_recipe: Optional[Recipe] = None, *, fast_accum: bool = True
+) -> type[nn.Module]:
     """A Flax module class for ``nn.Dense(..., dot_general=cls())`` (or ``dot_general_cls=cls``).
 
     Its instance is called like ``lax.dot_general(lhs, rhs, dimension_numbers, precision,
     preferred_element_type)`` and runs :func:`lowbit.dense` (quantized forward and backward);
-    ``precision`` is ignored (the recipe decides). It creates no parameters.
+    ``precision`` is ignored (the recipe decides). It creates no parameters. The recipe argument
+    is ``quantization_recipe``, TransformerEngine's name (None: the enclosing autocast's).
     """
 
     def dot_general(
@@ -64,7 +67,7 @@ def make_dot_general_cls(recipe: Optional[Recipe] = None, *, fast_accum: bool = 
             **ctx.dense_kwargs(),
         )
 
-    return wrap_function_in_state_module(dot_general, recipe, "dot_general")
+    return wrap_function_in_state_module(dot_general, quantization_recipe, "dot_general")
 
 
 def layer_dot_general_cls(recipe: Recipe | None, layer: int, num_layers: int, *, fast_accum: bool = True):

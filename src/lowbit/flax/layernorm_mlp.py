@@ -191,9 +191,11 @@ class LayerNormMLP(nn.Module):
     ``wo_bias`` (hidden,) with ``use_bias``; with ``enable_low_rank_adaptation``
     ``wi_lora_a_kernel`` (hidden, n_act, r), ``wi_lora_b_kernel`` (n_act, r, intermediate_dim),
     ``wo_lora_a_kernel`` (intermediate_dim, r), ``wo_lora_b_kernel`` (r, hidden).
-    Returns ``(out, ln_output)`` (``ln_output`` None unless ``return_layernorm_output``, which is
-    True by default as in TransformerEngine). The first GEMM's output (after bias) is named
-    ``ffn1_ckpt_name``, the second's ``ffn2_ckpt_name`` for ``jax.checkpoint`` policies.
+    Returns ``(out, ln_output)`` (``ln_output`` None unless ``return_layernorm_output``).
+    Defaults are TransformerEngine 2.10+'s: ``activations=("gelu",)``,
+    ``intermediate_dropout_rate=0.0``, ``return_layernorm_output=False``. The first GEMM's
+    output (after bias) is named ``ffn1_ckpt_name``, the second's ``ffn2_ckpt_name`` for
+    ``jax.checkpoint`` policies.
 
     Refused (an error naming the field): ``axis`` other than -1 (TransformerEngine asserts the
     same), ``activation_params`` (clamped SwiGLU). ``transpose_batch_sequence`` changes nothing
@@ -215,11 +217,11 @@ class LayerNormMLP(nn.Module):
     bias_init: Initializer = nn.initializers.zeros
     bias_axes_1: Tuple[Optional[str], ...] = ("act", "mlp")
     bias_axes_2: Tuple[Optional[str], ...] = ("embed",)
-    return_layernorm_output: bool = True
-    activations: Sequence[Union[str, Callable]] = ("relu",)
+    return_layernorm_output: bool = False
+    activations: Sequence[Union[str, Callable]] = ("gelu",)
     activation_params: Optional[dict] = None
     intermediate_dropout_rng_name: str = "dropout"
-    intermediate_dropout_rate: float = 0.1
+    intermediate_dropout_rate: float = 0.0
     intermediate_hidden_dropout_dims: Sequence[int] = ()
     enable_low_rank_adaptation: bool = False
     low_rank_adaptation_dim: int = 32
@@ -232,6 +234,8 @@ class LayerNormMLP(nn.Module):
     ffn1_ckpt_name: str = "ffn1"
     ffn2_ckpt_name: str = "ffn2"
     transpose_batch_sequence: bool = False
+    #: TE names the quantized GEMM inputs for remat with it; lowbit names its GEMMs itself (ignored).
+    quantization_checkpoint_name: Optional[str] = None
 
     @nn.compact
     def __call__(

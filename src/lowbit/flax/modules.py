@@ -13,12 +13,14 @@ TransformerEngine); outputs have the input's dtype. ``*_axes`` are logical axis 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lowbit.flax.compat import check_attn_softmax_type
 from lowbit.flax.dense_general import (
     DEFAULT_KERNEL_INIT,
     DenseContext,
@@ -60,38 +62,62 @@ class LayerNorm(nn.Module):
         return apply_norm(x, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
 
 
-_SOFTMAX_TYPES = {
-    "scaled": "scaled",
-    "scaled_masked": "scaled_masked",
-    "scaled_upper_triang_masked": "scaled_upper_triang_masked",
-}
+_FUSION_TYPES = ("scaled", "scaled_masked", "scaled_upper_triang_masked")
+
+
+def softmax_fusion_name(value, name: str = "softmax_fusion_type") -> str:
+    """'scaled', 'scaled_masked' or 'scaled_upper_triang_masked' from a string or TE's
+    SoftmaxFusionType (whose ``.name`` is SCALED, ...)."""
+    st = getattr(value, "name", value)
+    st = st.lower() if isinstance(st, str) else st
+    if st not in _FUSION_TYPES:
+        raise ValueError(f"{name} must be one of {list(_FUSION_TYPES)}, got {value!r}")
+    return st
 
 
 class Softmax(nn.Module):
-    """``softmax(scale_factor * (x + bias))`` over the last axis (``lowbit.softmax``).
+    """``softmax(scale_factor * (x + bias))`` over the last axis (``lowbit.softmax``), with
+    TransformerEngine 2.10+'s fields.
 
-    ``softmax_type``: "scaled", "scaled_masked" (needs ``mask``, True = masked out) or
-    "scaled_upper_triang_masked" (causal). TransformerEngine's SoftmaxType enum values (whose
-    ``.name`` is SCALED, ...) are accepted too."""
+    ``softmax_fusion_type``: "scaled", "scaled_masked" (needs ``mask``, True = masked out) or
+    "scaled_upper_triang_masked" (causal); TE's SoftmaxFusionType members are accepted too. A
+    mask given with the other two types is ignored, as in TE. ``softmax_type`` is the attention
+    softmax variant (TE's AttnSoftmaxType: only "vanilla" here); a fusion type given as
+    ``softmax_type`` (its meaning before TE 2.10) is taken as ``softmax_fusion_type`` with a
+    DeprecationWarning."""
 
     scale_factor: float = 1.0
-    softmax_type: Any = "scaled"
+    softmax_fusion_type: Any = "scaled"
+    softmax_type: Any = "vanilla"
 
     @nn.compact
     def __call__(
-        self, inputs: jax.Array, mask: Optional[jax.Array] = None, bias: Optional[jax.Array] = None
+        self,
+        inputs: jax.Array,
+        mask: Optional[jax.Array] = None,
+        bias: Optional[jax.Array] = None,
+        softmax_offset: Optional[jax.Array] = None,
     ) -> jax.Array:
-        st = getattr(self.softmax_type, "name", self.softmax_type)
-        st = st.lower() if isinstance(st, str) else st
-        if st not in _SOFTMAX_TYPES:
-            raise ValueError(
-                f"softmax_type must be one of {sorted(_SOFTMAX_TYPES)}, got {self.softmax_type!r}"
+        fusion = self.softmax_fusion_type
+        old = getattr(self.softmax_type, "name", self.softmax_type)
+        if isinstance(old, str) and old.lower() in _FUSION_TYPES:
+            warnings.warn(
+                "Softmax(softmax_type=<fusion type>) is deprecated (TE 2.10 renamed it); use "
+                "softmax_fusion_type. softmax_type now names the attention softmax variant",
+                DeprecationWarning,
+                stacklevel=2,
             )
+            fusion = self.softmax_type
+        else:
+            check_attn_softmax_type(self.softmax_type)
+        if softmax_offset is not None:
+            raise NotImplementedError(
+                "Softmax(softmax_offset=...): softmax sinks are not supported by lowbit"
+            )
+        st = softmax_fusion_name(fusion)
         if bias is not None:
             inputs = (inputs + bias).astype(inputs.dtype)
-        if mask is not None and st != "scaled_masked":
-            raise ValueError(f"Softmax: mask is only used with softmax_type='scaled_masked', not {st!r}")
-        return _softmax(inputs, float(self.scale_factor), mask=mask, softmax_type=st)
+        return _softmax(inputs, float(self.scale_factor), mask if st == "scaled_masked" else None, st)
 
 
 __all__ = [
@@ -106,6 +132,7 @@ __all__ = [
     "Softmax",
     "SplitDenseOp",
     "check_norm_type",
+    "softmax_fusion_name",
     "fused_mlp_activation",
     "normalize_mlp_activations",
 ]

@@ -85,12 +85,12 @@ class TransformerLayer(nn.Module):
     hidden_dropout: float = 0.1
     hidden_dropout_dims: Sequence[int] = ()
     attention_dropout: float = 0.1
-    intermediate_dropout: float = 0.1
+    intermediate_dropout: float = 0.0
     intermediate_dropout_dims: Sequence[int] = ()
     dropout_rng_name: str = "dropout"
     mha_kernel_init: Optional[Initializer] = None
     mlp_kernel_init: Optional[Initializer] = None
-    mlp_activations: Sequence[Any] = ("relu",)
+    mlp_activations: Sequence[Any] = ("gelu",)
     mlp_activation_params: Optional[dict] = None
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
@@ -116,6 +116,7 @@ class TransformerLayer(nn.Module):
     scale_attn_logits: bool = False
     scaled_query_init: bool = True
     window_size: Optional[Tuple[int, int]] = None
+    softmax_type: Any = "vanilla"
 
     @nn.compact
     def __call__(
@@ -224,6 +225,7 @@ class TransformerLayer(nn.Module):
                 use_bias=self.use_bias,
                 bias_init=self.bias_init,
                 window_size=self.window_size,
+                softmax_type=self.softmax_type,
                 name=name,
             )
 

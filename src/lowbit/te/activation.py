@@ -8,7 +8,7 @@ from typing import Sequence, Union
 import jax
 
 import lowbit
-from lowbit.te._common import refuse
+from lowbit.te._common import fake_quantize, refuse
 
 
 def activation(
@@ -16,9 +16,9 @@ def activation(
 ) -> jax.Array:
     """``act(x[..., 0, :])`` or, gated (``(act, 'linear')``), ``act(x[..., 0, :]) * x[..., 1, :]``.
 
-    x has TE's layout ``(..., len(activation_type), K)``; the output is ``(..., K)``.
+    x has TE's layout ``(..., len(activation_type), K)``; the output is ``(..., K)``. With a
+    ``quantizer`` it holds the dequantized values of its quantized form, as in TE.
     """
-    refuse("quantizer", quantizer, None, "use lowbit.activation(quantize=...) for an FP8 output")
     refuse("act_params", act_params, None, "clamped SwiGLU is not implemented")
     names = tuple(activation_type)
     if not all(isinstance(n, str) for n in names):
@@ -29,4 +29,4 @@ def activation(
         )
     # (..., A, K) -> (..., A*K): the gated halves (a, b) side by side, as lowbit takes them.
     y = lowbit.activation(x.reshape(x.shape[:-2] + (len(names) * x.shape[-1],)), names)
-    return y
+    return y if quantizer is None else fake_quantize(y, quantizer)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 import lowbit
 from lowbit.te._common import constrain, refuse
+from lowbit.te.cpp_extensions.gemm import is_noop_collective, noop_collective_op_set
 from lowbit.te.quantize import QuantizerSet, noop_quantizer_set, recipe_of
 
 
@@ -28,7 +29,7 @@ def dense(
     input_axes: Optional[Tuple[str, ...]] = None,
     kernel_axes: Optional[Tuple[str, ...]] = None,
     output_axes: Optional[Tuple[str, ...]] = None,
-    collective_op_set=None,
+    collective_op_set=noop_collective_op_set,
     quantizer_set: QuantizerSet = noop_quantizer_set,
 ) -> jax.Array:
     """``x . kernel (+ bias)`` contracting ``contracting_dims``, quantized as ``quantizer_set`` says.
@@ -37,7 +38,11 @@ def dense(
     runs in x's dtype (the kernel is cast to it), as in TE, whatever the enclosing autocast says.
     """
     refuse("transpose_batch_sequence", transpose_batch_sequence, False, "inputs are batch-first")
-    refuse("collective_op_set", collective_op_set, None, "no collective GEMMs")
+    if not is_noop_collective(collective_op_set):
+        raise NotImplementedError(
+            f"collective_op_set={collective_op_set!r} is not supported by lowbit.te (no collective GEMMs: "
+            "lowbit's dense gathers and reduce-scatters itself under a MeshResource)"
+        )
     lhs, rhs = _dims(contracting_dims, x.ndim, kernel.ndim)
     # lowbit contracts x's trailing axes: move the contracted ones there (free axes keep order).
     free = [d for d in range(x.ndim) if d not in lhs]

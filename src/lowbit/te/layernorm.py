@@ -7,7 +7,12 @@ from typing import Optional
 import jax
 
 import lowbit
-from lowbit.te._common import canonical_norm_type, refuse
+from lowbit.te._common import canonical_norm_type, fake_quantize
+
+
+def canonicalize_norm_type(x: str) -> str:
+    """'layernorm' or 'rmsnorm' from TE's spellings ('LayerNorm', 'rms_norm', ...)."""
+    return canonical_norm_type(x)
 
 
 def layernorm(
@@ -19,9 +24,9 @@ def layernorm(
     epsilon: float = 1e-6,
     quantizer=None,
 ) -> jax.Array:
-    """Normalises x over its last axis; ``norm_type`` 'layernorm' or 'rmsnorm' (beta None)."""
-    refuse("quantizer", quantizer, None, "use lowbit.layernorm(quantize=...) for an FP8 output")
-    return lowbit.layernorm(
+    """Normalises x over its last axis; ``norm_type`` 'layernorm' or 'rmsnorm' (beta None). With
+    a ``quantizer`` the output holds the dequantized values of its quantized form, as in TE."""
+    y = lowbit.layernorm(
         x,
         gamma,
         beta,
@@ -29,3 +34,7 @@ def layernorm(
         zero_centered_gamma=zero_centered_gamma,
         epsilon=epsilon,
     )
+    return y if quantizer is None else fake_quantize(y, quantizer)
+
+
+__all__ = ["canonicalize_norm_type", "layernorm"]

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import jax
 
-from lowbit.te._common import constrain
+from lowbit.te._common import constrain, deprecated_batch_first
 from lowbit.te.dense import dense
 from lowbit.te.layernorm import layernorm
 from lowbit.te.quantize import QuantizerSet, noop_quantizer_set
@@ -21,14 +21,19 @@ def layernorm_dense(
     norm_type: str = "layernorm",
     zero_centered_gamma: bool = False,
     epsilon: float = 1e-6,
+    transpose_batch_sequence: bool = False,
     layernorm_input_axes: Optional[Tuple[str, ...]] = None,
     dot_input_axes: Optional[Tuple[str, ...]] = None,
     kernel_axes: Optional[Tuple[str, ...]] = None,
-    batch_first: bool = True,
     quantizer_set: QuantizerSet = noop_quantizer_set,
+    *,
+    batch_first: Optional[bool] = None,
 ) -> jax.Array:
-    """``dense(norm(x), kernel) + bias``; x (..., H), kernel (H, N...)."""
-    del batch_first  # the math does not depend on where the batch axis is
+    """``dense(norm(x), kernel) + bias``; x (..., H), kernel (H, N...). The math is per token,
+    so ``transpose_batch_sequence`` (and ``batch_first``, its pre-2.10 name, deprecated) change
+    nothing."""
+    deprecated_batch_first(batch_first)
+    del transpose_batch_sequence
     x = constrain(x, layernorm_input_axes)
     y = layernorm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     return dense(

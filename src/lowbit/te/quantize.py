@@ -156,10 +156,10 @@ def recipe_of(quantizer_set: Optional[QuantizerSet]) -> Tuple[Optional[Recipe], 
         )
     mode = qs["x"].scaling_mode
     if quantizer_set.recipe is not None and not isinstance(quantizer_set.recipe, DelayedScaling):
-        return quantizer_set.recipe, None
+        return _without_sr_if_no_key(quantizer_set.recipe, qs["grad"]), None
     if mode.is_nvfp4:
         two_d = qs["kernel"].scaling_mode == ScalingMode.NVFP4_2D_SCALING
-        return NVFP4BlockScaling(disable_2d_quantization=not two_d), None
+        return _without_sr_if_no_key(NVFP4BlockScaling(disable_2d_quantization=not two_d), qs["grad"]), None
     if any(q.scaling_mode != mode for q in qs.values()):
         raise NotImplementedError(
             "lowbit needs one scaling mode for x, kernel and dgrad, got "
@@ -175,6 +175,14 @@ def recipe_of(quantizer_set: Optional[QuantizerSet]) -> Tuple[Optional[Recipe], 
     for role, q in qs.items():
         state[f"{role}_scale"], state[f"{role}_amax_history"] = q.scale, q.amax_history
     return recipe, state
+
+
+def _without_sr_if_no_key(recipe: Recipe, dgrad: Quantizer) -> Recipe:
+    # TE rounds NVFP4 gradients stochastically only when the quantizer has an RNG key; without
+    # one it rounds to nearest (lowbit.dense itself requires the key when the recipe asks for it).
+    if isinstance(recipe, NVFP4BlockScaling) and not recipe.disable_stochastic_rounding and dgrad.rng is None:
+        return dataclasses.replace(recipe, disable_stochastic_rounding=True)
+    return recipe
 
 
 class QuantizerFactory:
@@ -228,13 +236,22 @@ class QuantizeConfig:
     AMAX_HISTORY_LEN: int = 1024
     AMAX_COMPUTE_ALGO: str = "max"
     COLLECTION_NAME: str = NVTE_FP8_COLLECTION_NAME
+    RECIPE: Optional[Recipe] = None
 
     def is_fp8_enabled(self) -> bool:
         return self.INITIALIZED
 
+    def get_scaling_mode(self, tensor_source: Optional[TensorSource] = None) -> ScalingMode:
+        """The scaling mode of one GEMM operand (TE's TensorSource X, KERNEL or DGRAD; None: X)."""
+        if self.RECIPE is None:
+            return ScalingMode.NO_SCALING
+        source = TensorSource.X if tensor_source is None else TensorSource(tensor_source)
+        return self.RECIPE.scaling_mode(source.value)
 
-def get_quantize_config_with_recipe(recipe: Optional[Recipe]) -> QuantizeConfig:
-    """The :class:`QuantizeConfig` of ``recipe`` (None: quantization off)."""
+
+def get_quantize_config_with_recipe(fp8_recipe: Optional[Recipe]) -> QuantizeConfig:
+    """The :class:`QuantizeConfig` of ``fp8_recipe`` (None: quantization off)."""
+    recipe = fp8_recipe
     if recipe is None:
         return QuantizeConfig(False, ScalingMode.NO_SCALING, jnp.bfloat16, jnp.bfloat16)
     delayed = isinstance(recipe, DelayedScaling)
@@ -246,6 +263,7 @@ def get_quantize_config_with_recipe(recipe: Optional[Recipe]) -> QuantizeConfig:
         MARGIN=float(getattr(recipe, "margin", 0)),
         AMAX_HISTORY_LEN=recipe.amax_history_len if delayed else 0,
         AMAX_COMPUTE_ALGO=recipe.amax_compute_algo if delayed else "max",
+        RECIPE=recipe,
     )
 
 

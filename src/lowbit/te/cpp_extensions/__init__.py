@@ -1,0 +1,32 @@
+"""``transformer_engine.jax.cpp_extensions`` (``tex``): the user-facing names only, the
+collective-GEMM sets and the softmax helpers. TE's primitive classes and per-kernel entry points
+(``gemm``, ``quantize``, ``normalization_fwd`` ...) are internals lowbit does not mirror: use
+``lowbit.dense``, ``lowbit.quantize``, ``lowbit.layernorm`` (docs/te_compat.md)."""
+
+from lowbit.te.cpp_extensions import attention, gemm, softmax
+from lowbit.te.cpp_extensions.gemm import (
+    CollectiveOp,
+    CollectiveOpSet,
+    collective_gemm_bootstrap,
+    noop_collective_op_set,
+)
+from lowbit.te.cpp_extensions.softmax import (
+    is_softmax_kernel_available,
+    jax_scaled_masked_softmax,
+    jax_scaled_softmax,
+    jax_scaled_upper_triang_masked_softmax,
+)
+
+__all__ = [
+    "attention",
+    "gemm",
+    "softmax",
+    "CollectiveOp",
+    "CollectiveOpSet",
+    "collective_gemm_bootstrap",
+    "noop_collective_op_set",
+    "is_softmax_kernel_available",
+    "jax_scaled_masked_softmax",
+    "jax_scaled_softmax",
+    "jax_scaled_upper_triang_masked_softmax",
+]
