@@ -11,7 +11,9 @@ that says so; docs/te_compat.md lists every name with its status.
 from lowbit.te import (
     activation,
     attention,
+    checkpoint,
     checkpoint_policies,
+    cpp_extensions,
     dense,
     flax,
     layernorm,
@@ -36,7 +38,9 @@ from lowbit.te.sharding import MeshResource
 __all__ = [
     "activation",
     "attention",
+    "checkpoint",
     "checkpoint_policies",
+    "cpp_extensions",
     "dense",
     "flax",
     "layernorm",

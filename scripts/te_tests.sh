@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# TransformerEngine's own JAX tests run on lowbit: `transformer_engine` is mapped onto lowbit.te by
+# the import shim in tests/te_port. Prints one line per test file: collected/passed/failed/skipped.
+#
+#   scripts/te_tests.sh TE_TESTS_DIR [file.py ...]
+#
+# TE_TESTS_DIR holds TE's tests/jax (e.g. `git -C <TransformerEngine checkout> archive HEAD tests/jax
+# | tar -x -C /tmp/te`, then /tmp/te/tests/jax). Without files: every file except the MoE ones
+# (router, permutation, EP, grouped GEMM: another issue). PER_FILE_TIMEOUT (seconds, default 1200)
+# bounds each file; PYTEST_ARGS adds pytest options (e.g. "-k 'not fp8'"); CPU_SIZES=1 shrinks
+# test_layer's shapes (tests/te_port/te_cpu_sizes.py). Uses $PYTHON (default python3) with lowbit
+# importable or src/ of this checkout.
+set -u
+here="$(cd "$(dirname "$0")/.." && pwd)"
+tests="${1:?usage: scripts/te_tests.sh TE_TESTS_DIR [file.py ...]}"
+shift
+py="${PYTHON:-python3}"
+files=("$@")
+if [ ${#files[@]} -eq 0 ]; then
+  for f in "$tests"/test_*.py; do
+    case "$(basename "$f")" in
+      *router* | *permutation* | *_ep* | *ep_moe* | *grouped_gemm*) ;;
+      *) files+=("$(basename "$f")") ;;
+    esac
+  done
+fi
+export PYTHONPATH="$here/tests/te_port:$here/src${PYTHONPATH:+:$PYTHONPATH}"
+cd "$tests" || exit 1
+printf '%-44s %9s %7s %7s %8s %7s\n' file collected passed failed skipped errors
+for f in "${files[@]}"; do
+  plugins=""
+  [ "${CPU_SIZES:-0}" = 1 ] && plugins="-p te_cpu_sizes"
+  # shellcheck disable=SC2086  # PYTEST_ARGS and plugins are word lists
+  out="$(timeout "${PER_FILE_TIMEOUT:-1200}" "$py" -m pytest "$f" -q -p no:cacheprovider --tb=no -rN $plugins ${PYTEST_ARGS:-} 2>&1 | tail -1)"
+  count() { echo "$out" | grep -oE "[0-9]+ $1" | head -1 | grep -oE '^[0-9]+' || echo 0; }
+  p=$(count passed); fl=$(count failed); s=$(count skipped); e=$(count 'errors?')
+  printf '%-44s %9s %7s %7s %8s %7s\n' "$f" $((p + fl + s + e)) "$p" "$fl" "$s" "$e"
+  case "$out" in *passed* | *failed* | *skipped* | *error*) ;; *) echo "  ($f: $out)" ;; esac
+done

@@ -1,0 +1,1 @@
+"""``transformer_engine.common``: only ``recipe`` (an alias of lowbit.recipe) is used by TE's JAX tests."""
