@@ -8,7 +8,8 @@
 # | tar -x -C /tmp/te`, then /tmp/te/tests/jax). Without files: every file except the MoE ones
 # (router, permutation, EP, grouped GEMM: another issue). PER_FILE_TIMEOUT (seconds, default 1200)
 # bounds each file; PYTEST_ARGS adds pytest options (e.g. "-k 'not fp8'"); CPU_SIZES=1 shrinks
-# test_layer's shapes (tests/te_port/te_cpu_sizes.py). Uses $PYTHON (default python3) with lowbit
+# test_layer's shapes (tests/te_port/te_cpu_sizes.py); CPU_DEVICES=N gives XLA N host devices so
+# the distributed tests run on a CPU. Uses $PYTHON (default python3) with lowbit
 # importable or src/ of this checkout.
 set -u
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -23,6 +24,9 @@ if [ ${#files[@]} -eq 0 ]; then
       *) files+=("$(basename "$f")") ;;
     esac
   done
+fi
+if [ -n "${CPU_DEVICES:-}" ]; then
+  export XLA_FLAGS="--xla_force_host_platform_device_count=$CPU_DEVICES ${XLA_FLAGS:-}"
 fi
 export PYTHONPATH="$here/tests/te_port:$here/src${PYTHONPATH:+:$PYTHONPATH}"
 cd "$tests" || exit 1

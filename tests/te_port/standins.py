@@ -36,17 +36,12 @@ def _version_utils():
     )
 
 
-def _quantize_helper():
-    import lowbit.te.quantize as q
+def _patch_quantize_helper():
+    # TE's private helpers its tests import from quantize.helper, added to lowbit's module.
+    import lowbit.te.quantize.helper as helper
 
-    def _format2dtypes(fmt):
-        # TE's private helper: a recipe Format -> (forward, backward) FP8 dtypes.
-        return fmt.fwd_dtype, fmt.bwd_dtype
-
-    public = {k: v for k, v in vars(q).items() if not k.startswith("__")}
-    return _mod(
-        "transformer_engine.jax.quantize.helper", **public, DType=DType, _format2dtypes=_format2dtypes
-    )
+    helper.DType = DType
+    helper._format2dtypes = lambda fmt: (fmt.fwd_dtype, fmt.bwd_dtype)
 
 
 def _misc():
@@ -61,14 +56,8 @@ def _misc():
 
 _MODULES = {
     "transformer_engine.jax.version_utils": _version_utils,
-    "transformer_engine.jax.quantize.helper": _quantize_helper,
     "transformer_engine.jax.cpp_extensions.misc": _misc,
 }
-
-
-def module_for(fullname):
-    make = _MODULES.get(fullname)
-    return None if make is None else make()
 
 
 def install():
@@ -82,3 +71,4 @@ def install():
     )
     for name, make in _MODULES.items():
         sys.modules.setdefault(name, make())
+    _patch_quantize_helper()

@@ -18,13 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.frozen_dict import FrozenDict
 
+from lowbit import capabilities
 from lowbit.autocast import autocast, get_recipe
-from lowbit.capabilities import (
-    get_supported_quantization_recipes,
-    get_supported_scaling_modes,
-    is_fp8_available,
-    is_scaling_mode_supported,
-)
+from lowbit.capabilities import get_supported_quantization_recipes, get_supported_scaling_modes
 from lowbit.flax import OVERWRITE_WITH_GRADIENT
 from lowbit.quantization.scaling_modes import ScalingMode
 from lowbit.recipe import (
@@ -183,6 +179,22 @@ def _without_sr_if_no_key(recipe: Recipe, dgrad: Quantizer) -> Recipe:
     if isinstance(recipe, NVFP4BlockScaling) and not recipe.disable_stochastic_rounding and dgrad.rng is None:
         return dataclasses.replace(recipe, disable_stochastic_rounding=True)
     return recipe
+
+
+def is_scaling_mode_supported(
+    scaling_mode: ScalingMode = ScalingMode.NO_SCALING, gpu_id: Optional[int] = None
+) -> Tuple[bool, str]:
+    """TE's query: (supported, reason). lowbit answers for every local device (``gpu_id`` is
+    accepted and not narrowed to one)."""
+    del gpu_id
+    return capabilities.is_scaling_mode_supported(scaling_mode)
+
+
+def is_fp8_available(
+    scaling_mode: ScalingMode = ScalingMode.DELAYED_TENSOR_SCALING, gpu_id: Optional[int] = None
+) -> Tuple[bool, str]:
+    """TE's query: (available, reason) for ``scaling_mode`` on every local device."""
+    return is_scaling_mode_supported(scaling_mode, gpu_id)
 
 
 class QuantizerFactory:

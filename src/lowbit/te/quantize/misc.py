@@ -1,0 +1,5 @@
+"""``transformer_engine.jax.quantize.misc``."""
+
+from lowbit.te.quantize import QuantizeLayout
+
+__all__ = ["QuantizeLayout"]
