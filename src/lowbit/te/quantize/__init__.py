@@ -54,6 +54,14 @@ class TensorSource(enum.Enum):
     DGRAD = "grad"
 
 
+class AmaxComputeAlgo(str, enum.Enum):
+    """DelayedScaling's amax from its history: the maximum or the most recent value (a str enum:
+    equal to the recipe's strings)."""
+
+    MAX = "max"
+    MOST_RECENT = "most_recent"
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Quantizer:
@@ -68,6 +76,16 @@ class Quantizer:
     scale: Optional[jax.Array] = None
     amax_history: Optional[jax.Array] = None
     rng: Optional[jax.Array] = None  # NVFP4 stochastic rounding (dgrad)
+    # DelayedScaling's recipe fields, as TE's quantizers carry them
+    margin: float = dataclasses.field(default=0.0, metadata=dict(static=True))
+    amax_compute_algo: AmaxComputeAlgo = dataclasses.field(
+        default=AmaxComputeAlgo.MAX, metadata=dict(static=True)
+    )
+
+    @property
+    def stochastic_rounding_rng_state(self) -> Optional[jax.Array]:
+        """TE's name for the NVFP4 stochastic-rounding key (None: rounding to nearest)."""
+        return self.rng
 
 
 @jax.tree_util.register_dataclass
@@ -130,8 +148,13 @@ def quantizer_set_for_recipe(recipe: Optional[Recipe], state: Optional[Mapping] 
             else:
                 scale = jnp.ones((1,), jnp.float32)
                 hist = jnp.zeros((recipe.amax_history_len,), jnp.float32)
+        delayed = {}
+        if isinstance(recipe, DelayedScaling):
+            delayed = dict(
+                margin=float(recipe.margin), amax_compute_algo=AmaxComputeAlgo(recipe.amax_compute_algo)
+            )
         parts[field] = Quantizer(
-            recipe.scaling_mode(role), recipe.q_dtype(role), scale=scale, amax_history=hist
+            recipe.scaling_mode(role), recipe.q_dtype(role), scale=scale, amax_history=hist, **delayed
         )
     return QuantizerSet(**parts, recipe=recipe)
 
@@ -246,12 +269,24 @@ class QuantizeConfig:
     BWD_DTYPE: Any
     MARGIN: float = 0.0
     AMAX_HISTORY_LEN: int = 1024
-    AMAX_COMPUTE_ALGO: str = "max"
+    AMAX_COMPUTE_ALGO: AmaxComputeAlgo = AmaxComputeAlgo.MAX
     COLLECTION_NAME: str = NVTE_FP8_COLLECTION_NAME
     RECIPE: Optional[Recipe] = None
 
     def is_fp8_enabled(self) -> bool:
         return self.INITIALIZED
+
+    @property
+    def DISABLE_STOCHASTIC_ROUNDING(self) -> bool:  # noqa: N802 - TE's attribute names
+        return bool(getattr(self.RECIPE, "disable_stochastic_rounding", True))
+
+    @property
+    def DISABLE_RHT(self) -> bool:  # noqa: N802
+        return bool(getattr(self.RECIPE, "disable_rht", True))
+
+    @property
+    def DISABLE_2D_QUANTIZATION(self) -> bool:  # noqa: N802
+        return bool(getattr(self.RECIPE, "disable_2d_quantization", True))
 
     def get_scaling_mode(self, tensor_source: Optional[TensorSource] = None) -> ScalingMode:
         """The scaling mode of one GEMM operand (TE's TensorSource X, KERNEL or DGRAD; None: X)."""
@@ -274,7 +309,7 @@ def get_quantize_config_with_recipe(fp8_recipe: Optional[Recipe]) -> QuantizeCon
         recipe.q_dtype("grad"),
         MARGIN=float(getattr(recipe, "margin", 0)),
         AMAX_HISTORY_LEN=recipe.amax_history_len if delayed else 0,
-        AMAX_COMPUTE_ALGO=recipe.amax_compute_algo if delayed else "max",
+        AMAX_COMPUTE_ALGO=AmaxComputeAlgo(recipe.amax_compute_algo if delayed else "max"),
         RECIPE=recipe,
     )
 
@@ -318,6 +353,7 @@ def update_collections(new: Collection, original: Collection) -> Collection:
 
 
 __all__ = [
+    "AmaxComputeAlgo",
     "NVTE_FP8_COLLECTION_NAME",
     "QuantizeLayout",
     "TensorSource",
