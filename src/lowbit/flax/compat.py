@@ -1,7 +1,10 @@
-"""Field handling shared by the attention modules for TransformerEngine >= 2.10's API:
-``transpose_batch_sequence=None`` (batch-first) and the attention ``softmax_type``."""
+"""Field handling shared by the modules for TransformerEngine >= 2.10's API:
+``transpose_batch_sequence=None`` (batch-first), the attention ``softmax_type`` and the
+``*_input_axes`` logical constraints."""
 
 from __future__ import annotations
+
+import flax.linen as nn
 
 # TE's AttnSoftmaxType names and strings -> the canonical string.
 _ATTN_SOFTMAX = {
@@ -39,3 +42,14 @@ def check_attn_softmax_type(value) -> str:
             f"softmax_type={value!r}: only the vanilla attention softmax is supported by lowbit"
         )
     return canon
+
+
+def constrain_logical(x, axes):
+    """TransformerEngine's ``*_input_axes``: a logical sharding constraint (a no-op without Flax
+    logical axis rules and a mesh; None or () names nothing)."""
+    if not axes:
+        return x
+    axes = tuple(axes)
+    if len(axes) != x.ndim:
+        raise ValueError(f"logical axes {axes} must name each of the input's {x.ndim} dimensions")
+    return nn.with_logical_constraint(x, axes)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.flax.compat import constrain_logical
 from lowbit.flax.params import (
     Initializer,
     apply_norm,
@@ -69,7 +70,10 @@ def _dense_general(m, x, features, axis, owner: str, norm: Optional[NormInput] =
     split = split and not m.enable_low_rank_adaptation
     if norm is not None and not (split and axis == (nd - 1,)):
         y = apply_norm(x, norm.gamma, norm.beta, norm.norm_type, norm.zero_centered_gamma, norm.epsilon)
-        return _dense_general(m, y, features, axis, owner), (y if norm.return_output else None)
+        out = _dense_general(
+            m, constrain_logical(y, getattr(m, "dot_input_axes", None)), features, axis, owner
+        )
+        return out, (y if norm.return_output else None)
     # lowbit.dense contracts trailing axes: move the contracted ones to the end, in order.
     rest = [a for a in range(nd) if a not in axis]
     if rest + list(axis) != list(range(nd)):
@@ -136,6 +140,11 @@ class DenseGeneral(nn.Module):
     low_rank_adaptation_dim: int = 32
     low_rank_adaptation_alpha: Optional[float] = None
     dtype: Any = jnp.float32
+    input_axes: Tuple[Optional[str], ...] = ()
+    #: The math is per token: the batch/sequence order changes nothing.
+    transpose_batch_sequence: bool = False
+    #: TE names the quantized GEMM inputs for remat with it; lowbit names its GEMMs itself (ignored).
+    quantization_checkpoint_name: Optional[str] = None
     #: lowbit: how tensor parallelism splits the kernel ("column": its features, the default
     #: for None; "row": its contracted axes, as the second GEMM of a column/row pair).
     tp_layout: Optional[str] = None
@@ -146,6 +155,7 @@ class DenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
+        inputs = constrain_logical(inputs, self.input_axes)
         return _dense_general(self, inputs, self.features, self.axis, "DenseGeneral")
 
 
@@ -173,18 +183,31 @@ class LayerNormDenseGeneral(nn.Module):
     low_rank_adaptation_dim: int = 32
     low_rank_adaptation_alpha: Optional[float] = None
     dtype: Any = jnp.float32
+    layernorm_input_axes: Optional[Tuple[Optional[str], ...]] = None
+    dot_input_axes: Optional[Tuple[Optional[str], ...]] = None
+    #: The output divided by it (None: not scaled), as in TransformerEngine.
+    depth_scaling: Optional[float] = None
+    transpose_batch_sequence: bool = False  # per token: changes nothing
+    quantization_checkpoint_name: Optional[str] = None  # ignored, as DenseGeneral's
     tp_layout: Optional[str] = None  # lowbit's, as DenseGeneral's
     split_features: bool = False  # lowbit's, as DenseGeneral's
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
         owner = "LayerNormDenseGeneral"
+        inputs = constrain_logical(inputs, self.layernorm_input_axes)
         if not self.enable_layernorm:
-            out = _dense_general(self, inputs, self.features, self.axis, owner)
-            return out, (inputs if self.return_layernorm_output else None)
-        gamma, beta = ln_params(self, inputs.shape[-1])
-        norm = norm_input(self, gamma, beta, self.return_layernorm_output)
-        return _dense_general(self, inputs, self.features, self.axis, owner, norm=norm)
+            out = _dense_general(
+                self, constrain_logical(inputs, self.dot_input_axes), self.features, self.axis, owner
+            )
+            out, ln = out, (inputs if self.return_layernorm_output else None)
+        else:
+            gamma, beta = ln_params(self, inputs.shape[-1])
+            norm = norm_input(self, gamma, beta, self.return_layernorm_output)
+            out, ln = _dense_general(self, inputs, self.features, self.axis, owner, norm=norm)
+        if self.depth_scaling is not None:
+            out = jax.tree_util.tree_map(lambda z: z / self.depth_scaling, out)  # split slots: each
+        return out, ln
 
 
 __all__ = [

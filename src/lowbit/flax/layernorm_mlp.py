@@ -17,6 +17,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.autocast import get_recipe
+from lowbit.flax.compat import constrain_logical
 from lowbit.flax.dense_general import DenseContext, DenseOp
 from lowbit.flax.params import (
     Initializer,
@@ -164,17 +165,6 @@ def _stacked_init(init, n):
     return f
 
 
-def _constrain(x, axes):
-    """TransformerEngine's ``*_input_axes``: a logical sharding constraint (a no-op without Flax
-    logical axis rules and a mesh)."""
-    if axes is None:
-        return x
-    axes = tuple(axes)
-    if len(axes) != x.ndim:
-        raise ValueError(f"logical axes {axes} must name each of the input's {x.ndim} dimensions")
-    return nn.with_logical_constraint(x, axes)
-
-
 class LayerNormMLP(nn.Module):
     """Norm, ``wi`` (to ``intermediate_dim`` per activation), activations, dropout, ``wo``, with
     TransformerEngine's fields, defaults and field order.
@@ -269,7 +259,7 @@ class LayerNormMLP(nn.Module):
         H, F = inputs.shape[-1], int(self.intermediate_dim)
         y = inputs
         if self.enable_layernorm:
-            y = _constrain(inputs, self.layernorm_input_axes)
+            y = constrain_logical(inputs, self.layernorm_input_axes)
             gamma, beta = ln_params(self, H)
         init = self.kernel_init or _default_mlp_kernel_init(self.dtype)
         ax1 = tuple(self.kernel_axes_1 or ())
@@ -307,7 +297,7 @@ class LayerNormMLP(nn.Module):
             else:
                 y = apply_norm(y, gamma, beta, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
         ln_output = y if self.return_layernorm_output else None
-        y1 = _constrain(y, self.dot_1_input_axes)
+        y1 = constrain_logical(y, self.dot_1_input_axes)
         if fused:
             # One VJP for both GEMMs: the activation kernels write the FP8 operands themselves.
             c1, c2 = DenseContext(name="wi_op")(), DenseContext(name="wo_op")()
@@ -341,7 +331,7 @@ class LayerNormMLP(nn.Module):
                 broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
                 rng_collection=self.intermediate_dropout_rng_name,
             )(z, deterministic=False)
-        z = _constrain(z, self.dot_2_input_axes)
+        z = constrain_logical(z, self.dot_2_input_axes)
         # Under tensor parallelism wo is row-parallel (its input is wi's column-parallel output,
         # split over tp on the last axis), as in TransformerEngine: no gather between the GEMMs.
         out = DenseOp(name="wo_op")(z, wo, wo_b, ((z.ndim - 1,), (0,)), tp_layout="row")
