@@ -23,6 +23,8 @@ from lowbit.sharding import (
     global_mesh_resource,
     global_shard_guard,
 )
+from lowbit.te.sharding_helpers import *  # noqa: E402,F401,F403 - TE's mesh helpers
+from lowbit.te.sharding_helpers import __all__ as _helpers
 
 Rules = Tuple[Tuple[str, Optional[str]], ...]
 
@@ -83,4 +85,5 @@ __all__ = [
     "W_FSDP_AXES",
     "W_TP_AXES",
     "W_JOINED_AXES",
+    *_helpers,
 ]
