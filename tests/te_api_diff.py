@@ -55,6 +55,11 @@ REFUSED = {
     "quantize.hadamard": "lowbit applies the RHT inside its NVFP4 quantizer",
     "quantize.device_utils": "use lowbit.capabilities",
     "quantize.metadata": "quantizer state is a QuantizerSet's leaves in lowbit.te",
+    ("quantize.quantizer", "BlockScaleQuantizer"): "quantizers only describe in lowbit.te: QuantizerSet",
+    ("quantize.quantizer", "CurrentScaleQuantizer"): "quantizers only describe in lowbit.te: QuantizerSet",
+    ("quantize.quantizer", "DelayedScaleQuantizer"): "quantizers only describe in lowbit.te: QuantizerSet",
+    ("quantize.quantizer", "GroupedQuantizer"): _MOE,
+    ("quantize.scaling_modes", "QuantizeShardyRules"): "TE's Shardy rules for its primitives (internal)",
     ("attention", "SequenceDescriptor"): _ATTN,
     ("attention", "fused_attn"): _ATTN,
     ("attention", "fused_attn_thd"): _ATTN,
@@ -208,6 +213,15 @@ def compare_all(snapshot: dict | None = None) -> dict:
     for short, entries in snapshot["modules"].items():
         mod = _lowbit_module(short)
         out[short] = {n: compare_entry(mod, n, te, short) for n, te in entries.items()}
+    # A package's re-export of a name its submodule defines shares that name's refusal.
+    for short, entries in out.items():
+        for name, (status, _) in entries.items():
+            if status != "missing":
+                continue
+            for sub, sub_entries in out.items():
+                if sub.startswith(short + ".") and sub_entries.get(name, ("",))[0] == "refused":
+                    entries[name] = sub_entries[name]
+                    break
     return out
 
 

@@ -42,3 +42,18 @@ def test_with_a_mesh_and_mesh_resource():
             check_vma=False,
         )(x)
         np.testing.assert_array_equal(summed, x)
+
+
+def test_logical_axis_map_and_recipe_queries():
+    from lowbit import recipe
+    from lowbit.te.quantize import TensorUsage, get_quantization_recipe, is_quantize_recipe_supported
+
+    assert S.get_sharding_map_logic_axis_to_mesh_axis() == {}  # no mesh
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1), ("data",))
+    with jax.set_mesh(mesh), S.global_shard_guard(S.MeshResource(dp_resource="data")):
+        assert S.get_sharding_map_logic_axis_to_mesh_axis()[S.BATCH_AXES] == "data"
+    assert isinstance(get_quantization_recipe("MXFP8BlockScaling"), recipe.MXFP8BlockScaling)
+    with pytest.raises(ValueError, match="Valid options"):
+        get_quantization_recipe("FP8")
+    assert is_quantize_recipe_supported("DelayedScaling") == (True, None)
+    assert [u.value for u in TensorUsage] == [0, 1, 2, 3]

@@ -25,6 +25,7 @@ from lowbit.sharding import (
 )
 from lowbit.te.sharding_helpers import *  # noqa: E402,F401,F403 - TE's mesh helpers
 from lowbit.te.sharding_helpers import __all__ as _helpers
+from lowbit.te.sharding_helpers import is_mesh_available
 
 Rules = Tuple[Tuple[str, Optional[str]], ...]
 
@@ -47,6 +48,11 @@ def te_logical_axis_rules(resource: Optional[MeshResource] = None) -> Rules:
         (W_TP_AXES, tp),
         (W_JOINED_AXES, None),
     )
+
+
+def get_sharding_map_logic_axis_to_mesh_axis() -> dict:
+    """TE's logical axes -> mesh axes under the global MeshResource ({} without a mesh)."""
+    return dict(te_logical_axis_rules()) if is_mesh_available() else {}
 
 
 def extend_logical_axis_rules(rules: Sequence[Tuple[str, Optional[str]]]) -> Rules:
@@ -73,6 +79,7 @@ __all__ = [
     "global_shard_guard",
     "extend_logical_axis_rules",
     "te_logical_axis_rules",
+    "get_sharding_map_logic_axis_to_mesh_axis",
     "BATCH_AXES",
     "SEQLEN_AXES",
     "SEQLEN_TP_AXES",

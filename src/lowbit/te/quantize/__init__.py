@@ -352,7 +352,14 @@ def update_collections(new: Collection, original: Collection) -> Collection:
     return FrozenDict(merged) if isinstance(original, FrozenDict) else merged
 
 
+# TE's names defined in the submodules (imported last: they import this module's names).
+from lowbit.te.quantize.helper import get_quantization_recipe, is_quantize_recipe_supported  # noqa: E402
+from lowbit.te.quantize.scaling_modes import TensorUsage  # noqa: E402
+
 __all__ = [
+    "TensorUsage",
+    "get_quantization_recipe",
+    "is_quantize_recipe_supported",
     "AmaxComputeAlgo",
     "NVTE_FP8_COLLECTION_NAME",
     "QuantizeLayout",

@@ -1,5 +1,8 @@
 """``transformer_engine.jax.quantize.helper``: autocast and the configuration queries."""
 
+from typing import Optional, Tuple
+
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
 from lowbit.te.quantize import (
     NVTE_FP8_COLLECTION_NAME,
     QuantizeConfig,
@@ -16,7 +19,33 @@ from lowbit.te.quantize import (
     update_collections,
 )
 
+_RECIPES_BY_NAME = {
+    cls.__name__: cls for cls in (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+}
+
+
+def get_quantization_recipe(name: str) -> Recipe:
+    """A default recipe from its class name ("DelayedScaling", "Float8CurrentScaling",
+    "MXFP8BlockScaling" or "NVFP4BlockScaling")."""
+    cls = _RECIPES_BY_NAME.get(name)
+    if cls is None:
+        raise ValueError(f"Invalid quantization recipe {name!r}. Valid options: {list(_RECIPES_BY_NAME)}")
+    return cls()
+
+
+def is_quantize_recipe_supported(recipe_name: str) -> Tuple[bool, Optional[str]]:
+    """(supported, reason) for the recipe named ``recipe_name`` on every local device."""
+    config = get_quantize_config_with_recipe(get_quantization_recipe(recipe_name))
+    for source in TensorSource:
+        ok, reason = is_scaling_mode_supported(config.get_scaling_mode(source))
+        if not ok:
+            return ok, reason
+    return True, None
+
+
 __all__ = [
+    "get_quantization_recipe",
+    "is_quantize_recipe_supported",
     "NVTE_FP8_COLLECTION_NAME",
     "QuantizeConfig",
     "TensorSource",
