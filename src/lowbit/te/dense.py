@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import lowbit
 from lowbit.te._common import constrain, refuse
 from lowbit.te.cpp_extensions.gemm import is_noop_collective, noop_collective_op_set
-from lowbit.te.quantize import QuantizerSet, noop_quantizer_set, recipe_of
+from lowbit.te.quantize._impl import QuantizerSet, noop_quantizer_set, recipe_of
 
 
 def _dims(contracting_dims, x_ndim: int, k_ndim: int):

@@ -24,30 +24,8 @@ from lowbit.sharding import (
     global_shard_guard,
 )
 from lowbit.te.sharding_helpers import *  # noqa: E402,F401,F403 - TE's mesh helpers
+from lowbit.te.sharding_helpers import Rules, is_mesh_available, te_logical_axis_rules
 from lowbit.te.sharding_helpers import __all__ as _helpers
-from lowbit.te.sharding_helpers import is_mesh_available
-
-Rules = Tuple[Tuple[str, Optional[str]], ...]
-
-
-def te_logical_axis_rules(resource: Optional[MeshResource] = None) -> Rules:
-    """TE's logical axes -> mesh axes for ``resource`` (default: the global MeshResource)."""
-    r = resource or global_mesh_resource()
-    tp = r.tpsp_resource or r.tp_resource
-    return (
-        (BATCH_AXES, r.fsdp_resource or r.dp_resource),
-        (SEQLEN_AXES, None),
-        (SEQLEN_TP_AXES, r.tpsp_resource),
-        (SEQLEN_CP_AXES, r.cp_resource),
-        (HEAD_AXES, tp),
-        (HIDDEN_AXES, None),
-        (HIDDEN_TP_AXES, tp),
-        (JOINED_AXES, None),
-        (W_NO_SHARD_AXES, None),
-        (W_FSDP_AXES, r.fsdp_resource),
-        (W_TP_AXES, tp),
-        (W_JOINED_AXES, None),
-    )
 
 
 def get_sharding_map_logic_axis_to_mesh_axis() -> dict:

@@ -5,13 +5,51 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec
 
-from lowbit.sharding import current_mesh, global_mesh_resource
+from lowbit.sharding import (
+    BATCH_AXES,
+    HEAD_AXES,
+    HIDDEN_AXES,
+    HIDDEN_TP_AXES,
+    JOINED_AXES,
+    SEQLEN_AXES,
+    SEQLEN_CP_AXES,
+    SEQLEN_TP_AXES,
+    W_FSDP_AXES,
+    W_JOINED_AXES,
+    W_NO_SHARD_AXES,
+    W_TP_AXES,
+    MeshResource,
+    current_mesh,
+    global_mesh_resource,
+)
+
+Rules = Tuple[Tuple[str, Optional[str]], ...]
+
+
+def te_logical_axis_rules(resource: Optional[MeshResource] = None) -> Rules:
+    """TE's logical axes -> mesh axes for ``resource`` (default: the global MeshResource)."""
+    r = resource or global_mesh_resource()
+    tp = r.tpsp_resource or r.tp_resource
+    return (
+        (BATCH_AXES, r.fsdp_resource or r.dp_resource),
+        (SEQLEN_AXES, None),
+        (SEQLEN_TP_AXES, r.tpsp_resource),
+        (SEQLEN_CP_AXES, r.cp_resource),
+        (HEAD_AXES, tp),
+        (HIDDEN_AXES, None),
+        (HIDDEN_TP_AXES, tp),
+        (JOINED_AXES, None),
+        (W_NO_SHARD_AXES, None),
+        (W_FSDP_AXES, r.fsdp_resource),
+        (W_TP_AXES, tp),
+        (W_JOINED_AXES, None),
+    )
 
 
 def _mesh(mesh=None):
@@ -106,8 +144,6 @@ def with_sharding_constraint_by_logical_axes(x, logical_axis_names):
         return x
     rules = nn.get_logical_axis_rules()
     if not rules:
-        from lowbit.te.sharding import te_logical_axis_rules  # noqa: PLC0415 - that module imports this one
-
         rules = te_logical_axis_rules()
     with nn.logical_axis_rules(rules):
         pspec = nn.logical_to_mesh_axes(tuple(logical_axis_names))

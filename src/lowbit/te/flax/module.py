@@ -28,7 +28,7 @@ from lowbit.flax import (
 )
 from lowbit.flax.state_module import call_index, state_variable_name
 from lowbit.recipe import DelayedScaling, NVFP4BlockScaling, Recipe
-from lowbit.te.quantize import NVTE_FP8_COLLECTION_NAME, QuantizerSet, quantizer_set_for_recipe
+from lowbit.te.quantize._impl import NVTE_FP8_COLLECTION_NAME, QuantizerSet, quantizer_set_for_recipe
 
 _ROLES = ("x", "kernel", "grad")
 

@@ -3,7 +3,7 @@
 from typing import Optional, Tuple
 
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
-from lowbit.te.quantize import (
+from lowbit.te.quantize._impl import (
     NVTE_FP8_COLLECTION_NAME,
     QuantizeConfig,
     TensorSource,

@@ -1,5 +1,5 @@
 """``transformer_engine.jax.quantize.misc``."""
 
-from lowbit.te.quantize import QuantizeLayout
+from lowbit.te.quantize._impl import QuantizeLayout
 
 __all__ = ["QuantizeLayout"]

@@ -2,7 +2,7 @@
 
 import enum
 
-from lowbit.te.quantize import ScalingMode
+from lowbit.te.quantize._impl import ScalingMode
 
 
 class TensorUsage(enum.Enum):
