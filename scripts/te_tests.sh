@@ -31,13 +31,22 @@ fi
 export PYTHONPATH="$here/tests/te_port:$here/src${PYTHONPATH:+:$PYTHONPATH}"
 cd "$tests" || exit 1
 printf '%-44s %9s %7s %7s %8s %7s\n' file collected passed failed skipped errors
+# Counts come from pytest's progress characters, so a file stopped by the timeout still counts
+# what ran (its line says so).
 for f in "${files[@]}"; do
   plugins=""
   [ "${CPU_SIZES:-0}" = 1 ] && plugins="-p te_cpu_sizes"
+  log="$(mktemp)"
   # shellcheck disable=SC2086  # PYTEST_ARGS and plugins are word lists
-  out="$(timeout "${PER_FILE_TIMEOUT:-1200}" "$py" -m pytest "$f" -q -p no:cacheprovider --tb=no -rN $plugins ${PYTEST_ARGS:-} 2>&1 | tail -1)"
-  count() { echo "$out" | grep -oE "[0-9]+ $1" | head -1 | grep -oE '^[0-9]+' || echo 0; }
-  p=$(count passed); fl=$(count failed); s=$(count skipped); e=$(count 'errors?')
-  printf '%-44s %9s %7s %7s %8s %7s\n' "$f" $((p + fl + s + e)) "$p" "$fl" "$s" "$e"
-  case "$out" in *passed* | *failed* | *skipped* | *error*) ;; *) echo "  ($f: $out)" ;; esac
+  timeout "${PER_FILE_TIMEOUT:-1200}" "$py" -m pytest "$f" -q -p no:cacheprovider --tb=no -rN \
+    $plugins ${PYTEST_ARGS:-} >"$log" 2>&1
+  rc=$?
+  marks="$(grep -E '^[.FEsxX]+( +\[ *[0-9]+%\])?$' "$log" | sed -E 's/ +\[.*//' | tr -d '\n')"
+  count() { printf '%s' "$marks" | tr -cd "$1" | wc -c; }
+  p=$(count '.'); fl=$(count 'F'); s=$(count 's'); e=$(count 'E')
+  if [ -z "$marks" ] && grep -qE 'errors? during collection|^ERROR ' "$log"; then e=1; fi
+  note=""
+  [ "$rc" = 124 ] && note="  (stopped at the ${PER_FILE_TIMEOUT:-1200} s timeout)"
+  printf '%-44s %9s %7s %7s %8s %7s%s\n' "$f" $((p + fl + s + e)) "$p" "$fl" "$s" "$e" "$note"
+  rm -f "$log"
 done
