@@ -204,3 +204,23 @@ def test_softmax_fusion_type_renames_and_ignored_masks(rng):
         Softmax(softmax_type="off_by_one").apply({}, x)
     with pytest.raises(ValueError, match="softmax_fusion_type"):
         softmax(x, None, 0.5, "causal")
+
+
+def test_nvfp4_set_without_rng_key_rounds_to_nearest(rng):
+    """TE turns NVFP4 stochastic rounding off when the quantizer has no RNG key (lowbit raised):
+    the gradients equal those of the recipe with stochastic rounding disabled."""
+    from lowbit import recipe as lr
+    from lowbit.te.quantize import QuantizerFactory
+
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
+    qs = QuantizerFactory.create_set(fp8_recipe=lr.NVFP4BlockScaling())
+    off = QuantizerFactory.create_set(fp8_recipe=lr.NVFP4BlockScaling(disable_stochastic_rounding=True))
+
+    def grads(s):
+        return jax.grad(lambda x, k: dense(x, k, quantizer_set=s).astype(jnp.float32).sum(), argnums=(0, 1))(
+            x, k
+        )
+
+    for a, b in zip(grads(qs), grads(off)):
+        np.testing.assert_array_equal(a, b)
