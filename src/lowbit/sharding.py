@@ -379,6 +379,26 @@ def plan_heads(batch: int, *heads: int):
     return mesh, ShardPlan._entry(batch_axes), ShardPlan._entry(tp)
 
 
+def batch_shards(batch: int) -> int:
+    """How many batch shards :func:`plan_heads` splits ``batch`` into (1: none). A tensor shared
+    over the batch (an attention bias) given with this many leading entries, one per shard,
+    keeps its gradient per shard instead of summing it over the batch axes (see
+    :func:`constrain_batch_shards`)."""
+    found = _mesh_axes()
+    if found is None:
+        return 1
+    n = _axis_size(found.mesh, found.batch)
+    return n if n > 1 and batch % n == 0 else 1
+
+
+def constrain_batch_shards(x):
+    """``x`` (n, ...) with its leading axis laid out over the batch axes (n = :func:`batch_shards`):
+    each device computes its own entry."""
+    found = _mesh_axes()
+    spec = P(ShardPlan._entry(found.batch), *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(found.mesh, spec))
+
+
 def plan_dense(
     recipe, M: int, K: int, N: int, tp_layout: Optional[str] = None, lead: tuple = ()
 ) -> Optional[ShardPlan]:

@@ -32,7 +32,14 @@ from lowbit.flax.layernorm_mlp import LayerNormMLP
 from lowbit.flax.modules import LayerNorm
 from lowbit.flax.params import Initializer
 from lowbit.flax.positions import RelativePositionBiases
-from lowbit.sharding import W_FSDP_AXES, W_JOINED_AXES, W_NO_SHARD_AXES, W_TP_AXES, constrain_sequence
+from lowbit.sharding import (
+    W_FSDP_AXES,
+    W_JOINED_AXES,
+    W_NO_SHARD_AXES,
+    W_TP_AXES,
+    batch_shards,
+    constrain_sequence,
+)
 
 
 class TransformerLayerType(enum.Enum):
@@ -186,7 +193,13 @@ class TransformerLayer(nn.Module):
             # A decoding decoder: the bias for max_decode_length positions (the cache's length);
             # the attention takes the row of the cache position.
             n = max_decode_length if decoder and decode and max_decode_length else seq
-            attn_bias = rel_emb(n, n, not decoder)
+            # Under a mesh the bias comes once per batch shard (sharding.batch_shards): its
+            # gradient then sums over the batch axes on the table, not on (1, heads, n, n).
+            shards = batch_shards(inputs.shape[batch_dim])
+            if shards > 1 and isinstance(rel_emb, RelativePositionBiases):
+                attn_bias = rel_emb(n, n, not decoder, batch_shards=shards)
+            else:
+                attn_bias = rel_emb(n, n, not decoder)
 
         mha_init = self.mha_kernel_init or nn.initializers.variance_scaling(
             1.0, "fan_in", "normal", dtype=self.dtype
