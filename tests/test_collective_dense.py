@@ -11,6 +11,8 @@ far from float64. The compiled steps move their activations by collective-permut
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import re
 import subprocess
@@ -33,6 +35,32 @@ def test_collective_dense(case):
         timeout=900,
     )
     assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
+
+
+def test_bench_overlap_stage(tmp_path):
+    """`python -m lowbit.bench multi_device --stage overlap` on 4 host devices: every case off and
+    on, the same results, and the rings in place of the gathers and scatters."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(
+        [sys.executable, "-m", "lowbit.bench", "multi_device", "--stage", "overlap", "--small", "--quick"]
+        + ["--cpu-devices", str(N_DEV), "--out", str(tmp_path)],
+        env=multi_device_env(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-8000:]
+    (path,) = glob.glob(os.path.join(str(tmp_path), "multi_device-overlap-*.json"))
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    assert {(x["case"], x["recipe"]) for x in rows} == {
+        (c, rec) for c in ("mlp", "dense column", "dense row") for rec in ("bf16", "current")
+    }
+    for x in rows:
+        assert x["ms_off"] > 0 and x["ms_on"] > 0 and x["rel_diff"] <= 2.0**-6, x
+        ag, rs, perm = map(int, x["ag_rs_permute_on"].split("/"))
+        assert ag == rs == 0 and perm > 0, x
 
 
 # ---------------------------------------------------------------------------------------------
