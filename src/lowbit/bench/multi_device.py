@@ -1102,7 +1102,10 @@ def main(argv=None) -> int:
             from lowbit.bench import overlap as ov
 
             recipes = ("bf16", "current") if args.quick else ("bf16", "current", "delayed")
-            rows, cols = ov.overlap_rows(small, lambda f, a: _timed(f, a, small), recipes), ov.COLUMNS
+            rows, cols = (
+                ov.overlap_rows(small, lambda f, a: _timed(f, a, small), sys.modules[__name__], recipes),
+                ov.COLUMNS,
+            )
             bad = [r for r in rows if r["rel_diff"] > 2.0**-6]
         else:
             rows, cols, bad = moe_rows(small, quick=args.quick), MOE_COLUMNS, []

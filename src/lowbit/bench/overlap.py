@@ -62,15 +62,15 @@ def _step(case, recipe, overlap):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def overlap_rows(small: bool, timed, recipes=("bf16", "current", "delayed")) -> list[dict]:
-    """``timed(fn, args) -> ms``: the stage's timer."""
+def overlap_rows(small: bool, timed, md, recipes=("bf16", "current", "delayed")) -> list[dict]:
+    """``timed(fn, args) -> ms``: the stage's timer; ``md``: lowbit.bench.multi_device (its mesh,
+    placement and HLO helpers; passed in, as that module runs this stage)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import lowbit
-    from lowbit.bench import multi_device as md
 
     n = len(jax.devices())
     mesh = md._mesh((n,), ("tp",))

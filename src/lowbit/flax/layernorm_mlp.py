@@ -232,9 +232,6 @@ class LayerNormMLP(nn.Module):
     ffn1_ckpt_name: str = "ffn1"
     ffn2_ckpt_name: str = "ffn2"
     transpose_batch_sequence: bool = False
-    #: lowbit: under ``tpsp_resource``, both GEMMs' sequence all-gather / reduce-scatter
-    #: overlapped with the GEMMs (``lowbit.dense``'s ``tp_overlap``).
-    tp_overlap: bool = False
 
     @nn.compact
     def __call__(
@@ -322,18 +319,13 @@ class LayerNormMLP(nn.Module):
                 states=(c1.state, c2.state),
                 hidden_checkpoint_name=self.ffn1_ckpt_name,
                 norm=norm,
-                tp_overlap=self.tp_overlap,
             )
             if norm is not None:
                 out, ln_output = out
             return checkpoint_name(out, self.ffn2_ckpt_name), ln_output
         # (H, n_act, F) -> (H, n_act*F): the output's last axis holds the activation slots in order.
         h = DenseOp(name="wi_op")(
-            y1,
-            wi.reshape(H, n_act * F),
-            None if wi_b is None else wi_b.reshape(-1),
-            ((y1.ndim - 1,), (0,)),
-            tp_overlap=self.tp_overlap,
+            y1, wi.reshape(H, n_act * F), None if wi_b is None else wi_b.reshape(-1), ((y1.ndim - 1,), (0,))
         )
         if lora is not None:
             h = h + _lora_mlp(y1, lora[0], lora[1], self.low_rank_adaptation_alpha)
@@ -348,9 +340,7 @@ class LayerNormMLP(nn.Module):
         z = _constrain(z, self.dot_2_input_axes)
         # Under tensor parallelism wo is row-parallel (its input is wi's column-parallel output,
         # split over tp on the last axis), as in TransformerEngine: no gather between the GEMMs.
-        out = DenseOp(name="wo_op")(
-            z, wo, wo_b, ((z.ndim - 1,), (0,)), tp_layout="row", tp_overlap=self.tp_overlap
-        )
+        out = DenseOp(name="wo_op")(z, wo, wo_b, ((z.ndim - 1,), (0,)), tp_layout="row")
         if lora is not None:
             out = out + _lora_mlp(z, lora[2], lora[3], self.low_rank_adaptation_alpha)
         out = checkpoint_name(out, self.ffn2_ckpt_name)
