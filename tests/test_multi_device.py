@@ -165,6 +165,8 @@ def test_bench_stages_end_to_end(tmp_path):
         (op, n) for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all") for n in (2, N_DEV)
     }
     assert all(r["ms"] > 0 and r["busbw_GBps"] > 0 for r in coll)
+    over = _rows(tmp_path, "overlap")["rows"]  # tests/test_collective_dense.py checks it closer
+    assert over and all(r["ms_on"] > 0 and r["rel_diff"] <= 2.0**-6 for r in over), over
 
 
 @pytest.mark.slow

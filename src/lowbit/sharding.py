@@ -208,6 +208,7 @@ class ShardPlan:
     partial_sum_dtype: Optional[str] = None  # MeshResource.partial_sum_dtype
     seq: tuple = ()  # sequence parallelism: the tp axes splitting S between blocks
     rows: tuple = ()  # sequence parallelism: (B, S), M = B * S
+    overlap: bool = False  # lowbit.ops.collective_dense: the gather / scatter as a ppermute ring
 
     @staticmethod
     def _entry(axes):
@@ -402,7 +403,7 @@ def constrain_batch_shards(x):
 def plan_dense(
     recipe, M: int, K: int, N: int, tp_layout: Optional[str] = None, lead: tuple = ()
 ) -> Optional[ShardPlan]:
-    """The shard plan for a (M, K) x (K, N) dense under ``recipe``, tp splitting the kernel's N
+    """The shard plan for a (M, K) x (K, N) dense under ``recipe`` (None: BF16), tp splitting the kernel's N
     or K as ``tp_layout`` says (:func:`resolve_tp_layout`), or None to run unsharded (no
     MeshResource or mesh, already inside a shard_map over these axes, or uneven shards).
 
@@ -421,7 +422,7 @@ def plan_dense(
         return None
     # Every shard must hold whole scaling blocks (MXFP8: 32 along each quantized axis; FP8 block
     # scaling: 128).
-    modes = {recipe.scaling_mode(r) for r in ("x", "kernel", "grad")}
+    modes = set() if recipe is None else {recipe.scaling_mode(r) for r in ("x", "kernel", "grad")}
     blk = 128 if any(m.is_fp8_block for m in modes) else 32 if ScalingMode.MXFP8_1D_SCALING in modes else 1
     for size, axes in ((M, plan.batch), (K, plan.k_axes), (N, plan.n_axes)):
         n = _axis_size(mesh, axes)
