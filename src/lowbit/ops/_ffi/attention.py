@@ -71,8 +71,14 @@ def cudnn_version() -> int:
     return int(fn())
 
 
-def _opt(x, empty=_native.EMPTY_F32):
-    return empty if x is None else x
+def _optionals(bias, seqlens_q, seqlens_kv, ragged, seed, offset, sink, fp8_scales) -> tuple:
+    """The optional operands both handlers take, in order; absent ones as (0,) stand-ins."""
+    ints = (seqlens_q, seqlens_kv, ragged, seed, offset)
+    return (
+        _native.EMPTY_F32 if bias is None else bias,
+        *(_native.EMPTY_U32 if x is None else x for x in ints),
+        *(_native.EMPTY_F32 if x is None else x for x in (sink, fp8_scales)),
+    )
 
 
 def attention_fwd(
@@ -110,9 +116,7 @@ def attention_fwd(
             jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
             jax.ShapeDtypeStruct(amax, jnp.float32),
         ),
-        q, k, v, _opt(bias), _opt(seqlens_q, _native.EMPTY_U32), _opt(seqlens_kv, _native.EMPTY_U32),
-        _opt(ragged, _native.EMPTY_U32), _opt(seed, _native.EMPTY_U32), _opt(offset, _native.EMPTY_U32),
-        _opt(sink), _opt(fp8_scales),
+        q, k, v, *_optionals(bias, seqlens_q, seqlens_kv, ragged, seed, offset, sink, fp8_scales),
         **_attrs(flags, scale, dropout_rate, max_sq, max_skv),
     )  # fmt: skip
 
@@ -157,9 +161,8 @@ def attention_bwd(
             jax.ShapeDtypeStruct((h,) if want_dsink else (0,), jnp.float32),
             jax.ShapeDtypeStruct(amax, jnp.float32),
         ),
-        q, k, v, o, do, stats, _opt(bias), _opt(seqlens_q, _native.EMPTY_U32),
-        _opt(seqlens_kv, _native.EMPTY_U32), _opt(ragged, _native.EMPTY_U32), _opt(seed, _native.EMPTY_U32),
-        _opt(offset, _native.EMPTY_U32), _opt(sink), _opt(fp8_scales),
+        q, k, v, o, do, stats,
+        *_optionals(bias, seqlens_q, seqlens_kv, ragged, seed, offset, sink, fp8_scales),
         **_attrs(flags, scale, dropout_rate, max_sq, max_skv),
     )  # fmt: skip
 
