@@ -369,6 +369,10 @@ def _worker(case: str) -> None:
         assert reduced and not [sh for sh in reduced if sh[-2:] == (S, S)], reduced
         table = got[1][0]["params"]["relpos_bias"]["rel_embedding"]
         assert table.shape == (4, 32), table.shape
+        # The fused QKV projection's columns split per q/k/v slot (its kernel (H, 3, F) sharded on
+        # F over tp): no all-gather of the kernel or of q/k/v (the flat 3F split gathered both).
+        gathers = [c["results"] for c in md.collectives(hlo) if c["op"].startswith("all-gather")]
+        assert not gathers, gathers
     elif case == "softmax_dp_tp":
         # lowbit.softmax of attention logits (b, h, sq, sk) runs per shard under DP x TP (its FFI
         # call has no partitioning rule: XLA gathered the whole input before it): row-wise, so

@@ -368,10 +368,12 @@ def _constraints_worker(rng):
             v = layer.init(jax.random.PRNGKey(0), x, deterministic=True)
         with md._Ctx(mesh, resource, recipe):
             jaxpr = jax.make_jaxpr(lambda v, x: layer.apply(v, x, deterministic=True))(v, x)
+        # The residual stream's constraints (activations shaped as x; the relative position
+        # bias has its own, per attention shard).
         return [
             e.params["sharding"].spec
             for e in jaxpr_eqns(jaxpr.jaxpr)
-            if e.primitive.name == "sharding_constraint"
+            if e.primitive.name == "sharding_constraint" and e.invars[0].aval.shape == x.shape
         ]
 
     sp = lowbit.MeshResource(dp_resource="dp", tpsp_resource="tp")

@@ -392,12 +392,24 @@ def batch_shards(batch: int) -> int:
     return n if n > 1 and batch % n == 0 else 1
 
 
-def constrain_batch_shards(x):
-    """``x`` (n, ...) with its leading axis laid out over the batch axes (n = :func:`batch_shards`):
-    each device computes its own entry."""
-    found = _mesh_axes()
-    spec = P(ShardPlan._entry(found.batch), *([None] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(found.mesh, spec))
+def bias_layout(batch: int, *heads: int):
+    """How :func:`plan_heads` lays out an attention bias that is built rather than given (a
+    relative position bias): ``(n, mesh, batch entry, head entry)``, one bias per batch shard
+    (n of them, 1 where the batch is not split) with its heads split as the attention's; None
+    when the attention runs as one op. Built on each device for its own shard
+    (:func:`constrain_bias`), its gradient reaches the bias's source before any sum over the mesh."""
+    plan = plan_heads(batch, *heads)
+    if plan is None:
+        return None
+    mesh, b, h = plan
+    return _axis_size(mesh, () if b is None else ((b,) if isinstance(b, str) else b)), mesh, b, h
+
+
+def constrain_bias(x, layout):
+    """``x`` (n, heads, ...) laid out as :func:`bias_layout` says."""
+    _, mesh, b, h = layout
+    spec = P(b, h, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 def plan_dense(

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.sharding import constrain_batch_shards
+from lowbit.sharding import constrain_bias
 
 _GROUP_METHODS = ("consecutive", "alternate")
 
@@ -139,10 +139,11 @@ class RelativePositionBiases(nn.Module):
     ``__call__(q_seqlen, k_seqlen, bidirectional=True)`` returns
     ``(1, num_attention_heads, q_seqlen, k_seqlen)`` in ``dtype``: an attention bias.
 
-    ``batch_shards=n`` (:func:`lowbit.sharding.batch_shards` of the batch, under a mesh) returns
-    ``(n, ...)``: the same bias once per batch shard, each built on its own device from the
-    table, so that its gradient reaches the (heads, buckets) table before it is summed over the
-    batch axes (a few KB all-reduced instead of the whole (1, heads, sq, sk) gradient)."""
+    ``layout`` (:func:`lowbit.sharding.bias_layout` of the attention, under a mesh) returns
+    ``(n, ...)``: the same bias once per batch shard (n of them), its heads split as the
+    attention splits them, each shard built on its own device from the table, so that its
+    gradient reaches the (heads, buckets) table before it is summed over the mesh (a few KB
+    reduced instead of the whole (1, heads, sq, sk) gradient)."""
 
     num_buckets: int
     max_distance: int
@@ -153,7 +154,7 @@ class RelativePositionBiases(nn.Module):
 
     @nn.compact
     def __call__(
-        self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True, *, batch_shards: int = 1
+        self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True, *, layout=None
     ) -> jax.Array:
         for name in ("num_buckets", "max_distance", "num_attention_heads"):
             v = getattr(self, name)
@@ -164,7 +165,7 @@ class RelativePositionBiases(nn.Module):
                 f"RelativePositionBiases: num_buckets must be at least {4 if bidirectional else 2} "
                 f"(bidirectional={bidirectional}), got {self.num_buckets}"
             )
-        for name, v in (("q_seqlen", q_seqlen), ("k_seqlen", k_seqlen), ("batch_shards", batch_shards)):
+        for name, v in (("q_seqlen", q_seqlen), ("k_seqlen", k_seqlen)):
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"RelativePositionBiases: {name} must be a positive (static) int, got {v!r}")
         bucket = relative_position_buckets(
@@ -174,12 +175,12 @@ class RelativePositionBiases(nn.Module):
         init = nn.with_logical_partitioning(self.embedding_init, axes) if axes else self.embedding_init
         table = self.param("rel_embedding", init, (self.num_attention_heads, self.num_buckets), self.dtype)
         table = jnp.asarray(table, self.dtype)[None]
-        if batch_shards > 1:
-            table = constrain_batch_shards(jnp.broadcast_to(table, (batch_shards,) + table.shape[1:]))
+        if layout is not None:
+            table = constrain_bias(jnp.broadcast_to(table, (layout[0],) + table.shape[1:]), layout)
         # One-hot contraction (a gather's gradient would be a scatter): (n, h, nb) x (nb, q, k).
         onehot = jnp.asarray(bucket[None, :, :] == np.arange(self.num_buckets)[:, None, None], self.dtype)
         values = jax.lax.dot_general(table, onehot, (((2,), (0,)), ((), ())))
-        return constrain_batch_shards(values) if batch_shards > 1 else values
+        return values if layout is None else constrain_bias(values, layout)
 
 
 __all__ = ["RelativePositionBiases", "relative_position_buckets", "rotary_pos_emb"]

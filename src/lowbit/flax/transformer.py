@@ -37,7 +37,7 @@ from lowbit.sharding import (
     W_JOINED_AXES,
     W_NO_SHARD_AXES,
     W_TP_AXES,
-    batch_shards,
+    bias_layout,
     constrain_sequence,
 )
 
@@ -193,11 +193,12 @@ class TransformerLayer(nn.Module):
             # A decoding decoder: the bias for max_decode_length positions (the cache's length);
             # the attention takes the row of the cache position.
             n = max_decode_length if decoder and decode and max_decode_length else seq
-            # Under a mesh the bias comes once per batch shard (sharding.batch_shards): its
-            # gradient then sums over the batch axes on the table, not on (1, heads, n, n).
-            shards = batch_shards(inputs.shape[batch_dim])
-            if shards > 1 and isinstance(rel_emb, RelativePositionBiases):
-                attn_bias = rel_emb(n, n, not decoder, batch_shards=shards)
+            # Under a mesh the bias is built per attention shard (sharding.bias_layout): its
+            # gradient then sums over the mesh on the table, not on (1, heads, n, n).
+            groups = self.num_gqa_groups if self.num_gqa_groups is not None else heads
+            layout = bias_layout(inputs.shape[batch_dim], heads, groups)
+            if layout is not None and isinstance(rel_emb, RelativePositionBiases):
+                attn_bias = rel_emb(n, n, not decoder, layout=layout)
             else:
                 attn_bias = rel_emb(n, n, not decoder)
 
