@@ -95,7 +95,8 @@ std::vector<float> random_scales(ScalingMode m, int64_t rows, int64_t k, float p
   std::vector<float> s(static_cast<size_t>(sr * sc), pad);
   std::uniform_real_distribution<float> ud(-2.f, 2.f);
   for (int64_t r = 0; r < rows; r += (m == ScalingMode::kBlock2d ? 128 : 1))
-    for (int64_t c = 0; c < k; c += 128) s[fp8_block_scale_index(m, rows, k, r, c)] = std::exp2(ud(rng));
+    for (int64_t c = 0; c < k; c += 128)
+      s[fp8_block_scale_index(m, rows, k, r, c)] = std::exp2(ud(rng));
   return s;
 }
 
@@ -127,9 +128,12 @@ struct Case {
 
 std::string describe(const Case& c) {
   char buf[256];
-  std::snprintf(buf, sizeof(buf), "M=%-5lld N=%-5lld K=%-5lld %-36s out=%s bias=%s",
-                (long long)c.m, (long long)c.n, (long long)c.k, c.combo->name,
-                c.out == DType::kF32 ? "f32 " : "bf16", c.bias == 0 ? "none" : c.bias == 1 ? "bf16" : "f32");
+  std::snprintf(buf, sizeof(buf), "M=%-5lld N=%-5lld K=%-5lld %-36s out=%s bias=%s", (long long)c.m,
+                (long long)c.n, (long long)c.k, c.combo->name,
+                c.out == DType::kF32 ? "f32 " : "bf16",
+                c.bias == 0   ? "none"
+                : c.bias == 1 ? "bf16"
+                              : "f32");
   return buf;
 }
 
@@ -181,7 +185,9 @@ void check(const Case& c, Run run, int variant, int swizzle, bool graph, const s
   uint8_t* db = to_device(hb);
   float* dsa = to_device(sa);
   float* dsb = to_device(sb);
-  void* dbias = c.bias == 2 ? (void*)to_device(bias_f) : c.bias == 1 ? (void*)to_device(bias_h) : nullptr;
+  void* dbias = c.bias == 2   ? (void*)to_device(bias_f)
+                : c.bias == 1 ? (void*)to_device(bias_h)
+                              : nullptr;
   uint8_t* dout = nullptr;
   CK(cudaMalloc(&dout, size_t(oc) * osz));
   CK(cudaMemset(dout, 0xFF, size_t(oc) * osz));  // NaN
@@ -239,9 +245,11 @@ void check(const Case& c, Run run, int variant, int swizzle, bool graph, const s
       double S = 0;
       for (int64_t k0 = 0; k0 < c.k; k0 += 128) {
         double blk = 0;
-        for (int64_t k = k0; k < std::min(c.k, k0 + 128); ++k) blk += va[m * c.k + k] * vb[n * c.k + k];
-        S += blk * std::fabs(double(sa[fp8_block_scale_index(ScalingMode::kBlock1d, c.m, c.k, m, k0)]) *
-                             double(sb[fp8_block_scale_index(mb, c.n, c.k, n, k0)]));
+        for (int64_t k = k0; k < std::min(c.k, k0 + 128); ++k)
+          blk += va[m * c.k + k] * vb[n * c.k + k];
+        S += blk *
+             std::fabs(double(sa[fp8_block_scale_index(ScalingMode::kBlock1d, c.m, c.k, m, k0)]) *
+                       double(sb[fp8_block_scale_index(mb, c.n, c.k, n, k0)]));
       }
       const int64_t i = m * c.n + n;
       const double r = out_value(ref, c.out, i), v = out_value(got, c.out, i);
@@ -261,8 +269,8 @@ void check(const Case& c, Run run, int variant, int swizzle, bool graph, const s
   const bool ok = bad == 0 && over == 0 && rel <= tol;
   if (!ok) ++g_failures;
   std::printf("%s %s [%s] rel=%.2e err/bound max=%.3f%s%s\n", ok ? "PASS" : "FAIL",
-              describe(c).c_str(), tag.c_str(), rel, worst,
-              bad ? " (non-finite/unwritten)" : "", over ? " (over the bound)" : "");
+              describe(c).c_str(), tag.c_str(), rel, worst, bad ? " (non-finite/unwritten)" : "",
+              over ? " (over the bound)" : "");
 }
 
 void set_mode(const char* m) { setenv("LOWBIT_BLOCK_GEMM", m, 1); }
@@ -355,9 +363,11 @@ int main(int argc, char** argv) {
   }
   // Inside a graph capture on a fresh key: no measurement, the first candidate runs.
   set_mode("auto");
-  check(Case{96, 160, 384, &kCombos[0], DType::kBF16, 1}, Run::kRouted, 0, 1, true, "routed auto graph");
+  check(Case{96, 160, 384, &kCombos[0], DType::kBF16, 1}, Run::kRouted, 0, 1, true,
+        "routed auto graph");
   set_mode("bogus");
-  check(Case{64, 128, 128, &kCombos[0], DType::kBF16, 0}, Run::kRouted, 0, 1, false, "bad env", true);
+  check(Case{64, 128, 128, &kCombos[0], DType::kBF16, 0}, Run::kRouted, 0, 1, false, "bad env",
+        true);
   std::printf("%s: %d of %d cases failed\n", g_failures ? "FAIL" : "PASS", g_failures, g_cases);
   return g_failures ? 1 : 0;
 }

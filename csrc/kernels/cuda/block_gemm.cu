@@ -54,8 +54,8 @@ int grid_for(int64_t n) { return int(std::min<int64_t>((n + 255) / 256, 4096)); 
 Status add_bias(const GemmParams& p, cudaStream_t s) {
   float* out = static_cast<float*>(p.out);
   if (p.bias_dtype == DType::kF32)
-    add_bias_kernel<<<grid_for(p.m * p.n), 256, 0, s>>>(out, static_cast<const float*>(p.bias),
-                                                        p.m, p.n);
+    add_bias_kernel<<<grid_for(p.m * p.n), 256, 0, s>>>(out, static_cast<const float*>(p.bias), p.m,
+                                                        p.n);
   else
     add_bias_kernel<<<grid_for(p.m * p.n), 256, 0, s>>>(
         out, static_cast<const __nv_bfloat16*>(p.bias), p.m, p.n);
@@ -133,8 +133,9 @@ Status read_mode(Mode* m) {
     m->cublas = false;
     m->variant = m->text.substr(8);
   } else {
-    return Status::Invalid("LOWBIT_BLOCK_GEMM must be auto, cublaslt, cutlass or cutlass:<variant>, got '" +
-                           m->text + "'");
+    return Status::Invalid(
+        "LOWBIT_BLOCK_GEMM must be auto, cublaslt, cutlass or cutlass:<variant>, got '" + m->text +
+        "'");
   }
   return Status::Ok();
 }
@@ -156,8 +157,8 @@ std::vector<Choice> candidates(const GemmParams& p, const Mode& mode) {
 
 std::string label(const GemmParams& p, const Choice& c) {
   if (c.backend == kCublasLt) return "cublaslt";
-  return std::string("cutlass:") + family_for(p)->variants[c.variant].name +
-         "/swizzle" + std::to_string(c.swizzle);
+  return std::string("cutlass:") + family_for(p)->variants[c.variant].name + "/swizzle" +
+         std::to_string(c.swizzle);
 }
 
 Status run_choice(const GemmParams& p, const Choice& c, cudaStream_t s) {
@@ -200,8 +201,8 @@ int current_device(cudaStream_t stream) {
 }
 
 // Everything a winner depends on.
-using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, bool,
-                       std::string>;
+using Key =
+    std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, std::string>;
 
 struct Table {
   std::mutex mu;
@@ -212,8 +213,7 @@ Table& table() {
   return t;
 }
 
-Status measure(const GemmParams& p, const std::vector<Choice>& cands, cudaStream_t s,
-               Choice* out) {
+Status measure(const GemmParams& p, const std::vector<Choice>& cands, cudaStream_t s, Choice* out) {
   // Each candidate runs for ~0.2 ms of work at ~1 PFLOP/s, at least 2 and at most 20 times.
   const double est_s = 2.0 * double(p.m) * double(p.n) * double(p.k) / 1e15;
   const int reps = int(std::min(20.0, std::max(2.0, 2e-4 / std::max(est_s, 1e-9))));
@@ -278,7 +278,8 @@ Status block_gemm_cutlass(const GemmParams& p, int v, int swizzle, void* stream)
     bias = static_cast<const float*>(p.bias);
   } else if (p.bias) {  // BF16: float32 copy at the start of the workspace
     const size_t bb = bias_bytes(p);
-    if (bb > ws_bytes || !ws) return Status::Invalid("block_gemm: workspace too small for the bias");
+    if (bb > ws_bytes || !ws)
+      return Status::Invalid("block_gemm: workspace too small for the bias");
     bias_to_f32_kernel<<<grid_for(p.n), 256, 0, st>>>(static_cast<const __nv_bfloat16*>(p.bias),
                                                       reinterpret_cast<float*>(ws), p.n);
     if (auto e = cuda_error(cudaGetLastError(), "bias conversion"); !e.ok()) return e;

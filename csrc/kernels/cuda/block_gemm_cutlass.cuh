@@ -108,9 +108,9 @@ struct PingTiles {
 // A per (1 row, 128 k), M-major; B per (GranN columns, 128 k): 1x128 blocks M/N-major like A,
 // 128x128 tiles K-major (lowbit's 2D array has the K blocks contiguous).
 template <int GranN>
-using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
-    1, GranN, 128, cute::GMMA::Major::MN,
-    GranN == 1 ? cute::GMMA::Major::MN : cute::GMMA::Major::K>;
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, GranN, 128, cute::GMMA::Major::MN,
+                                                              GranN == 1 ? cute::GMMA::Major::MN
+                                                                         : cute::GMMA::Major::K>;
 
 template <class EA, class EB, int GranN, class EOut, class Tiles>
 struct BlockKernel {
@@ -128,18 +128,17 @@ struct BlockKernel {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tiles::Tile,
       typename Tiles::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
-      LayoutD, kAlignD, EOut, LayoutD, kAlignD, typename Tiles::EpiSchedule,
-      Fusion>::CollectiveOp;
+      LayoutD, kAlignD, EOut, LayoutD, kAlignD, typename Tiles::EpiSchedule, Fusion>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, EA, cute::tuple<LayoutA, LayoutSFA>, 16,
-      EB, cute::tuple<LayoutB, LayoutSFB>, 16, float, typename Tiles::Tile,
-      typename Tiles::Cluster,
+      EB, cute::tuple<LayoutB, LayoutSFB>, 16, float, typename Tiles::Tile, typename Tiles::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       typename Tiles::Schedule>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
