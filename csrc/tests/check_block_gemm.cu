@@ -14,12 +14,14 @@
 // hands it (M, N padded to 16, K to 128), once inside a CUDA-graph capture.
 //
 // Bound (elementwise, stated from the kernel's arithmetic): per 128-deep K block the GPU sums the
-// exact FP8 products in the tensor core, whose internal adder keeps ~14 significant bits across
-// each k32 wgmma (4 per block), then adds partial * (sa * sb) to a float32 accumulator; the CPU
-// reference sums the block in float32. So
-//   |gpu - cpu| <= 2^-10 * S + ulp_out(max(|gpu|, |cpu|)),   S = sum_kb |sa sb| sum_k |a b|,
-// 2^-10 = 4 wgmmas x 2^-13 (each truncation relative to the block's magnitude, with margin) plus
-// float32 roundings (~K/128 x 2^-24); one output ulp covers the two sides' final roundings. On top,
+// exact FP8 products in the tensor core, whose internal adder keeps ~14 significant bits
+// (undocumented; DeepSeek-V3's measurement) across each k32 wgmma (4 per block, each truncating
+// the 32 aligned products and the running partial sum: <= 2 x 2^-13 of the block's sum of
+// |products|), then adds partial * (sa * sb) to a float32 accumulator; the CPU reference sums the
+// block in float32 (~K/128 x 2^-24, negligible). So
+//   |gpu - cpu| <= 2^-8 * S + ulp_out(max(|gpu|, |cpu|)),   S = sum_kb |sa sb| sum_k |a b|,
+// 2^-8 = 4 wgmmas x 2 x 2^-13 = 2^-10, times 4 for the adder's unknown width; one output ulp
+// covers the two sides' final roundings (and the bias, added in float32 by both). On top,
 // the relative Frobenius error must be <= 2e-3 (F32 out) / 6e-3 (BF16 out), which a wrong scale
 // layout (errors of the size of the result) cannot meet. Outputs start as NaN (unwritten elements
 // fail); scale padding entries are NaN for the CUTLASS runs (a stored element never depends on
@@ -258,7 +260,7 @@ void check(const Case& c, Run run, int variant, int swizzle, bool graph, const s
         continue;
       }
       const double err = std::fabs(v - r);
-      const double bound = std::ldexp(S, -10) + ulp(std::max(std::fabs(v), std::fabs(r)), c.out);
+      const double bound = std::ldexp(S, -8) + ulp(std::max(std::fabs(v), std::fabs(r)), c.out);
       if (err > bound) ++over;
       worst = std::max(worst, err / bound);
       num += (v - r) * (v - r);

@@ -40,11 +40,10 @@ bool block_gemm_cutlass_built();
 
 // The CUTLASS variants for p's dtypes and block modes (0 when none, or built without CUTLASS),
 // their names, and one run of variant `v` with tile-scheduler swizzle `swizzle` (1, 2, 4 or 8).
-// The run needs p.workspace_bytes >= block_gemm_cutlass_workspace(p) (kGemmWorkspaceBytes is
-// always enough for N below 4M).
+// The run takes a float32 copy of a BF16 bias (N floats) and CUTLASS's few bytes from
+// p.workspace (kGemmWorkspaceBytes is plenty).
 int block_gemm_cutlass_variants(const GemmParams& p);
 const char* block_gemm_cutlass_name(const GemmParams& p, int v);
-size_t block_gemm_cutlass_workspace(const GemmParams& p);
 Status block_gemm_cutlass(const GemmParams& p, int v, int swizzle, void* stream);
 
 }  // namespace lowbit

@@ -251,15 +251,6 @@ const char* block_gemm_cutlass_name(const GemmParams& p, int v) {
   return f && v >= 0 && v < f->count ? f->variants[v].name : "";
 }
 
-size_t block_gemm_cutlass_workspace(const GemmParams& p) {
-  const bg::Family* f = family_for(p);
-  if (!f) return 0;
-  size_t w = 0;
-  const int sms = gg::current_sm_count();
-  for (int v = 0; v < f->count; ++v) w = std::max(w, f->variants[v].workspace(p, sms));
-  return bias_bytes(p) + w;
-}
-
 Status block_gemm_cutlass(const GemmParams& p, int v, int swizzle, void* stream) {
   Status s = validate(p);
   if (!s.ok()) return s;
@@ -271,15 +262,16 @@ Status block_gemm_cutlass(const GemmParams& p, int v, int swizzle, void* stream)
         "block_gemm: the CUTLASS kernels need K a multiple of 16, N of 8 (BF16 out) or 4 (F32) "
         "and 16-byte aligned operands, scales and bias");
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int sms = gg::current_sm_count();
   char* ws = static_cast<char*>(p.workspace);
   size_t ws_bytes = p.workspace_bytes;
+  const size_t bb = bias_bytes(p);
+  if (bb + f->variants[v].workspace(p, sms) > ws_bytes || (bb && !ws))
+    return Status::Invalid("block_gemm: workspace too small");
   const float* bias = nullptr;
   if (p.bias && p.bias_dtype == DType::kF32) {
     bias = static_cast<const float*>(p.bias);
   } else if (p.bias) {  // BF16: float32 copy at the start of the workspace
-    const size_t bb = bias_bytes(p);
-    if (bb > ws_bytes || !ws)
-      return Status::Invalid("block_gemm: workspace too small for the bias");
     bias_to_f32_kernel<<<grid_for(p.n), 256, 0, st>>>(static_cast<const __nv_bfloat16*>(p.bias),
                                                       reinterpret_cast<float*>(ws), p.n);
     if (auto e = cuda_error(cudaGetLastError(), "bias conversion"); !e.ok()) return e;
@@ -287,7 +279,7 @@ Status block_gemm_cutlass(const GemmParams& p, int v, int swizzle, void* stream)
     ws += bb;
     ws_bytes -= bb;
   }
-  return f->variants[v].run(p, bias, swizzle, ws, ws_bytes, gg::current_sm_count(), st);
+  return f->variants[v].run(p, bias, swizzle, ws, ws_bytes, sms, st);
 }
 
 Status block_gemm_cuda(const GemmParams& p, void* stream_ptr) {
