@@ -30,6 +30,9 @@ namespace lowbit {
 // cuBLASLt (every GEMM gemm_cuda takes; block-scaled calls without bias only).
 Status gemm_cublaslt(const GemmParams& p, void* stream);
 
+// The device a stream belongs to (gemm_cublaslt.cc; the current device for the legacy stream).
+int gemm_stream_device(void* stream);
+
 // The routed block-scaled GEMM (see above). With a bias, cuBLASLt counts as a candidate for F32
 // outputs only (its result plus a bias pass); a BF16 output with a bias needs a CUTLASS variant
 // (cuBLASLt would round twice).

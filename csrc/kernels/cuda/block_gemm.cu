@@ -190,16 +190,6 @@ double time_choice(const GemmParams& p, const Choice& c, cudaStream_t s, int rep
   return ok ? double(ms) / reps : INFINITY;
 }
 
-int current_device(cudaStream_t stream) {
-  int device = 0;
-#if CUDART_VERSION >= 12080
-  if (cudaStreamGetDevice(stream, &device) == cudaSuccess) return device;
-  cudaGetLastError();
-#endif
-  cudaGetDevice(&device);
-  return device;
-}
-
 // Everything a winner depends on.
 using Key =
     std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, std::string>;
@@ -301,7 +291,7 @@ Status block_gemm_cuda(const GemmParams& p, void* stream_ptr) {
         ")");
   if (cands.size() == 1) return run_choice(p, cands[0], stream);
 
-  const Key key{current_device(stream),
+  const Key key{gemm_stream_device(stream),
                 p.m,
                 p.n,
                 p.k,

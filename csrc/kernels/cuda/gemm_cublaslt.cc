@@ -128,6 +128,8 @@ int current_device(cudaStream_t stream) {
 
 }  // namespace
 
+int gemm_stream_device(void* stream) { return current_device(static_cast<cudaStream_t>(stream)); }
+
 Status gemm_cuda_init() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return Status::Invalid("gemm: no current CUDA device");
