@@ -17,8 +17,8 @@
 // exact FP8 products in the tensor core, whose internal adder keeps ~14 significant bits
 // (undocumented; DeepSeek-V3's measurement) across each k32 wgmma (4 per block, each truncating
 // the 32 aligned products and the running partial sum: <= 2 x 2^-13 of the block's sum of
-// |products|), then adds partial * (sa * sb) to a float32 accumulator; the CPU reference sums the
-// block in float32 (~K/128 x 2^-24, negligible). So
+// |products|), then adds partial * (sa * sb) (1x128 x 1x128: (partial * sa) * sb) to a float32
+// accumulator; the CPU reference sums the block in float32 (~K/128 x 2^-24, negligible). So
 //   |gpu - cpu| <= 2^-8 * S + ulp_out(max(|gpu|, |cpu|)),   S = sum_kb |sa sb| sum_k |a b|,
 // 2^-8 = 4 wgmmas x 2 x 2^-13 = 2^-10, times 4 for the adder's unknown width; one output ulp
 // covers the two sides' final roundings (and the bias, added in float32 by both). On top,
