@@ -10,6 +10,7 @@ lowbit.gemm pads them).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -95,3 +96,24 @@ def test_bad_override_is_an_error(gpu_device, rng, monkeypatch):
 def test_bias_rounded_once(device, rng, combo, out_dtype):
     """Default routing (CPU kernel / measured GPU choice) with a bias of the other dtype."""
     _case(device, rng, combo, (72, 136, 200), out_dtype, F32 if out_dtype == BF16 else BF16)
+
+
+@pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_fused_and_outer_bias_agree(rng, monkeypatch, out_dtype):
+    """The bias in the GEMM's epilogue and the bias added to an F32 product round the same value
+    once: bit-identical on the CPU kernel (which has both paths)."""
+    from lowbit.ops._ffi import gemm as ffi
+
+    a = jnp.asarray(rng.standard_normal((40, 300)), BF16)
+    b = jnp.asarray(rng.standard_normal((56, 300)), BF16)
+    bias = jnp.asarray(rng.standard_normal(56) * 8.0, BF16)
+
+    def f(a, b, bias):
+        qa, qb = lowbit.quantize(a, B1, E4M3), lowbit.quantize(b, B2, E4M3)
+        return lowbit.gemm(qa, qb, bias, out_dtype=out_dtype)
+
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(ffi, "block_bias_fused", lambda *args, fused=fused: fused)
+        outs.append(to_cpu(run_on(jax.devices("cpu")[0], f, a, b, bias)))
+    np.testing.assert_array_equal(outs[0], outs[1])
