@@ -77,7 +77,7 @@ def test_backends_shapes(gpu_device, rng, monkeypatch, backend, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["coop128x128_c1x2", "ping64x128_c1x2"])
+@pytest.mark.parametrize("variant", ["coop128x128_c1x2", "coop128x128_c2x1", "ping64x128_c1x2"])
 def test_each_cutlass_variant(gpu_device, rng, monkeypatch, variant):
     monkeypatch.setenv("LOWBIT_BLOCK_GEMM", f"cutlass:{variant}")
     for combo in COMBOS:

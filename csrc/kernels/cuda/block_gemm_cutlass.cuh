@@ -97,6 +97,14 @@ struct CoopTiles {
   using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise;
   using EpiSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
+// The same tile with the cluster along M: the two CTAs share B's tile (multicast) instead of A's.
+struct CoopTilesM2 {
+  static constexpr const char* kName = "coop128x128_c2x1";
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise;
+  using EpiSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
 struct PingTiles {
   static constexpr const char* kName = "ping64x128_c1x2";
   using Tile = Shape<_64, _128, _128>;
@@ -242,6 +250,7 @@ constexpr Variant variant() {
 template <class EA, class EB, int GranN, class EOut>
 const Family& make_family() {
   static const Variant v[] = {variant<EA, EB, GranN, EOut, CoopTiles>(),
+                              variant<EA, EB, GranN, EOut, CoopTilesM2>(),
                               variant<EA, EB, GranN, EOut, PingTiles>()};
   static const Family f{v, int(sizeof(v) / sizeof(v[0]))};
   return f;
