@@ -116,6 +116,7 @@ class TransformerLayer(nn.Module):
     scale_attn_logits: bool = False
     scaled_query_init: bool = True
     window_size: Optional[Tuple[int, int]] = None
+    softmax_type: str = "vanilla"  # attention sinks: DotProductAttention.softmax_type
 
     @nn.compact
     def __call__(
@@ -224,6 +225,7 @@ class TransformerLayer(nn.Module):
                 use_bias=self.use_bias,
                 bias_init=self.bias_init,
                 window_size=self.window_size,
+                softmax_type=self.softmax_type,
                 name=name,
             )
 
