@@ -52,7 +52,14 @@ from lowbit.flax.attention_paths import traced_in_loop as _traced_in_loop
 from lowbit.flax.attention_projections import out_projection, qkv_projections
 from lowbit.flax.params import Initializer, check_norm_type
 from lowbit.flax.positions import canonical_group_method, check_rotary_windows, rotary_pos_emb
-from lowbit.ops.attention import SequenceDescriptor, cp_active, implementations, softmax_type_name
+from lowbit.ops.attention import (
+    SequenceDescriptor,
+    cp_active,
+    implementations,
+    make_spec,
+    pick_implementation,
+    softmax_type_name,
+)
 from lowbit.ops.attention import attention as core_attention
 from lowbit.sharding import HEAD_AXES, constrain_sequence
 
@@ -175,13 +182,44 @@ class DotProductAttention(nn.Module):
             )
         sk = key.shape[1]
 
-        if isinstance(sequence_descriptor, SequenceDescriptor) or softmax != "vanilla" or layout in THD_LAYOUTS:
+        if (
+            isinstance(sequence_descriptor, SequenceDescriptor)
+            or softmax != "vanilla"
+            or layout in THD_LAYOUTS
+        ):
             core = True
         else:
             core = cp_active(self.context_parallel_axis)
+        if not core and (
+            self.implementation not in (None, "cudnn", "xla")
+            or (self.implementation is None and len(implementations()) > 1)
+        ):  # a registered implementation (lowbit's cuDNN op) that takes this call runs it
+            spec = make_spec(
+                query,
+                key,
+                value,
+                scale=1.0,
+                bias_type=btype,
+                mask_type=mask_type,
+                window=window,
+                mask=None if sequence_descriptor is None else jnp.asarray(sequence_descriptor),
+                dropout_rate=0.0 if deterministic else rate,
+            )
+            core = pick_implementation(spec, self.implementation) != "xla"
         if core:  # packing, sinks, context parallelism: lowbit.ops.attention picks the path
-            out = self._core(query, key, value, sequence_descriptor, bias, btype, mask_type, layout, window, softmax,
-                             rate if not deterministic else 0.0)
+            out = self._core(
+                query,
+                key,
+                value,
+                sequence_descriptor,
+                bias,
+                btype,
+                mask_type,
+                layout,
+                window,
+                softmax,
+                rate if not deterministic else 0.0,
+            )
             out = checkpoint_name(out, self.context_checkpoint_name)
             return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
         padding = check_mask(sequence_descriptor, mask_type, b, h, sq, sk)
@@ -269,9 +307,13 @@ class DotProductAttention(nn.Module):
         if self.max_segments_per_seq is not None and (
             not isinstance(self.max_segments_per_seq, (int, np.integer)) or self.max_segments_per_seq < 1
         ):
-            raise ValueError(f"max_segments_per_seq must be a positive int, got {self.max_segments_per_seq!r}")
+            raise ValueError(
+                f"max_segments_per_seq must be a positive int, got {self.max_segments_per_seq!r}"
+            )
         if not isinstance(self.context_parallel_axis, str):
-            raise TypeError(f"context_parallel_axis must be a mesh axis name (str), got {self.context_parallel_axis!r}")
+            raise TypeError(
+                f"context_parallel_axis must be a mesh axis name (str), got {self.context_parallel_axis!r}"
+            )
         s = self.context_parallel_strategy
         if getattr(s, "name", s) is None or str(getattr(s, "name", s)).upper() not in _CP_STRATEGIES:
             raise ValueError(

@@ -15,6 +15,7 @@ from lowbit.ops.attention.dispatch import (
     attention,
     cp_active,
     implementations,
+    make_spec,
     pick_implementation,
     register_implementation,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "attention",
     "cp_active",
     "implementations",
+    "make_spec",
     "inverse_reorder_causal_load_balancing",
     "pick_implementation",
     "register_implementation",

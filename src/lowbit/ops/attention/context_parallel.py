@@ -27,7 +27,12 @@ from jax.sharding import PartitionSpec as P
 from lowbit.ops.attention.core import merge
 from lowbit.sharding import current_mesh, plan_heads, shard_map
 
-CP_STRATEGIES = {"DEFAULT": "all_gather", "ALL_GATHER": "all_gather", "ALLGATHER": "all_gather", "RING": "ring"}
+CP_STRATEGIES = {
+    "DEFAULT": "all_gather",
+    "ALL_GATHER": "all_gather",
+    "ALLGATHER": "all_gather",
+    "RING": "ring",
+}
 
 
 class ReorderStrategy(enum.Enum):
@@ -72,7 +77,9 @@ def load_balance_order(strategy, cp_size: int, seq: int, stripe_size: Optional[i
         if seq % (2 * cp_size):
             raise ValueError(f"the sequence length {seq} must be a multiple of 2 * cp_size = {2 * cp_size}")
         chunks = np.arange(seq).reshape(2 * cp_size, -1)
-        return np.concatenate([np.concatenate([chunks[r], chunks[2 * cp_size - 1 - r]]) for r in range(cp_size)])
+        return np.concatenate(
+            [np.concatenate([chunks[r], chunks[2 * cp_size - 1 - r]]) for r in range(cp_size)]
+        )
     stripe = 1 if stripe_size is None else stripe_size
     if not isinstance(stripe, (int, np.integer)) or stripe < 1:
         raise ValueError(f"stripe_size must be a positive int, got {stripe_size!r}")
@@ -113,7 +120,8 @@ def cp_mesh(axis: str):
         return None
     if axis not in mesh.axis_names:
         raise ValueError(
-            f"context_parallel_axis={axis!r} is not an axis of the mesh in context (axes {tuple(mesh.axis_names)})"
+            f"context_parallel_axis={axis!r} is not an axis of the mesh in context "
+            f"(axes {tuple(mesh.axis_names)})"
         )
     size = int(mesh.shape[axis])
     return None if size == 1 else (mesh, size)

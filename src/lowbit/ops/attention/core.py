@@ -73,7 +73,8 @@ def partial_attention(
     """``(out, lse)`` of ``q (b, sq, h, d)`` over the keys ``k``/``v (b, sk, g, d)`` (GQA when
     ``g < h``): ``out (b, sq, h, d)`` in the logits' dtype, normalised by this block's softmax,
     ``lse (b, h, sq)`` its log-sum-exp. ``bias`` is added to the scaled logits (broadcastable to
-    ``(b, h, sq, sk)``); ``keep`` (same) False = masked out. Dropout (``rate``) draws
+    ``(b, h, sq, sk)``); ``keep`` (same) False = masked out; a query row with no key kept gets
+    ``out`` 0 and ``lse`` :data:`MASKED`. Dropout (``rate``) draws
     ``jax.random.bernoulli(rng, 1 - rate, (b, h, sq, sk))``: the same mask for the same key."""
     b, sq, h, d = q.shape
     sk, g = k.shape[1], k.shape[2]
@@ -97,7 +98,12 @@ def partial_attention(
         p = jnp.where(drop_keep, p / (1.0 - rate), 0.0)
     p = p.astype(v.dtype) if v.dtype != acc else p
     out = jnp.einsum("bgrqk,bkgd->bqgrd", p.reshape(b, g, h // g, sq, sk), v, preferred_element_type=acc)
-    return out.reshape(b, sq, h, d).astype(acc), lse
+    out = out.reshape(b, sq, h, d).astype(acc)
+    if keep is not None:  # a query with no key to attend to (padding): output 0, weight 0
+        valid = jnp.broadcast_to(jnp.any(keep, axis=-1), (b, h, sq))
+        lse = jnp.where(valid, lse, MASKED)
+        out = jnp.where(valid.transpose(0, 2, 1)[..., None], out, 0.0)
+    return out, lse
 
 
 def _weights(lse, total):

@@ -66,24 +66,26 @@ class SequenceDescriptor:
         return cls(*children)
 
     @classmethod
-    def from_seqlens(cls, seqlens) -> "SequenceDescriptor":
+    def from_seqlens(cls, seqlens) -> SequenceDescriptor:
         """``seqlens``: ``(batch,)`` valid tokens per row, or a pair ``(q_seqlens, kv_seqlens)``."""
         return cls(seqlens=_pair(seqlens, "seqlens"))
 
     @classmethod
-    def from_seqlens_and_offsets(cls, seqlens, seq_offsets) -> "SequenceDescriptor":
+    def from_seqlens_and_offsets(cls, seqlens, seq_offsets) -> SequenceDescriptor:
         """THD: ``seqlens (batch, n)``, ``seq_offsets (batch, n + 1)`` (-1 where unused)."""
         return cls(seqlens=_pair(seqlens, "seqlens"), seq_offsets=_pair(seq_offsets, "seq_offsets"))
 
     @classmethod
-    def from_segment_ids_and_pos(cls, segment_ids, segment_pos=None) -> "SequenceDescriptor":
+    def from_segment_ids_and_pos(cls, segment_ids, segment_pos=None) -> SequenceDescriptor:
         """``segment_ids (batch, seq)`` (0 = padding) and ``segment_pos (batch, seq)``."""
         if segment_pos is None:
             raise ValueError(
                 "segment_pos is required (the position of each token inside its segment, as in "
                 "TransformerEngine 2.20, which no longer derives it)"
             )
-        return cls(segment_ids=_pair(segment_ids, "segment_ids"), segment_pos=_pair(segment_pos, "segment_pos"))
+        return cls(
+            segment_ids=_pair(segment_ids, "segment_ids"), segment_pos=_pair(segment_pos, "segment_pos")
+        )
 
 
 class Segments(NamedTuple):
@@ -196,7 +198,9 @@ def to_segments(
     if not isinstance(desc, SequenceDescriptor):
         raise TypeError(f"sequence_descriptor must be a SequenceDescriptor, got {type(desc).__name__}")
     if thd and not padding:
-        raise ValueError("the THD layouts (packed sequences) need a padding attn_mask_type, e.g. 'padding_causal'")
+        raise ValueError(
+            "the THD layouts (packed sequences) need a padding attn_mask_type, e.g. 'padding_causal'"
+        )
     ids_given = _given(desc.segment_ids[0]) or _given(desc.segment_ids[1])
     if not padding:
         ones = lambda s: jnp.ones((b, s), jnp.int32)  # noqa: E731

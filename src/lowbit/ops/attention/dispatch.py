@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lowbit.ops.attention.context_parallel import (
     ReorderStrategy,
@@ -25,7 +26,13 @@ from lowbit.ops.attention.context_parallel import (
     load_balance_order,
     strategy_name,
 )
-from lowbit.ops.attention.core import apply_sink, partial_attention, segment_keep, sink_logit, softmax_type_name
+from lowbit.ops.attention.core import (
+    apply_sink,
+    partial_attention,
+    segment_keep,
+    sink_logit,
+    softmax_type_name,
+)
 from lowbit.ops.attention.descriptor import Segments, SequenceDescriptor, to_segments
 
 
@@ -98,7 +105,9 @@ def pick_implementation(spec: AttentionSpec, implementation: Optional[str] = Non
     if implementation is not None:
         impl = _REGISTRY.get(implementation)
         if impl is None:
-            raise ValueError(f"implementation must be None or one of {list(implementations())}, got {implementation!r}")
+            raise ValueError(
+                f"implementation must be None or one of {list(implementations())}, got {implementation!r}"
+            )
         if not impl.supports(spec):
             raise ValueError(f"implementation={implementation!r} does not support this attention: {spec}")
         return implementation
@@ -135,7 +144,9 @@ def _xla(q, k, v, spec: AttentionSpec, arrays: AttentionArrays):
         keep = segment_keep(ids_q, pos_q, ids_kv, pos_kv, causal, spec.window)
         if dense_keep is not None:
             keep = keep & dense_keep
-        return partial_attention(qq, kk, vv, scale=spec.scale, keep=keep, bias=bias, rate=spec.dropout_rate, rng=rng)
+        return partial_attention(
+            qq, kk, vv, scale=spec.scale, keep=keep, bias=bias, rate=spec.dropout_rate, rng=rng
+        )
 
     kv = (k, v, seg.ids_kv, seg.pos_kv)
     result = None
@@ -175,7 +186,7 @@ def cp_active(axis) -> bool:
     return bool(axis) and _cp_size(axis) > 1
 
 
-def attention(
+def make_spec(
     q,
     k,
     v,
@@ -196,14 +207,20 @@ def attention(
     context_parallel_axis: str = "",
     context_parallel_strategy="DEFAULT",
     context_parallel_load_balanced: bool = False,
-    implementation: Optional[str] = None,
 ):
-    """Attention of ``q (b, sq, h, d)`` over ``k``/``v (b, sk, g, d)`` (batch first; masks,
-    bias and windows as :mod:`lowbit.flax.attention_masks` defines them, mask type and bias type
-    canonical names). Returns ``(b, sq, h, d)`` in ``q.dtype``."""
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+    """The checked :class:`AttentionSpec` of an :func:`attention` call (same arguments, less
+    ``implementation``)."""
+    del bias, rng, softmax_offset
+    if (
+        q.ndim != 4
+        or k.ndim != 4
+        or v.shape != k.shape
+        or k.shape[0] != q.shape[0]
+        or k.shape[3] != q.shape[3]
+    ):
         raise ValueError(
-            f"query must be (b, sq, h, d) and key/value (b, sk, g, d) alike, got {q.shape}, {k.shape}, {v.shape}"
+            f"query must be (b, sq, h, d) and key/value (b, sk, g, d) alike, got "
+            f"{q.shape}, {k.shape}, {v.shape}"
         )
     b, sq, h, d = q.shape
     sk, g = k.shape[1], k.shape[2]
@@ -212,7 +229,9 @@ def attention(
     softmax_type = softmax_type_name(softmax_type)
     strategy = strategy_name(context_parallel_strategy)
     cp_axis = context_parallel_axis if cp_active(context_parallel_axis) else ""
-    if max_segments_per_seq is not None and (not isinstance(max_segments_per_seq, int) or max_segments_per_seq < 1):
+    if max_segments_per_seq is not None and (
+        not isinstance(max_segments_per_seq, (int, np.integer)) or max_segments_per_seq < 1
+    ):
         raise ValueError(f"max_segments_per_seq must be None or a positive int, got {max_segments_per_seq!r}")
     if thd and sequence_descriptor is None:
         raise ValueError("the THD layouts (packed sequences) need a SequenceDescriptor")
@@ -231,7 +250,7 @@ def attention(
         mask_type=mask_type,
         window=None if window is None else tuple(window),
         thd=bool(thd),
-        max_segments_per_seq=max_segments_per_seq,
+        max_segments_per_seq=None if max_segments_per_seq is None else int(max_segments_per_seq),
         softmax_type=softmax_type,
         dropout_rate=float(dropout_rate),
         cp_axis=cp_axis,
@@ -240,6 +259,17 @@ def attention(
         has_mask=mask is not None,
         has_segments=sequence_descriptor is not None,
     )
+    return spec
+
+
+def attention(q, k, v, *, implementation: Optional[str] = None, **kw):
+    """Attention of ``q (b, sq, h, d)`` over ``k``/``v (b, sk, g, d)`` (batch first; masks,
+    bias and windows as :mod:`lowbit.flax.attention_masks` defines them, mask type and bias type
+    canonical names), run by :func:`pick_implementation`'s choice. Keywords: those of
+    :func:`make_spec`. Returns ``(b, sq, h, d)`` in ``q.dtype``."""
+    spec = make_spec(q, k, v, **kw)
+    sequence_descriptor, thd, mask_type = kw.get("sequence_descriptor"), spec.thd, spec.mask_type
+    b, sq, sk, cp_axis = spec.batch, spec.seq_q, spec.seq_kv, spec.cp_axis
     segments = None
     if sequence_descriptor is not None:
         reorder = None
@@ -255,10 +285,12 @@ def attention(
             b=b,
             sq=sq,
             sk=sk,
-            max_segments=max_segments_per_seq if thd else None,
+            max_segments=spec.max_segments_per_seq if thd else None,
             reorder=reorder,
         )
-    arrays = AttentionArrays(bias, mask, sequence_descriptor, segments, softmax_offset, rng)
+    arrays = AttentionArrays(
+        kw.get("bias"), kw.get("mask"), sequence_descriptor, segments, kw.get("softmax_offset"), kw.get("rng")
+    )
     name = pick_implementation(spec, implementation)
     return _REGISTRY[name].fn(q, k, v, spec, arrays)
 
@@ -269,6 +301,7 @@ __all__ = [
     "attention",
     "cp_active",
     "implementations",
+    "make_spec",
     "pick_implementation",
     "register_implementation",
 ]
