@@ -182,45 +182,14 @@ class DotProductAttention(nn.Module):
             )
         sk = key.shape[1]
 
-        if (
-            isinstance(sequence_descriptor, SequenceDescriptor)
-            or softmax != "vanilla"
-            or layout in THD_LAYOUTS
+        # Packing, sinks, context parallelism, or a registered implementation (lowbit's cuDNN
+        # op) that takes the call: lowbit.ops.attention picks the path.
+        drop = 0.0 if deterministic else rate
+        if self._use_core(
+            query, key, value, sequence_descriptor, btype, mask_type, layout, window, softmax, drop
         ):
-            core = True
-        else:
-            core = cp_active(self.context_parallel_axis)
-        if not core and (
-            self.implementation not in (None, "cudnn", "xla")
-            or (self.implementation is None and len(implementations()) > 1)
-        ):  # a registered implementation (lowbit's cuDNN op) that takes this call runs it
-            spec = make_spec(
-                query,
-                key,
-                value,
-                scale=1.0,
-                bias_type=btype,
-                mask_type=mask_type,
-                window=window,
-                mask=None if sequence_descriptor is None else jnp.asarray(sequence_descriptor),
-                dropout_rate=0.0 if deterministic else rate,
-            )
-            core = pick_implementation(spec, self.implementation) != "xla"
-        if core:  # packing, sinks, context parallelism: lowbit.ops.attention picks the path
-            out = self._core(
-                query,
-                key,
-                value,
-                sequence_descriptor,
-                bias,
-                btype,
-                mask_type,
-                layout,
-                window,
-                softmax,
-                rate if not deterministic else 0.0,
-            )
-            out = checkpoint_name(out, self.context_checkpoint_name)
+            args = (sequence_descriptor, bias, btype, mask_type, layout, window, softmax, drop)
+            out = checkpoint_name(self._core(query, key, value, *args), self.context_checkpoint_name)
             return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
         padding = check_mask(sequence_descriptor, mask_type, b, h, sq, sk)
         masked, plain_causal = combine_masks(padding, mask_type, window, sq, sk)
@@ -267,6 +236,19 @@ class DotProductAttention(nn.Module):
             out = self._fast(query, key, value, masked, bias, btype, scale, plain_causal, local)
         out = checkpoint_name(out, self.context_checkpoint_name)
         return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
+
+    def _use_core(self, query, key, value, desc, btype, mask_type, layout, window, softmax, rate) -> bool:
+        if isinstance(desc, SequenceDescriptor) or softmax != "vanilla" or layout in THD_LAYOUTS:
+            return True
+        if cp_active(self.context_parallel_axis):
+            return True
+        impl = self.implementation
+        if impl in ("cudnn", "xla") or (impl is None and len(implementations()) == 1):
+            return False
+        mask = None if desc is None else jnp.asarray(desc)
+        spec = make_spec(query, key, value, scale=1.0, bias_type=btype, mask_type=mask_type, window=window,
+                         mask=mask, dropout_rate=rate)  # fmt: skip
+        return pick_implementation(spec, impl) != "xla"
 
     def _core(self, query, key, value, desc, bias, btype, mask_type, layout, window, softmax, rate):
         """Packing, sinks and context parallelism through :func:`lowbit.ops.attention.attention`."""
