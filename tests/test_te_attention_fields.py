@@ -651,7 +651,7 @@ def _fields(cls):
 def test_field_order_and_defaults_match_te():
     dpa = _fields(DotProductAttention)
     assert (
-        dpa[:19]
+        dpa[:20]
         == [
             ("head_dim", dataclasses.MISSING),
             ("num_attention_heads", dataclasses.MISSING),
@@ -671,8 +671,9 @@ def test_field_order_and_defaults_match_te():
             ("context_parallel_axis", ""),
             ("context_parallel_strategy", "DEFAULT"),
             ("context_checkpoint_name", "context"),
+            ("softmax_type", "vanilla"),
             ("implementation", None),  # lowbit's, after TE's fields
-        ][:19]
+        ][:20]
     )
     mha = _fields(MultiHeadAttention)
     names = [n for n, _ in mha]
@@ -706,6 +707,7 @@ def test_field_order_and_defaults_match_te():
         "scaled_query_init",
         "float32_logits",
         "window_size",
+        "softmax_type",
         "num_heads",
         "dropout_rate",
         "output_layernorm",
@@ -766,16 +768,14 @@ def test_errors_name_the_field():
         dpa(attn_bias_type="no_bias")(q, q, q, None, jnp.zeros((1, H, 8, 8)))
     with pytest.raises(ValueError, match="attn_bias_type='pre_scale_bias' needs a bias"):
         dpa(attn_bias_type="pre_scale_bias")(q, q, q)
-    with pytest.raises(NotImplementedError, match="THD layouts"):
-        dpa(qkv_layout="thd_thd_thd")(q, q, q)
+    with pytest.raises(ValueError, match="THD layouts .* need a SequenceDescriptor"):
+        dpa(qkv_layout="thd_thd_thd", attn_mask_type="padding_causal")(q, q, q, jnp.zeros((B, 1, 8, 8), bool))
     with pytest.raises(ValueError, match="qkv_layout must be one of"):
         dpa(qkv_layout="sbhd")(q, q, q)
-    with pytest.raises(NotImplementedError, match="max_segments_per_seq"):
-        dpa(max_segments_per_seq=2)(q, q, q)
-    with pytest.raises(NotImplementedError, match="context_parallel_axis"):
-        dpa(context_parallel_axis="cp")(q, q, q)
-    with pytest.raises(NotImplementedError, match="context_parallel_causal_load_balanced"):
-        dpa(context_parallel_causal_load_balanced=True)(q, q, q)
+    with pytest.raises(ValueError, match="max_segments_per_seq must be a positive int"):
+        dpa(max_segments_per_seq=0)(q, q, q)
+    with pytest.raises(ValueError, match="softmax_type must be one of"):
+        dpa(softmax_type="sparsemax")(q, q, q)
     with pytest.raises(ValueError, match="context_parallel_strategy must be one of"):
         dpa(context_parallel_strategy="tree")(q, q, q)
     with pytest.raises(ValueError, match="window_size must be None or a pair"):
@@ -784,7 +784,7 @@ def test_errors_name_the_field():
         dpa(attention_dropout=1.0)(q, q, q)
     with pytest.raises(ValueError, match="mask is required"):
         dpa(attn_mask_type="padding")(q, q, q)
-    with pytest.raises(NotImplementedError, match="SequenceDescriptor"):
+    with pytest.raises(TypeError, match="SequenceDescriptor"):
         dpa(attn_mask_type="padding")(q, q, q, object())
     with pytest.raises(ValueError, match="cannot be provided at the same time"):
         dpa(attn_mask_type="padding")(

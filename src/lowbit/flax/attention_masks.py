@@ -83,10 +83,9 @@ def check_mask(mask, mask_type, b, h, sq, sk):
     if not needs:
         return None  # TransformerEngine ignores the mask of the no_mask/causal types
     if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
-        raise NotImplementedError(
-            f"DotProductAttention: sequence_descriptor must be a boolean mask array (True = masked "
-            f"out); TransformerEngine's SequenceDescriptor (seqlens, offsets, segment ids) is not "
-            f"supported, got {type(mask).__name__}"
+        raise TypeError(
+            f"DotProductAttention: sequence_descriptor must be a SequenceDescriptor "
+            f"(lowbit.te.attention) or a boolean mask array (True = masked out), got {type(mask).__name__}"
         )
     mask = jnp.asarray(mask)
     want = (b, h, sq, sk)

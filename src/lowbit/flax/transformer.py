@@ -123,6 +123,7 @@ class TransformerLayer(nn.Module):
     scale_attn_logits: bool = False
     scaled_query_init: bool = True
     window_size: Optional[Tuple[int, int]] = None
+    softmax_type: str = "vanilla"  # attention sinks: DotProductAttention.softmax_type
 
     @nn.compact
     def __call__(
@@ -238,6 +239,7 @@ class TransformerLayer(nn.Module):
                 use_bias=self.use_bias,
                 bias_init=self.bias_init,
                 window_size=self.window_size,
+                softmax_type=self.softmax_type,
                 name=name,
             )
 
