@@ -175,8 +175,14 @@ def unpermute(
         weights = jnp.ones((T, k), jnp.float32)
     if tuple(jnp.shape(weights)) != (T, k):
         raise ValueError(f"unpermute: weights must have shape (tokens, topk) = ({T}, {k}), got {tuple(jnp.shape(weights))}")
+    return combine_pairs(y, weights, plan.dest, plan.src, out_dtype)
+
+
+def combine_pairs(y, weights, dest, src, out_dtype=None) -> jax.Array:
+    """:func:`unpermute` from bare index maps: ``dest`` (T, k) rows (``len(y)`` = none),
+    ``src`` (rows,) pairs (``T * k`` = none)."""
     out_dtype = jnp.dtype(out_dtype if out_dtype is not None else y.dtype)
-    return _unpermute(out_dtype, y, weights, plan.dest, plan.src)
+    return _unpermute(out_dtype, y, weights, dest, src)
 
 
 def row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -205,6 +211,7 @@ def sort_chunks(x: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array)
 __all__ = [
     "DispatchPlan",
     "buffer_rows",
+    "combine_pairs",
     "exclusive_cumsum",
     "permute",
     "permute_probs",
