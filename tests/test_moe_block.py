@@ -168,6 +168,28 @@ def test_fp8_block_within_fp8_bounds(recipe):
         assert rel(got, ref_g[name]) < 1.2e-1, (name, rel(got, ref_g[name]))
 
 
+@pytest.mark.parametrize("recipe", [lowbit.Float8CurrentScaling(), lowbit.DelayedScaling(amax_history_len=4)])
+def test_fp8_primary_weights_equal_the_casting_block(recipe):
+    """quantized_weights made outside the step: the same output and gradients (and state) as
+    the block that casts wi / wo itself."""
+    from lowbit.moe import quantize_experts
+
+    x, gate, wi, wo, _, _ = inputs(6)
+    delayed = isinstance(recipe, lowbit.DelayedScaling)
+    state = (lowbit.init_grouped_delayed_state(recipe, E),) * 2 if delayed else None
+
+    def loss(x, wi, wo, state, qws):
+        y, _, _ = moe_block(x, gate, wi, wo, num_experts_per_tok=K, recipe=recipe, state=state, quantized_weights=qws)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    s1, s2 = (None, None) if state is None else state
+    qws = (quantize_experts(wi, recipe, s1), quantize_experts(wo, recipe, s2))
+    a, b = step(x, wi, wo, state, None), step(x, wi, wo, state, qws)
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
 def test_delayed_scaling_state_per_expert():
     x, gate, wi, wo, _, _ = inputs(3)
     recipe = lowbit.DelayedScaling(amax_history_len=4)
@@ -238,6 +260,19 @@ def _ep_worker():
     np.testing.assert_allclose(float(a4), float(a1), rtol=1e-5)
     for name, a, b in zip(("x", "gate", "wi", "wo", "bi", "bo"), g4, g1):
         assert rel(a, b) < 1e-2, (name, rel(a, b))
+    # FP8 primary weights split over the experts like wi / wo: the one-device result.
+    from lowbit.moe import quantize_experts
+
+    recipe = lowbit.Float8CurrentScaling()
+    qws = (quantize_experts(wi, recipe), quantize_experts(wo, recipe))
+
+    def run(x, wi, wo, qws, **kw):
+        return moe_block(x, gate, wi, wo, num_experts_per_tok=K, recipe=recipe, quantized_weights=qws, **kw)[0]
+
+    one = jax.jit(run)(x, wi, wo, qws)
+    qsh = tuple(jax.device_put(q, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), q.spec("ep"), is_leaf=lambda s: isinstance(s, P))) for q in qws)
+    four = jax.jit(lambda *a: run(*a, mesh=mesh, expert_axis="ep", dispatch="capacity"))(args[0], args[2], args[3], qsh)
+    assert rel(four, one) < 1e-2, rel(four, one)
     print("OK ep")
 
 

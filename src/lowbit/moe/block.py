@@ -100,6 +100,7 @@ def moe_block(
     expert_axis: Optional[str] = None,
     dispatch: str = "auto",
     capacity_factor: Optional[float] = None,
+    quantized_weights: Optional[tuple] = None,
 ) -> tuple[jax.Array, Optional[jax.Array], jax.Array]:
     """A mixture-of-experts block (see the module docstring).
 
@@ -118,6 +119,10 @@ def moe_block(
       recipe, state: the grouped GEMMs' recipe (None: BF16); DelayedScaling state
         ``(fc1_state, fc2_state)``, each ``lowbit.init_grouped_delayed_state(recipe, E)``.
       mesh, expert_axis, dispatch, capacity_factor: as :func:`lowbit.ops.fused.moe.moe_mlp`.
+      quantized_weights: FP8 primary weights: ``(quantize_experts(wi, recipe, fc1_state),
+        quantize_experts(wo, recipe, fc2_state))`` made outside the step (e.g. by the optimizer
+        update); the GEMMs read these copies and never cast wi / wo (their gradients still
+        reach wi and wo). None: each step casts the weights.
 
     Returns:
       ``(y, aux_loss, routed)``: y like x; aux_loss a float32 scalar, or None when
@@ -155,7 +160,8 @@ def moe_block(
     y, extra = moe_experts(
         x2, route, wi, wo, activation=glu_activation(activation), recipe=recipe, state=state,
         mesh=mesh, expert_axis=expert_axis, dispatch=dispatch, capacity_factor=capacity_factor,
-        bias=bias, weights_early=apply_topk_weights_early, name="moe_block",
+        bias=bias, quantized_weights=quantized_weights, weights_early=apply_topk_weights_early,
+        name="moe_block",
     )  # fmt: skip
     T, k = x2.shape[0], cfg.topk
     loss = None

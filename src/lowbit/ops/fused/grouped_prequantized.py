@@ -47,7 +47,14 @@ class QuantizedExperts:
     col: jax.Array
     col_s: jax.Array
     amax: jax.Array
-    shape: tuple = dataclasses.field(metadata=dict(static=True))  # the unpadded (G, K, N)
+    kn: tuple = dataclasses.field(metadata=dict(static=True))  # the unpadded (K, N)
+
+    def spec(self, axis):
+        """PartitionSpecs that split the experts over mesh axis ``axis`` (every array is
+        expert-major; the colwise copy along its columns)."""
+        from jax.sharding import PartitionSpec as P
+
+        return QuantizedExperts(P(axis), P(axis), P(None, axis), P(axis), P(axis), self.kn)
 
 
 def _block(recipe) -> bool:
@@ -78,13 +85,13 @@ def quantize_experts(w: jax.Array, recipe: Recipe, state: Optional[dict] = None)
         Kp, Np = wp.shape[1:]
         row_s = gg._w_scales_dgrad(cfg.w_2d, qw.scale_inv, G, Kp, Np)
         col_s = gg._w_scales_fprop(cfg.w_2d, qw.colwise_scale_inv, G, Kp, Np)
-        return QuantizedExperts(qw.data, row_s, qw.colwise_data, col_s, qw.amax, (G, K, N))
+        return QuantizedExperts(qw.data, row_s, qw.colwise_data, col_s, qw.amax, (K, N))
     if isinstance(recipe, DelayedScaling):
         state = ds.check_state_arg("quantize_experts", recipe, state, "lowbit.init_grouped_delayed_state(recipe, G)", G)
     cfg = gg._Fp8Config(recipe=recipe, out_dtype=None, lhs_dtype=None, rhs_dtype=None, fast_accum=True)
     wp = pad_to(pad_to(w, 1, 16), 2, 16)
     qw = gg._quantize(cfg, "kernel", wp.reshape(-1, wp.shape[2]), gg._expert_sizes(wp), state, "both")
-    return QuantizedExperts(qw.data, qw.scale_inv, qw.colwise_data, qw.colwise_scale_inv, qw.amax, (G, K, N))
+    return QuantizedExperts(qw.data, qw.scale_inv, qw.colwise_data, qw.colwise_scale_inv, qw.amax, (K, N))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,11 +167,9 @@ def grouped_gemm_prequantized(
     ``quantize_experts(w, recipe, state)``, made earlier in the step) instead of quantizing w;
     the gradient goes to ``w``."""
     _check_recipe(recipe)
-    if not isinstance(qw, QuantizedExperts) or qw.shape != tuple(w.shape):
-        raise ValueError(
-            f"grouped_gemm_prequantized: qw must be quantize_experts(w) for w {tuple(w.shape)}, "
-            f"got {getattr(qw, 'shape', type(qw).__name__)}"
-        )
+    if not isinstance(qw, QuantizedExperts) or (qw.amax.shape[0], *qw.kn) != tuple(w.shape):
+        got = (qw.amax.shape[0], *qw.kn) if isinstance(qw, QuantizedExperts) else type(qw).__name__
+        raise ValueError(f"grouped_gemm_prequantized: qw must be quantize_experts(w) for w {tuple(w.shape)}, got {got}")
     if _block(recipe):
         for role, dim in (("x", recipe.x_block_scaling_dim), ("grad", recipe.grad_block_scaling_dim)):
             if dim != 1:

@@ -49,6 +49,7 @@ from jax.typing import ArrayLike
 from lowbit import delayed_scaling as ds
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
+from lowbit.ops.fused.grouped_prequantized import grouped_gemm_prequantized
 from lowbit.ops.fused.permutation import (
     exclusive_cumsum,
     permute,
@@ -98,19 +99,26 @@ def route(x: ArrayLike, router_kernel: ArrayLike, top_k: int) -> tuple[jax.Array
     return weights / jnp.sum(weights, axis=-1, keepdims=True), experts.astype(jnp.int32)
 
 
-def _experts(cfg: _MoeConfig, xs, w1, w2, sizes, state, bias, row_w=None):
+def _gemm(cfg, x, w, sizes, state, qw):
+    if qw is None:
+        return grouped_gemm(x, w, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=state)
+    return grouped_gemm_prequantized(x, w, qw, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=state)
+
+
+def _experts(cfg: _MoeConfig, xs, w1, w2, sizes, state, extras, row_w=None):
     """Grouped fc1 (+ b1) -> activation (x row weights, when early) -> grouped fc2 (+ b2) over
-    rows grouped by expert (rows past the last group give zeros; so do their biases)."""
+    rows grouped by expert (rows past the last group give zeros; so do their biases). ``extras``
+    = (b1, b2, quantized w1, quantized w2), each None or an array (a QuantizedExperts)."""
     s1, s2 = (None, None) if state is None else state
-    b1, b2 = (None, None) if bias is None else bias
+    b1, b2, q1, q2 = (None,) * 4 if extras is None else extras
     rows_e = None if b1 is None and b2 is None else row_experts(sizes, xs.shape[0])
-    h = grouped_gemm(xs, w1, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=s1)
+    h = _gemm(cfg, xs, w1, sizes, s1, q1)
     if b1 is not None:
         h = (h.astype(jnp.float32) + _bias_rows(b1, rows_e)).astype(_BF16)
     h = _activation(h, cfg.act)
     if row_w is not None:
         h = (h.astype(jnp.float32) * row_w[:, None]).astype(_BF16)
-    y = grouped_gemm(h, w2, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=s2)
+    y = _gemm(cfg, h, w2, sizes, s2, q2)
     if b2 is not None:
         y = (y.astype(jnp.float32) + _bias_rows(b2, rows_e)).astype(_BF16)
     return y
@@ -139,13 +147,13 @@ def _combine(weights, y_pairs, out_dtype):
     return jnp.einsum("tkd,tk->td", y, weights).astype(out_dtype)
 
 
-def _local(cfg: _MoeConfig, x, weights, experts, w1, w2, state, bias):
+def _local(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
     plan = plan_dispatch(experts, cfg.experts, capacity=cfg.rows or None)
     xs = permute(x.astype(_BF16), plan)
     if cfg.weights_early:  # fold the weights into fc2's input (fc2 is linear): combine sums
-        ys = _experts(cfg, xs, w1, w2, plan.group_sizes, state, bias, permute_probs(weights, plan))
+        ys = _experts(cfg, xs, w1, w2, plan.group_sizes, state, extras, permute_probs(weights, plan))
         return unpermute(ys, plan, None, cfg.out_dtype)
-    ys = _experts(cfg, xs, w1, w2, plan.group_sizes, state, bias)
+    ys = _experts(cfg, xs, w1, w2, plan.group_sizes, state, extras)
     return unpermute(ys, plan, weights, cfg.out_dtype)
 
 
@@ -184,7 +192,7 @@ def reverse_plan(plan):
     return (my_off, recv, their_off, send, in_off, out_off)
 
 
-def _ragged(cfg: _MoeConfig, x, weights, experts, w1, w2, state, bias):
+def _ragged(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
     n, E = cfg.devices, cfg.experts
     El = E // n
     dplan, xs = _sort_pairs(x, experts, cfg)
@@ -208,7 +216,7 @@ def _ragged(cfg: _MoeConfig, x, weights, experts, w1, w2, state, bias):
     )
     P_ = xs.shape[0]
     xr = _ragged_exchange((cfg.axis, cfg.rows, P_), xs, plan)
-    ys = _experts(cfg, xr, w1, w2, jnp.sum(keep, axis=0), state, bias)
+    ys = _experts(cfg, xr, w1, w2, jnp.sum(keep, axis=0), state, extras)
     y_sorted = _ragged_exchange((cfg.axis, P_, cfg.rows), ys, reverse_plan(plan))
     return unpermute(y_sorted, dplan, weights, cfg.out_dtype)
 
@@ -216,7 +224,7 @@ def _ragged(cfg: _MoeConfig, x, weights, experts, w1, w2, state, bias):
 # ---------------------------------------------------------------------------------------------
 # Capacity dispatch: dense all_to_all of (capacity, d) blocks per (source, destination)
 # ---------------------------------------------------------------------------------------------
-def _capacity(cfg: _MoeConfig, x, weights, experts, w1, w2, state, bias):
+def _capacity(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
     n, E, C = cfg.devices, cfg.experts, cfg.rows
     El = E // n
     dplan, xs = _sort_pairs(x, experts, cfg)
@@ -237,7 +245,7 @@ def _capacity(cfg: _MoeConfig, x, weights, experts, w1, w2, state, bias):
     local = jnp.where(r[None, :] < ends[:, -1:], local, El).reshape(-1)
     order = jnp.argsort(local, stable=True)
     gs = jnp.bincount(local, length=El + 1)[:El].astype(jnp.int32)
-    ys = _experts(cfg, xr[order], w1, w2, gs, state, bias)
+    ys = _experts(cfg, xr[order], w1, w2, gs, state, extras)
     yback = jax.lax.all_to_all(ys[_inverse(order)], cfg.axis, 0, 0, tiled=True)
     # Pair q (sorted position inv[q]) went to slot (j, rank) of its destination's block.
     j = flat // El
@@ -419,11 +427,11 @@ def _softmax_route(x, router_kernel, top_k):
     return (*route(x, router_kernel, top_k), ())
 
 
-def _body(cfg, route_fn, path, x, route_args, w1, w2, state, bias):
+def _body(cfg, route_fn, path, x, route_args, w1, w2, state, extras):
     """Routes this device's tokens, runs the experts; sums the router's extra outputs over the
     expert axis (the aux loss's per-expert totals)."""
     weights, experts, extra = route_fn(x, *route_args)
-    y = path(cfg, x, weights, experts, w1, w2, state, bias)
+    y = path(cfg, x, weights, experts, w1, w2, state, extras)
     if cfg.axis is not None:
         extra = jax.tree_util.tree_map(lambda a: jax.lax.psum(a, cfg.axis), extra)
     return y, extra
@@ -443,6 +451,7 @@ def moe_experts(
     dispatch: str = "auto",
     capacity_factor: Optional[float] = None,
     bias: Optional[tuple] = None,
+    quantized_weights: Optional[tuple] = None,
     weights_early: bool = False,
     name: str = "moe_experts",
 ) -> jax.Array:
@@ -452,7 +461,9 @@ def moe_experts(
     per-expert totals). Returns ``(y, extra)``. The other arguments as moe_mlp's, and: ``capacity_factor`` on one device caps each expert at
     ``ceil(f * T * k / E)`` pairs (the first in token order; the rest add zero); ``bias``:
     None or ``(b1 (E, w1's last dim) or None, b2 (E, d_model) or None)``, split like w1;
-    ``weights_early`` (one device): the weights multiply fc2's input rather than its output."""
+    ``weights_early`` (one device): the weights multiply fc2's input rather than its output;
+    ``quantized_weights``: None or ``(quantize_experts(w1), quantize_experts(w2))`` made
+    outside the step (FP8 primary weights: the GEMMs read them instead of casting w1 / w2)."""
     x = as_array(x, f"{name}: x")
     w1, w2 = as_array(w1, f"{name}: w1"), as_array(w2, f"{name}: w2")
     gated = parse_activations(activation)[1]
@@ -469,6 +480,11 @@ def moe_experts(
             f"got {tuple(probe[0].shape)} and {tuple(probe[1].shape)}"
         )
     _check_weights(name, x, w1, w2, E, gated, bias)
+    if quantized_weights is not None and recipe is None:
+        raise ValueError(f"{name}: quantized_weights needs an FP8 recipe (recipe=None is BF16)")
+    b1, b2 = (None, None) if bias is None else bias
+    q1, q2 = (None, None) if quantized_weights is None else quantized_weights
+    extras = None if bias is None and quantized_weights is None else (b1, b2, q1, q2)
     if dispatch not in DISPATCHES:
         raise ValueError(f"{name}: dispatch must be one of {DISPATCHES}, got {dispatch!r}")
     _check_capacity(name, capacity_factor)
@@ -479,7 +495,7 @@ def moe_experts(
             raise ValueError(f"{name}: expert_axis={expert_axis!r} needs a mesh (mesh=None)")
         cap = 0 if capacity_factor is None else max(1, math.ceil(capacity_factor * T * k / E))
         cfg = dataclasses.replace(cfg, rows=cap, weights_early=bool(weights_early))
-        return _body(cfg, route_fn, _local, x, route_args, w1, w2, state, bias)
+        return _body(cfg, route_fn, _local, x, route_args, w1, w2, state, extras)
     if weights_early:
         raise NotImplementedError(f"{name}: weights_early is only supported on one device (mesh=None)")
 
@@ -490,8 +506,10 @@ def moe_experts(
     body = functools.partial(_body, cfg, route_fn, _ragged if kind == "ragged" else _capacity)
     tok = P(expert_axis)
     st_spec = None if state is None else jax.tree_util.tree_map(_state_spec(expert_axis), state)
-    b_spec = None if bias is None else tuple(None if b is None else tok for b in bias)
-    args = (x, route_args, w1, w2, state, bias)
+    b_spec = None
+    if extras is not None:
+        b_spec = (*(None if b is None else tok for b in (b1, b2)), *(q and q.spec(expert_axis) for q in (q1, q2)))
+    args = (x, route_args, w1, w2, state, extras)
     return shard_map(body, mesh, (tok, P(), tok, tok, st_spec, b_spec), (tok, P()))(*args)
 
 
