@@ -276,6 +276,17 @@ def _ep_worker():
     print("OK ep")
 
 
+
+def test_bench_xla_baseline_is_the_same_block():
+    """bench moe's all-XLA block (ragged_dot) computes what moe_block computes (BF16)."""
+    from lowbit.bench.moe import _xla_block
+
+    x, gate, wi, wo, _, _ = inputs(7)
+    want, _, _ = moe_block(x, gate, wi, wo, num_experts_per_tok=K)
+    got = _xla_block(jnp.asarray(x), jnp.asarray(gate), jnp.asarray(wi), jnp.asarray(wo), K)
+    assert rel(got, want) < 1e-2
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "ep":
         _ep_worker()

@@ -40,7 +40,8 @@ from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScali
 class QuantizedExperts:
     """Both FP8 copies of (G, K, N) expert weights (K, N padded as the GEMMs need): ``row``
     (G*K, N) and its scales as dgrad reads them, ``col`` (N, G*K) and its scales as the forward
-    reads them; ``amax`` (G,) per expert (DelayedScaling's state update)."""
+    reads them; ``amax`` (G,) per expert (DelayedScaling's state update; zeros for block
+    scaling, which needs none)."""
 
     row: jax.Array
     row_s: jax.Array
@@ -85,7 +86,7 @@ def quantize_experts(w: jax.Array, recipe: Recipe, state: Optional[dict] = None)
         Kp, Np = wp.shape[1:]
         row_s = gg._w_scales_dgrad(cfg.w_2d, qw.scale_inv, G, Kp, Np)
         col_s = gg._w_scales_fprop(cfg.w_2d, qw.colwise_scale_inv, G, Kp, Np)
-        return QuantizedExperts(qw.data, row_s, qw.colwise_data, col_s, qw.amax, (K, N))
+        return QuantizedExperts(qw.data, row_s, qw.colwise_data, col_s, jnp.zeros((G,), jnp.float32), (K, N))
     if isinstance(recipe, DelayedScaling):
         state = ds.check_state_arg("quantize_experts", recipe, state, "lowbit.init_grouped_delayed_state(recipe, G)", G)
     cfg = gg._Fp8Config(recipe=recipe, out_dtype=None, lhs_dtype=None, rhs_dtype=None, fast_accum=True)
