@@ -179,7 +179,9 @@ def test_fp8_primary_weights_equal_the_casting_block(recipe):
     state = (lowbit.init_grouped_delayed_state(recipe, E),) * 2 if delayed else None
 
     def loss(x, wi, wo, state, qws):
-        y, _, _ = moe_block(x, gate, wi, wo, num_experts_per_tok=K, recipe=recipe, state=state, quantized_weights=qws)
+        y, _, _ = moe_block(
+            x, gate, wi, wo, num_experts_per_tok=K, recipe=recipe, state=state, quantized_weights=qws
+        )
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
@@ -222,8 +224,14 @@ def test_bad_block_arguments_name_the_argument():
         (lambda: moe_block(x, gate, wi, wo[:, 1:], num_experts_per_tok=K), ["w2"]),
         (lambda: moe_block(x, gate, wi, wo, num_experts_per_tok=E + 1), ["topk", str(E)]),
         (lambda: moe_block(x, gate, wi, wo, np.zeros((E, 3)), num_experts_per_tok=K), ["b1"]),
-        (lambda: moe_block(x, gate, wi, wo, num_experts_per_tok=K, capacity_factor=-1.0), ["capacity_factor"]),
-        (lambda: moe_block(x, gate, wi, wo, num_experts_per_tok=K, num_groups=3, group_topk=1), ["num_groups"]),
+        (
+            lambda: moe_block(x, gate, wi, wo, num_experts_per_tok=K, capacity_factor=-1.0),
+            ["capacity_factor"],
+        ),
+        (
+            lambda: moe_block(x, gate, wi, wo, num_experts_per_tok=K, num_groups=3, group_topk=1),
+            ["num_groups"],
+        ),
     ]
     for thunk, words in cases:
         with pytest.raises(ValueError) as info:
@@ -267,14 +275,25 @@ def _ep_worker():
     qws = (quantize_experts(wi, recipe), quantize_experts(wo, recipe))
 
     def run(x, wi, wo, qws, **kw):
-        return moe_block(x, gate, wi, wo, num_experts_per_tok=K, recipe=recipe, quantized_weights=qws, **kw)[0]
+        return moe_block(x, gate, wi, wo, num_experts_per_tok=K, recipe=recipe, quantized_weights=qws, **kw)[
+            0
+        ]
 
     one = jax.jit(run)(x, wi, wo, qws)
-    qsh = tuple(jax.device_put(q, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), q.spec("ep"), is_leaf=lambda s: isinstance(s, P))) for q in qws)
-    four = jax.jit(lambda *a: run(*a, mesh=mesh, expert_axis="ep", dispatch="capacity"))(args[0], args[2], args[3], qsh)
+    qsh = tuple(
+        jax.device_put(
+            q,
+            jax.tree_util.tree_map(
+                lambda s: NamedSharding(mesh, s), q.spec("ep"), is_leaf=lambda s: isinstance(s, P)
+            ),
+        )
+        for q in qws
+    )
+    four = jax.jit(lambda *a: run(*a, mesh=mesh, expert_axis="ep", dispatch="capacity"))(
+        args[0], args[2], args[3], qsh
+    )
     assert rel(four, one) < 1e-2, rel(four, one)
     print("OK ep")
-
 
 
 def test_bench_xla_baseline_is_the_same_block():

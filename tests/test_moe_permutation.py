@@ -59,7 +59,9 @@ def test_plan_permute_unpermute_match_numpy(align, capacity):
     assert plan.src.shape == (rows,)
     np.testing.assert_array_equal(np.asarray(plan.dest), dest)
     np.testing.assert_array_equal(np.asarray(plan.group_sizes), sizes)
-    np.testing.assert_array_equal(np.asarray(plan.tokens_per_expert), np.bincount(ex.reshape(-1), minlength=E))
+    np.testing.assert_array_equal(
+        np.asarray(plan.tokens_per_expert), np.bincount(ex.reshape(-1), minlength=E)
+    )
     if align:
         assert np.all(np.asarray(plan.group_sizes) % align == 0)
 
@@ -86,7 +88,9 @@ def test_plan_permute_unpermute_match_numpy(align, capacity):
     dx = jax.vjp(lambda a: perm.permute(a, plan), jnp.asarray(x))[1](jnp.asarray(g))[0]
     np.testing.assert_allclose(np.asarray(dx), A.T @ g.astype(np.float64), rtol=1e-6, atol=1e-6)
     c = np.asarray(jax.random.normal(jax.random.PRNGKey(5), (T, D)), np.float32)
-    _, vjp = jax.vjp(lambda a, b: perm.unpermute(a, plan, b, out_dtype=jnp.float32), jnp.asarray(y), jnp.asarray(w))
+    _, vjp = jax.vjp(
+        lambda a, b: perm.unpermute(a, plan, b, out_dtype=jnp.float32), jnp.asarray(y), jnp.asarray(w)
+    )
     dy, dw = vjp(jnp.asarray(c))
     want_dy = np.zeros((rows + 1, D))
     for (t, j), r in np.ndenumerate(dest):
@@ -101,7 +105,9 @@ def test_round_trip_is_the_weighted_identity():
     x = jax.random.normal(jax.random.PRNGKey(0), (T, D))
     w = jax.random.uniform(jax.random.PRNGKey(1), (T, K))
     back = perm.unpermute(perm.permute(x, plan), plan, w)
-    np.testing.assert_allclose(np.asarray(back), np.asarray(x) * np.asarray(w).sum(1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(back), np.asarray(x) * np.asarray(w).sum(1, keepdims=True), rtol=1e-6
+    )
     plain = perm.unpermute(perm.permute(x, plan), plan)  # no weights: the plain sum
     np.testing.assert_allclose(np.asarray(plain), K * np.asarray(x), rtol=1e-6)
 
@@ -125,7 +131,9 @@ def test_sort_chunks_matches_numpy_and_its_gradient_is_the_inverse():
     n = 11  # two rows past the chunks stay put
     x = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    want_rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in order] + [np.arange(9, n)])
+    want_rows = np.concatenate(
+        [np.arange(starts[i], starts[i] + sizes[i]) for i in order] + [np.arange(9, n)]
+    )
     out, row_map = perm.sort_chunks(jnp.asarray(x), jnp.asarray(sizes), jnp.asarray(order))
     np.testing.assert_array_equal(np.asarray(row_map), want_rows)
     np.testing.assert_array_equal(np.asarray(out), x[want_rows])

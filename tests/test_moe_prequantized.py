@@ -37,11 +37,15 @@ def test_prequantized_equals_grouped_gemm(recipe):
     state = lowbit.init_grouped_delayed_state(recipe, G) if delayed else None
 
     def plain(x, w, state):
-        return jnp.sum(lowbit.grouped_gemm(x, w, gs, recipe=recipe, state=state, preferred_element_type=jnp.float32) * dy)
+        return jnp.sum(
+            lowbit.grouped_gemm(x, w, gs, recipe=recipe, state=state, preferred_element_type=jnp.float32) * dy
+        )
 
     def pre(x, w, state):
         qw = quantize_experts(w, recipe, state)  # once per step; reused by forward and backward
-        y = grouped_gemm_prequantized(x, w, qw, gs, recipe=recipe, state=state, preferred_element_type=jnp.float32)
+        y = grouped_gemm_prequantized(
+            x, w, qw, gs, recipe=recipe, state=state, preferred_element_type=jnp.float32
+        )
         return jnp.sum(y * dy)
 
     argn = (0, 1, 2) if delayed else (0, 1)
@@ -69,7 +73,9 @@ def test_a_step_given_the_copies_casts_no_weight():
         return jnp.sum(lowbit.grouped_gemm(x, w, gs, recipe=recipe, preferred_element_type=jnp.float32) * dy)
 
     def step(w, qw):
-        return jnp.sum(grouped_gemm_prequantized(x, w, qw, gs, recipe=recipe, preferred_element_type=jnp.float32) * dy)
+        return jnp.sum(
+            grouped_gemm_prequantized(x, w, qw, gs, recipe=recipe, preferred_element_type=jnp.float32) * dy
+        )
 
     qw = jax.jit(quantize_experts, static_argnums=1)(w, recipe)
     np.testing.assert_array_equal(np.asarray(jax.grad(plain)(w)), np.asarray(jax.grad(step)(w, qw)))

@@ -150,7 +150,9 @@ def test_aux_loss_formula_and_gradient():
     want = E * coeff / (k * T * T) * np.sum(probs.astype(np.float64).sum(0) * counts)
     np.testing.assert_allclose(float(got), want, rtol=1e-6)
     g = jax.grad(router.aux_loss)(jnp.asarray(probs), jnp.asarray(counts), k, coeff)
-    np.testing.assert_allclose(np.asarray(g), np.broadcast_to(E * coeff / (k * T * T) * counts, (T, E)), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(g), np.broadcast_to(E * coeff / (k * T * T) * counts, (T, E)), rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,9 @@ def te_logits(t, e, fn):
     return (np.arange(-t * e // 2, t * e // 2) * 1e-4).reshape(t, e).astype(np.float32)
 
 
-@pytest.mark.parametrize("fn, pre, bias", [("softmax", False, False), ("softmax", True, False), ("sigmoid", False, True)])
+@pytest.mark.parametrize(
+    "fn, pre, bias", [("softmax", False, False), ("softmax", True, False), ("sigmoid", False, True)]
+)
 def test_fused_topk_on_te_test_logits(fn, pre, bias):
     t, e, k = 128, 32, 4
     z = te_logits(t, e, fn)
@@ -55,7 +57,11 @@ def test_fused_topk_on_te_test_logits(fn, pre, bias):
     want = np.zeros((t, e))
     np.put_along_axis(want, top, w, 1)
     probs, rmap = te.router.fused_topk_with_score_function(
-        jnp.asarray(z), k, use_pre_softmax=pre, score_function=fn, expert_bias=None if eb is None else jnp.asarray(eb)
+        jnp.asarray(z),
+        k,
+        use_pre_softmax=pre,
+        score_function=fn,
+        expert_bias=None if eb is None else jnp.asarray(eb),
     )
     np.testing.assert_allclose(np.asarray(probs), want, rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(rmap), want != 0)
@@ -72,7 +78,9 @@ def test_fused_moe_aux_loss_and_argument_errors():
     p = np.asarray(jax.random.uniform(jax.random.PRNGKey(0), (T, E)), np.float32)
     c = np.arange(E, dtype=np.int32)
     got = te.router.fused_moe_aux_loss(jnp.asarray(p), jnp.asarray(c), K, 0.5)
-    np.testing.assert_allclose(float(got), E * 0.5 / (K * T * T) * np.sum(p.astype(np.float64).sum(0) * c), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(got), E * 0.5 / (K * T * T) * np.sum(p.astype(np.float64).sum(0) * c), rtol=1e-6
+    )
     with pytest.raises(TypeError, match="scaling_factor"):
         te.router.fused_topk_with_score_function(jnp.zeros((T, E)), K, scaling_factor=jnp.float32(2))
     with pytest.raises(ValueError, match="routing_map_format"):
@@ -135,7 +143,9 @@ def test_token_dispatch_and_combine_match_numpy(align):
         if r >= 0:
             want_dy[r] += probs[t, e] * g[t]
     np.testing.assert_allclose(np.asarray(dy), want_dy, rtol=1e-5, atol=1e-6)
-    dx = jax.vjp(lambda a: te.permutation.token_dispatch(a, jnp.asarray(m), T * K, align_size=align)[0], jnp.asarray(x))
+    dx = jax.vjp(
+        lambda a: te.permutation.token_dispatch(a, jnp.asarray(m), T * K, align_size=align)[0], jnp.asarray(x)
+    )
     dx = dx[1](jnp.asarray(y))[0]
     want_dx = np.zeros((T, H))
     for (t, e), r in np.ndenumerate(dest):
@@ -156,9 +166,15 @@ def test_pure_jax_dispatch_combine_round_trip(align):
     starts = np.concatenate([[0], np.cumsum(np.asarray(gs))[:-1]])
     for e in range(E):
         toks = np.nonzero((ex == e).any(1))[0]
-        np.testing.assert_array_equal(np.asarray(xs)[starts[e] : starts[e] + len(toks)], np.asarray(x).reshape(T, H)[toks])
+        np.testing.assert_array_equal(
+            np.asarray(xs)[starts[e] : starts[e] + len(toks)], np.asarray(x).reshape(T, H)[toks]
+        )
     back = te.permutation.pure_jax_token_combine(xs, state, w, K, 2, T // 2)
-    np.testing.assert_allclose(np.asarray(back).reshape(T, H), np.asarray(x).reshape(T, H) * np.asarray(w).sum(1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(back).reshape(T, H),
+        np.asarray(x).reshape(T, H) * np.asarray(w).sum(1, keepdims=True),
+        rtol=1e-6,
+    )
 
 
 def test_ragged_all_to_all_params_and_local_permute():
@@ -182,7 +198,9 @@ def test_ragged_all_to_all_params_and_local_permute():
     out, gs, state = te.permutation.local_permute_after_a2a(jnp.asarray(x), jnp.asarray(counts), s, n)
     np.testing.assert_array_equal(gs, cols.sum(0))
     starts = np.concatenate([[0], np.cumsum(cols.reshape(-1))[:-1]]).reshape(n, El)
-    want = np.concatenate([np.arange(starts[src, e], starts[src, e] + cols[src, e]) for e in range(El) for src in range(n)])
+    want = np.concatenate(
+        [np.arange(starts[src, e], starts[src, e] + cols[src, e]) for e in range(El) for src in range(n)]
+    )
     np.testing.assert_array_equal(np.asarray(out)[:rows, 0], want)
     np.testing.assert_array_equal(te.permutation.local_unpermute_before_a2a(out, state), x)
 
@@ -197,7 +215,9 @@ def test_grouped_dense_matches_float64(recipe):
     b = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (G, N)), np.float32)
     gs = np.array([10, 0, 20, 6], np.int32)  # 4 rows in no group: zero
     qs = noop_quantizer_set if recipe is None else te.quantize.quantizer_set_for_recipe(recipe)
-    y = te.dense.grouped_dense(jnp.asarray(x), jnp.asarray(w), jnp.asarray(gs), bias=jnp.asarray(b), quantizer_set=qs)
+    y = te.dense.grouped_dense(
+        jnp.asarray(x), jnp.asarray(w), jnp.asarray(gs), bias=jnp.asarray(b), quantizer_set=qs
+    )
     ref, r0 = np.zeros((M, N)), 0
     for g, n in enumerate(gs):
         ref[r0 : r0 + n] = x[r0 : r0 + n].astype(np.float64) @ w[g] + b[g]
@@ -207,7 +227,11 @@ def test_grouped_dense_matches_float64(recipe):
     mod = te.flax.make_grouped_dense_cls(recipe)
     v = mod.init(jax.random.PRNGKey(0), jnp.asarray(x), jnp.asarray(w), jnp.asarray(gs))
     y2 = mod.apply(v, jnp.asarray(x), jnp.asarray(w), jnp.asarray(gs))
-    assert np.linalg.norm(np.asarray(y2) - (ref - np.repeat(np.vstack([b, 0 * b[:1]]), [*gs, 4], 0))) / np.linalg.norm(ref) < tol
+    assert (
+        np.linalg.norm(np.asarray(y2) - (ref - np.repeat(np.vstack([b, 0 * b[:1]]), [*gs, 4], 0)))
+        / np.linalg.norm(ref)
+        < tol
+    )
 
 
 def test_recv_capacity_per_rank():
@@ -215,7 +239,16 @@ def test_recv_capacity_per_rank():
     # worst case: 4 ranks x 1024 tokens, top-2 of 8 local experts: 8192 assignments + 8 x 127 padding -> 9216
     assert cap(num_experts=32, num_experts_per_tok=2, max_tokens_per_rank=1024, ep_size=4) == 9216
     # balanced: 1024 * 2 / 8 = 256 per expert, aligned 256, x8 = 2048; x1.5 = 3072
-    assert cap(num_experts=32, num_experts_per_tok=2, max_tokens_per_rank=1024, ep_size=4, recv_capacity_factor=1.5) == 3072
+    assert (
+        cap(
+            num_experts=32,
+            num_experts_per_tok=2,
+            max_tokens_per_rank=1024,
+            ep_size=4,
+            recv_capacity_factor=1.5,
+        )
+        == 3072
+    )
     with pytest.raises(ValueError, match="ep_size"):
         cap(num_experts=30, num_experts_per_tok=2, max_tokens_per_rank=8, ep_size=4)
 
@@ -228,21 +261,36 @@ def test_te_moe_and_flax_block_equal_lowbit_moe_block():
     p = v["params"]
     assert p["wi"].shape == (E, H, 2 * F) and p["wo"].shape == (E, F, H) and p["gate_kernel"].shape == (H, E)
     y, aux, routed = block.apply(v, x)
-    want, want_aux, _ = moe_block(x, p["gate_kernel"], p["wi"], p["wo"], num_experts_per_tok=K, aux_loss_coeff=0.01)
+    want, want_aux, _ = moe_block(
+        x, p["gate_kernel"], p["wi"], p["wo"], num_experts_per_tok=K, aux_loss_coeff=0.01
+    )
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
     np.testing.assert_allclose(float(aux), float(want_aux), rtol=1e-6)
     assert int(routed) == B * S * K
     y2, aux2, _ = te.moe.moe(
-        x, p["gate_kernel"], p["wi"], p["wo"], num_experts=E, num_experts_per_tok=K, aux_loss_coeff=0.01, ep_axis="ep"
+        x,
+        p["gate_kernel"],
+        p["wi"],
+        p["wo"],
+        num_experts=E,
+        num_experts_per_tok=K,
+        aux_loss_coeff=0.01,
+        ep_axis="ep",
     )
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(want))
-    _, none_aux, _ = te.moe.moe(x, p["gate_kernel"], p["wi"], p["wo"], num_experts=E, num_experts_per_tok=K, ep_axis="ep")
+    _, none_aux, _ = te.moe.moe(
+        x, p["gate_kernel"], p["wi"], p["wo"], num_experts=E, num_experts_per_tok=K, ep_axis="ep"
+    )
     assert none_aux is None
     # DelayedScaling: one amax history per expert for each GEMM, in _overwrite_with_gradient.
     recipe = lowbit.DelayedScaling(amax_history_len=4)
-    blk = lowbit.flax.MoEBlock(num_experts=E, num_experts_per_tok=K, intermediate_size=F, quantization_recipe=recipe)
+    blk = lowbit.flax.MoEBlock(
+        num_experts=E, num_experts_per_tok=K, intermediate_size=F, quantization_recipe=recipe
+    )
     vd = nn.unbox(blk.init(jax.random.PRNGKey(1), x))
     st = vd["_overwrite_with_gradient"]
     assert st["fc1_state"]["kernel_amax_history"].shape == (4, E) and "fc2_state" in st
     with pytest.raises(ValueError, match="num_experts"):
-        te.moe.moe(x, p["gate_kernel"], p["wi"], p["wo"], num_experts=E + 1, num_experts_per_tok=K, ep_axis="ep")
+        te.moe.moe(
+            x, p["gate_kernel"], p["wi"], p["wo"], num_experts=E + 1, num_experts_per_tok=K, ep_axis="ep"
+        )

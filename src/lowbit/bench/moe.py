@@ -74,7 +74,9 @@ def _step(case, k):
         if case == "xla bf16":
             y = _xla_block(x, gate, wi, wo, k)
         else:
-            y = moe_block(x, gate, wi, wo, num_experts_per_tok=k, recipe=recipe, state=state, quantized_weights=qws)[0]
+            y = moe_block(
+                x, gate, wi, wo, num_experts_per_tok=k, recipe=recipe, state=state, quantized_weights=qws
+            )[0]
         return jnp.sum(y.astype(jnp.float32))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), recipe

@@ -2,8 +2,8 @@
 
 from lowbit.flax.attention import DotProductAttention, MultiHeadAttention
 from lowbit.flax.dot_general import layer_dot_general_cls, make_dot_general_cls
-from lowbit.flax.moe import MoEBlock
 from lowbit.flax.modules import DenseGeneral, DenseOp, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
+from lowbit.flax.moe import MoEBlock
 from lowbit.flax.positions import RelativePositionBiases
 from lowbit.flax.ragged_dot import make_ragged_dot_cls
 from lowbit.flax.state_module import (

@@ -40,7 +40,9 @@ def _ep_mesh(data_parallelism_axes):
     if axis is None or mesh is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
         return None, None
     if data_parallelism_axes:
-        raise NotImplementedError("MoEBlock: data_parallelism_axes is not supported with expert parallelism yet")
+        raise NotImplementedError(
+            "MoEBlock: data_parallelism_axes is not supported with expert parallelism yet"
+        )
     return mesh, axis
 
 

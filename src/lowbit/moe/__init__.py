@@ -4,9 +4,13 @@ expert-parallel. Layer: above ``lowbit.ops.fused`` (whose ``moe`` engine it driv
 ``lowbit.flax``."""
 
 from lowbit.moe.block import moe_block
-from lowbit.ops.fused.grouped_prequantized import QuantizedExperts, grouped_gemm_prequantized, quantize_experts
 from lowbit.moe.permutation import DispatchPlan, permute, plan_dispatch, sort_chunks, unpermute
 from lowbit.moe.router import aux_loss, aux_scores, to_dense, topk_routing
+from lowbit.ops.fused.grouped_prequantized import (
+    QuantizedExperts,
+    grouped_gemm_prequantized,
+    quantize_experts,
+)
 
 __all__ = [
     "DispatchPlan",

@@ -43,7 +43,9 @@ class RouterConfig:
 
 def gate_logits(x, gate_kernel):
     """(T, E) float32 router logits, full-precision dot."""
-    return jnp.dot(x.astype(jnp.float32), gate_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.dot(
+        x.astype(jnp.float32), gate_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
 
 
 def route_tokens(cfg: RouterConfig, x, gate_kernel, expert_bias=None):
@@ -138,11 +140,16 @@ def moe_block(
         )
     E = gate_kernel.shape[1]
     if jnp.ndim(wi) != 3 or wi.shape[0] != E:
-        raise ValueError(f"moe_block: wi must be (num_experts, hidden, 2F) with num_experts = {E}, got {tuple(jnp.shape(wi))}")
+        raise ValueError(
+            f"moe_block: wi must be (num_experts, hidden, 2F) with num_experts = {E}, "
+            f"got {tuple(jnp.shape(wi))}"
+        )
     fn = _router.score_function_name(score_function)
     _router.check_routing_args("moe_block", E, num_experts_per_tok, num_groups, group_topk, fn, expert_bias)
     if not isinstance(scaling_factor, (int, float)):
-        raise TypeError(f"moe_block: scaling_factor must be a Python float, got {type(scaling_factor).__name__}")
+        raise TypeError(
+            f"moe_block: scaling_factor must be a Python float, got {type(scaling_factor).__name__}"
+        )
     cfg = RouterConfig(
         num_experts=E,
         topk=int(num_experts_per_tok),

@@ -32,7 +32,9 @@ def score_function_name(score_function) -> str:
     """A score function's lowercase name from a string or an enum member (``.name``)."""
     name = getattr(score_function, "name", score_function)
     if not isinstance(name, str) or name.lower() not in SCORE_FUNCTIONS:
-        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS} (or the enum), got {score_function!r}")
+        raise ValueError(
+            f"score_function must be one of {SCORE_FUNCTIONS} (or the enum), got {score_function!r}"
+        )
     return name.lower()
 
 
@@ -87,7 +89,9 @@ def check_routing_args(name, num_experts, topk, num_groups, group_topk, score_fu
             raise ValueError(f"{name}: topk={topk} exceeds the experts of group_topk={gtopk} groups")
     if expert_bias is not None:
         if score_function == "softmax":
-            raise ValueError(f"{name}: expert_bias needs score_function 'sigmoid' or 'sqrtsoftplus', not 'softmax'")
+            raise ValueError(
+                f"{name}: expert_bias needs score_function 'sigmoid' or 'sqrtsoftplus', not 'softmax'"
+            )
         if tuple(jnp.shape(expert_bias)) != (num_experts,):
             raise ValueError(
                 f"{name}: expert_bias must have shape (num_experts,) = ({num_experts},), "
@@ -168,7 +172,9 @@ def aux_loss(probs: jax.Array, tokens_per_expert: jax.Array, topk: int, coeff: f
     """Load-balancing loss ``E * coeff / (k * T^2) * sum_e(sum_t probs[t, e] * tokens_per_expert[e])``
     (T, E from probs' shape), float32; its gradient reaches ``probs`` only."""
     if jnp.ndim(probs) != 2:
-        raise ValueError(f"aux_loss: probs must be 2-D (num_tokens, num_experts), got shape {tuple(jnp.shape(probs))}")
+        raise ValueError(
+            f"aux_loss: probs must be 2-D (num_tokens, num_experts), got shape {tuple(jnp.shape(probs))}"
+        )
     T, E = probs.shape
     if tuple(jnp.shape(tokens_per_expert)) != (E,):
         raise ValueError(

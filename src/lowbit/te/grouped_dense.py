@@ -43,7 +43,9 @@ def grouped_dense(
     y = grouped_gemm(x, kernel, group_sizes, recipe=recipe, state=state, preferred_element_type=out_dtype)
     if bias is not None:
         if bias.shape != (kernel.shape[0], kernel.shape[2]):
-            raise ValueError(f"grouped_dense: bias must be (G, N) = {(kernel.shape[0], kernel.shape[2])}, got {bias.shape}")
+            raise ValueError(
+                f"grouped_dense: bias must be (G, N) = {(kernel.shape[0], kernel.shape[2])}, got {bias.shape}"
+            )
         b = jnp.concatenate([bias, jnp.zeros((1, bias.shape[1]), bias.dtype)])
         y = y + b[row_experts(group_sizes, x.shape[0])].astype(y.dtype)
     return y
@@ -53,5 +55,10 @@ def make_grouped_dense_cls(quantization_recipe, quantization_checkpoint_name: Op
     """TE's factory: an instance to call as ``ragged_dot(x, kernel, group_sizes)`` with the
     recipe's grouped GEMM (lowbit: Float8CurrentScaling, DelayedScaling, Float8BlockScaling or
     None; MXFP8 is not implemented in lowbit's grouped GEMM)."""
-    refuse("quantization_checkpoint_name", quantization_checkpoint_name, None, "no named quantization checkpoints")
+    refuse(
+        "quantization_checkpoint_name",
+        quantization_checkpoint_name,
+        None,
+        "no named quantization checkpoints",
+    )
     return make_ragged_dot_cls(quantization_recipe)()

@@ -43,7 +43,9 @@ def get_moe_recv_capacity_per_rank(
     if recv_capacity_factor is not None:
         f = float(recv_capacity_factor)
         if not math.isfinite(f) or f < 1.0:
-            raise ValueError(f"recv_capacity_factor must be finite and >= 1.0, or None; got {recv_capacity_factor}")
+            raise ValueError(
+                f"recv_capacity_factor must be finite and >= 1.0, or None; got {recv_capacity_factor}"
+            )
     local = num_experts // ep_size
     group_tokens = ep_size * max_tokens_per_rank
     assignments = group_tokens * min(num_experts_per_tok, local)
@@ -99,7 +101,9 @@ def moe(
         raise NotImplementedError("moe: data_parallelism_axes is not supported by lowbit.te yet")
     (r1, s1), (r2, s2) = recipe_of(quantizer_sets[0]), recipe_of(quantizer_sets[1])
     if type(r1) is not type(r2):
-        raise ValueError(f"moe: quantizer_sets must share a recipe, got {type(r1).__name__} and {type(r2).__name__}")
+        raise ValueError(
+            f"moe: quantizer_sets must share a recipe, got {type(r1).__name__} and {type(r2).__name__}"
+        )
     state = None if s1 is None else (s1, s2)
     mesh = current_mesh()
     if mesh is None or ep_axis not in mesh.axis_names or mesh.shape[ep_axis] == 1:

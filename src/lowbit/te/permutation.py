@@ -82,7 +82,11 @@ def token_dispatch(
     if probs is not None:
         p = _flat(probs, "token_dispatch: probs")
         flat_p = jnp.concatenate([p.reshape(-1), jnp.zeros((1,), p.dtype)])
-        eid = jnp.full((rows,), 0, jnp.int32).at[tgt].set(jnp.tile(jnp.arange(E, dtype=jnp.int32), T), mode="drop")
+        eid = (
+            jnp.full((rows,), 0, jnp.int32)
+            .at[tgt]
+            .set(jnp.tile(jnp.arange(E, dtype=jnp.int32), T), mode="drop")
+        )
         pprobs = flat_p[jnp.where(src < T, src * E + eid, T * E)]
     # TE's row_id_map: each token's routed rows, compacted in expert order.
     order = jnp.argsort(~(rmap != 0), axis=1, stable=True).astype(jnp.int32)
@@ -114,7 +118,9 @@ def token_combine(
     if merging_probs is not None:
         p = _flat(merging_probs, "token_combine: merging_probs").astype(jnp.float32)
         eid = jnp.zeros((R,), jnp.int32).at[tgt].set(jnp.maximum(eids, 0).reshape(-1), mode="drop")
-        w = jnp.concatenate([p.reshape(-1), jnp.zeros((1,), jnp.float32)])[jnp.where(src < T, src * E + eid, T * E)]
+        w = jnp.concatenate([p.reshape(-1), jnp.zeros((1,), jnp.float32)])[
+            jnp.where(src < T, src * E + eid, T * E)
+        ]
         y = y * w[:, None]
     out = jnp.zeros((T + 1, inp.shape[1]), jnp.float32).at[src].add(y)[:T]
     return out.astype(inp.dtype)
@@ -217,7 +223,10 @@ def local_permute_after_a2a(x_recv, all_shards_tokens_per_expert, shard_id, num_
     split = cols.reshape(-1)
     order = jnp.arange(n * El, dtype=jnp.int32).reshape(n, El).T.reshape(-1)
     out, _ = _perm.sort_chunks(x_recv, split, order)
-    state = {"sorted_split_sizes": split[order], "inverse_chunk_indices": jnp.argsort(order).astype(jnp.int32)}
+    state = {
+        "sorted_split_sizes": split[order],
+        "inverse_chunk_indices": jnp.argsort(order).astype(jnp.int32),
+    }
     return out, jnp.sum(cols, axis=0), state
 
 

@@ -34,7 +34,9 @@ def _map_format(fmt) -> RoutingMapFormat:
             pass
     elif isinstance(fmt, str) and fmt.upper() in RoutingMapFormat.__members__:
         return RoutingMapFormat[fmt.upper()]
-    raise ValueError(f"routing_map_format must be 'bytemap', 'bitmap_u8', a RoutingMapFormat or its int; got {fmt!r}")
+    raise ValueError(
+        f"routing_map_format must be 'bytemap', 'bitmap_u8', a RoutingMapFormat or its int; got {fmt!r}"
+    )
 
 
 def pack_bitmap(routing_map: jax.Array) -> jax.Array:
@@ -79,6 +81,8 @@ def fused_topk_with_score_function(
     return probs, pack_bitmap(routing_map) if fmt == RoutingMapFormat.BITMAP_U8 else routing_map
 
 
-def fused_moe_aux_loss(probs: jnp.ndarray, tokens_per_expert: jnp.ndarray, topk: int, coeff: float) -> jnp.ndarray:
+def fused_moe_aux_loss(
+    probs: jnp.ndarray, tokens_per_expert: jnp.ndarray, topk: int, coeff: float
+) -> jnp.ndarray:
     """``E * coeff / (k * T^2) * sum_e(sum_t probs[t, e] * tokens_per_expert[e])``."""
     return _router.aux_loss(probs, tokens_per_expert, topk, coeff)

@@ -88,7 +88,9 @@ def quantize_experts(w: jax.Array, recipe: Recipe, state: Optional[dict] = None)
         col_s = gg._w_scales_fprop(cfg.w_2d, qw.colwise_scale_inv, G, Kp, Np)
         return QuantizedExperts(qw.data, row_s, qw.colwise_data, col_s, jnp.zeros((G,), jnp.float32), (K, N))
     if isinstance(recipe, DelayedScaling):
-        state = ds.check_state_arg("quantize_experts", recipe, state, "lowbit.init_grouped_delayed_state(recipe, G)", G)
+        state = ds.check_state_arg(
+            "quantize_experts", recipe, state, "lowbit.init_grouped_delayed_state(recipe, G)", G
+        )
     cfg = gg._Fp8Config(recipe=recipe, out_dtype=None, lhs_dtype=None, rhs_dtype=None, fast_accum=True)
     wp = pad_to(pad_to(w, 1, 16), 2, 16)
     qw = gg._quantize(cfg, "kernel", wp.reshape(-1, wp.shape[2]), gg._expert_sizes(wp), state, "both")
@@ -170,17 +172,25 @@ def grouped_gemm_prequantized(
     _check_recipe(recipe)
     if not isinstance(qw, QuantizedExperts) or (qw.amax.shape[0], *qw.kn) != tuple(w.shape):
         got = (qw.amax.shape[0], *qw.kn) if isinstance(qw, QuantizedExperts) else type(qw).__name__
-        raise ValueError(f"grouped_gemm_prequantized: qw must be quantize_experts(w) for w {tuple(w.shape)}, got {got}")
+        raise ValueError(
+            f"grouped_gemm_prequantized: qw must be quantize_experts(w) for w {tuple(w.shape)}, got {got}"
+        )
     if _block(recipe):
         for role, dim in (("x", recipe.x_block_scaling_dim), ("grad", recipe.grad_block_scaling_dim)):
             if dim != 1:
                 raise ValueError(f"grouped_gemm_prequantized: {role}_block_scaling_dim must be 1, got {dim}")
     (M, K), N = lhs.shape, w.shape[2]
     if K != w.shape[1]:
-        raise ValueError(f"grouped_gemm_prequantized: lhs {tuple(lhs.shape)} and w {tuple(w.shape)} differ in K")
+        raise ValueError(
+            f"grouped_gemm_prequantized: lhs {tuple(lhs.shape)} and w {tuple(w.shape)} differ in K"
+        )
     if isinstance(recipe, DelayedScaling):
         state = ds.check_state_arg(
-            "grouped_gemm_prequantized", recipe, state, "lowbit.init_grouped_delayed_state(recipe, G)", w.shape[0]
+            "grouped_gemm_prequantized",
+            recipe,
+            state,
+            "lowbit.init_grouped_delayed_state(recipe, G)",
+            w.shape[0],
         )
     gs = gg.group_sizes_int32(jnp.asarray(group_sizes), M)
     out = np.dtype(preferred_element_type or jnp.result_type(lhs, w))

@@ -102,7 +102,9 @@ def route(x: ArrayLike, router_kernel: ArrayLike, top_k: int) -> tuple[jax.Array
 def _gemm(cfg, x, w, sizes, state, qw):
     if qw is None:
         return grouped_gemm(x, w, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=state)
-    return grouped_gemm_prequantized(x, w, qw, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=state)
+    return grouped_gemm_prequantized(
+        x, w, qw, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=state
+    )
 
 
 def _experts(cfg: _MoeConfig, xs, w1, w2, sizes, state, extras, row_w=None):
@@ -266,12 +268,18 @@ def _state_spec(axis):
 def _check_weights(name, x, w1, w2, E, gated, bias):
     T, d = x.shape
     if w1.ndim != 3 or w1.shape[:2] != (E, d):
-        raise ValueError(f"{name}: w1 must be (experts, d_model, d_ff) = ({E}, {d}, F), got {tuple(w1.shape)}")
+        raise ValueError(
+            f"{name}: w1 must be (experts, d_model, d_ff) = ({E}, {d}, F), got {tuple(w1.shape)}"
+        )
     F = w1.shape[2] // 2 if gated else w1.shape[2]
     if gated and w1.shape[2] % 2:
-        raise ValueError(f"{name}: a gated activation needs w1's last dim even (two halves), got {w1.shape[2]}")
+        raise ValueError(
+            f"{name}: a gated activation needs w1's last dim even (two halves), got {w1.shape[2]}"
+        )
     if w2.shape != (E, F, d):
-        raise ValueError(f"{name}: w2 must be (experts, d_ff, d_model) = ({E}, {F}, {d}), got {tuple(w2.shape)}")
+        raise ValueError(
+            f"{name}: w2 must be (experts, d_ff, d_model) = ({E}, {F}, {d}), got {tuple(w2.shape)}"
+        )
     for b_name, b, shape in zip(("b1", "b2"), bias or (None, None), ((E, w1.shape[2]), (E, d))):
         if b is not None and tuple(b.shape) != shape:
             raise ValueError(f"{name}: {b_name} must have shape {shape}, got {tuple(b.shape)}")
@@ -333,7 +341,9 @@ def _check_state(recipe, state, E):
 
 def _check_capacity(name, capacity_factor):
     if capacity_factor is not None and not (
-        isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool) and capacity_factor > 0
+        isinstance(capacity_factor, (int, float))
+        and not isinstance(capacity_factor, bool)
+        and capacity_factor > 0
     ):
         raise ValueError(f"{name}: capacity_factor must be None or a number > 0, got {capacity_factor!r}")
 
@@ -454,13 +464,13 @@ def moe_experts(
     quantized_weights: Optional[tuple] = None,
     weights_early: bool = False,
     name: str = "moe_experts",
-) -> jax.Array:
+) -> tuple:
     """:func:`moe_mlp` with another router: ``route = (fn, args)``; ``fn(x, *args)`` (x this
     device's tokens; ``args`` replicated arrays) returns ``(weights (T, k) float, experts (T, k)
     int, extra)``, ``extra`` a pytree of arrays summed over the devices (e.g. the aux loss's
-    per-expert totals). Returns ``(y, extra)``. The other arguments as moe_mlp's, and: ``capacity_factor`` on one device caps each expert at
-    ``ceil(f * T * k / E)`` pairs (the first in token order; the rest add zero); ``bias``:
-    None or ``(b1 (E, w1's last dim) or None, b2 (E, d_model) or None)``, split like w1;
+    per-expert totals). Returns ``(y, extra)``. The other arguments as moe_mlp's, and:
+    ``capacity_factor`` on one device caps each expert at ``ceil(f * T * k / E)`` pairs (the
+    first in token order; the rest add zero); ``bias``: None or ``(b1 (E, w1's last dim) or None, b2 (E, d_model) or None)``, split like w1;
     ``weights_early`` (one device): the weights multiply fc2's input rather than its output;
     ``quantized_weights``: None or ``(quantize_experts(w1), quantize_experts(w2))`` made
     outside the step (FP8 primary weights: the GEMMs read them instead of casting w1 / w2)."""
@@ -508,7 +518,10 @@ def moe_experts(
     st_spec = None if state is None else jax.tree_util.tree_map(_state_spec(expert_axis), state)
     b_spec = None
     if extras is not None:
-        b_spec = (*(None if b is None else tok for b in (b1, b2)), *(q and q.spec(expert_axis) for q in (q1, q2)))
+        b_spec = (
+            *(None if b is None else tok for b in (b1, b2)),
+            *(q and q.spec(expert_axis) for q in (q1, q2)),
+        )
     args = (x, route_args, w1, w2, state, extras)
     return shard_map(body, mesh, (tok, P(), tok, tok, st_spec, b_spec), (tok, P()))(*args)
 

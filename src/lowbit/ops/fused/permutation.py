@@ -120,7 +120,9 @@ def permute(x: jax.Array, plan: DispatchPlan) -> jax.Array:
     """(T, d) tokens -> (rows, d) rows grouped by expert (zero padding rows)."""
     T, k = plan.dest.shape
     if jnp.ndim(x) != 2 or x.shape[0] != T:
-        raise ValueError(f"permute: x must be (tokens, hidden) with tokens = {T} (the plan's), got {tuple(jnp.shape(x))}")
+        raise ValueError(
+            f"permute: x must be (tokens, hidden) with tokens = {T} (the plan's), got {tuple(jnp.shape(x))}"
+        )
     return _permute(k, x, plan.dest, plan.src)
 
 
@@ -174,7 +176,9 @@ def unpermute(
     if weights is None:
         weights = jnp.ones((T, k), jnp.float32)
     if tuple(jnp.shape(weights)) != (T, k):
-        raise ValueError(f"unpermute: weights must have shape (tokens, topk) = ({T}, {k}), got {tuple(jnp.shape(weights))}")
+        raise ValueError(
+            f"unpermute: weights must have shape (tokens, topk) = ({T}, {k}), got {tuple(jnp.shape(weights))}"
+        )
     return combine_pairs(y, weights, plan.dest, plan.src, out_dtype)
 
 
@@ -191,7 +195,9 @@ def row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
     return jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right").astype(jnp.int32)
 
 
-def sort_chunks(x: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+def sort_chunks(
+    x: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Reorders consecutive row chunks (sizes ``split_sizes``) into the order ``sorted_indices``
     lists; rows past the chunks stay in place. Returns ``(out, row_map)`` with ``out[i] =
     x[row_map[i]]`` (differentiable through the gather)."""
