@@ -470,7 +470,8 @@ def moe_experts(
     int, extra)``, ``extra`` a pytree of arrays summed over the devices (e.g. the aux loss's
     per-expert totals). Returns ``(y, extra)``. The other arguments as moe_mlp's, and:
     ``capacity_factor`` on one device caps each expert at ``ceil(f * T * k / E)`` pairs (the
-    first in token order; the rest add zero); ``bias``: None or ``(b1 (E, w1's last dim) or None, b2 (E, d_model) or None)``, split like w1;
+    first in token order; the rest add zero); ``bias``: None or ``(b1 (E, w1's last dim) or
+    None, b2 (E, d_model) or None)``, split like w1;
     ``weights_early`` (one device): the weights multiply fc2's input rather than its output;
     ``quantized_weights``: None or ``(quantize_experts(w1), quantize_experts(w2))`` made
     outside the step (FP8 primary weights: the GEMMs read them instead of casting w1 / w2)."""
