@@ -306,6 +306,92 @@ def test_bench_xla_baseline_is_the_same_block():
     assert rel(got, want) < 1e-2
 
 
+# ---------------------------------------------------------------------------------------------
+# GPU (skipped without one)
+# ---------------------------------------------------------------------------------------------
+def _cuda():
+    try:
+        return jax.devices("cuda")
+    except RuntimeError:
+        return []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        None,
+        lowbit.Float8CurrentScaling(),
+        lowbit.DelayedScaling(amax_history_len=4),
+        lowbit.Float8BlockScaling(),
+    ],
+    ids=["bf16", "current", "delayed", "block"],
+)
+def test_block_on_gpu_matches_float64(recipe):
+    """The GPU kernels (grouped GEMMs, casts) in the block, every recipe, against the float64
+    reference; FP8 primary weights bit-equal to the casting block on the GPU too."""
+    gpus = _cuda()
+    if not gpus:
+        pytest.skip("no CUDA device")
+    from lowbit.moe import quantize_experts
+
+    x, gate, wi, wo, bi, bo = inputs(8, bias=True)
+    dy = np.asarray(jax.random.normal(jax.random.PRNGKey(9), (T, H)), np.float32)
+    delayed = isinstance(recipe, lowbit.DelayedScaling)
+    state = (lowbit.init_grouped_delayed_state(recipe, E),) * 2 if delayed else None
+
+    def loss(x, gate, wi, wo, bi, bo, qws):
+        y, aux, _ = moe_block(
+            x, gate, wi, wo, bi, bo, num_experts_per_tok=K, aux_loss_coeff=COEFF, recipe=recipe, state=state,
+            quantized_weights=qws,
+        )  # fmt: skip
+        return jnp.sum(y.astype(jnp.float32) * dy) + aux, y
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
+    with jax.default_device(gpus[0]):
+        (_, y), grads = step(x, gate, wi, wo, bi, bo, None)
+        ref_y, _, ref_g = reference(x, gate, wi, wo, bi, bo, dy)
+        tol = 2e-2 if recipe is None else 8e-2
+        assert rel(y, ref_y) < tol
+        for name, got in zip(("x", "gate", "wi", "wo", "bi", "bo"), grads):
+            # The gate's gradient is a difference of the pairs' outputs (the softmax Jacobian):
+            # their FP8 errors do not cancel with it.
+            bound = (3 if name == "gate" else 1.5) * tol
+            assert rel(got, ref_g[name]) < bound, (name, rel(got, ref_g[name]))
+        if recipe is not None:
+            s1, s2 = (None, None) if state is None else state
+            qws = (quantize_experts(wi, recipe, s1), quantize_experts(wo, recipe, s2))
+            (_, y2), g2 = step(x, gate, wi, wo, bi, bo, qws)
+            for u, v in zip(jax.tree_util.tree_leaves((y, grads)), jax.tree_util.tree_leaves((y2, g2))):
+                np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.gpu
+def test_block_ragged_dispatch_on_gpus_equals_one_device():
+    gpus = _cuda()
+    if len(gpus) < 2:
+        pytest.skip(f"needs >= 2 CUDA devices, found {len(gpus)}")
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = 4 if len(gpus) >= 4 else 2
+    mesh = jax.sharding.Mesh(np.array(gpus[:n]), ("ep",))
+    x, gate, wi, wo, bi, bo = inputs(5, bias=True)
+    dy = np.asarray(jax.random.normal(jax.random.PRNGKey(9), (T, H)), np.float32)
+    with jax.default_device(gpus[0]):
+        (_, (y1, a1)), g1 = _grad_step(score_function="sigmoid")(x, gate, wi, wo, bi, bo, dy)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    ep = P("ep")
+    args = (put(x, ep), put(gate, P()), put(wi, ep), put(wo, ep), put(bi, ep), put(bo, ep), put(dy, ep))
+    for dispatch in ("ragged", "capacity"):
+        (_, (yn, an)), gn = _grad_step(
+            mesh=mesh, expert_axis="ep", dispatch=dispatch, score_function="sigmoid"
+        )(*args)
+        assert rel(yn, y1) < 1e-2 and abs(float(an) - float(a1)) <= 1e-5 * abs(float(a1)), dispatch
+        for name, a, b in zip(("x", "gate", "wi", "wo", "bi", "bo"), gn, g1):
+            assert rel(a, b) < 1e-2, (dispatch, name, rel(a, b))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "ep":
         _ep_worker()
