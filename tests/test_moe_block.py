@@ -293,6 +293,23 @@ def _ep_worker():
         args[0], args[2], args[3], qsh
     )
     assert rel(four, one) < 1e-2, rel(four, one)
+    # The Flax block under a MeshResource with ep_resource, jax.set_mesh (an abstract mesh in jit).
+    import flax.linen as nn
+
+    from lowbit.sharding import MeshResource, global_shard_guard
+
+    blk = lowbit.flax.MoEBlock(
+        num_experts=E, num_experts_per_tok=K, intermediate_size=F, aux_loss_coeff=COEFF
+    )
+    xb = jnp.asarray(x).reshape(4, T // 4, H)
+    v = nn.unbox(blk.init(jax.random.PRNGKey(1), xb))
+    y1, a1, _ = jax.jit(blk.apply)(v, xb)
+    set_mesh = getattr(jax, "set_mesh", None) or (lambda m: m)
+    with global_shard_guard(MeshResource(ep_resource="ep")), set_mesh(mesh):
+        f = jax.jit(blk.apply)
+        y4, a4, _ = f(v, xb)
+        assert "all-to-all" in f.lower(v, xb).compile().as_text()
+    assert rel(y4, y1) < 1e-2 and abs(float(a4) - float(a1)) <= 1e-5 * abs(float(a1))
     print("OK ep")
 
 

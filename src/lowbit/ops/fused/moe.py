@@ -348,8 +348,15 @@ def _check_capacity(name, capacity_factor):
         raise ValueError(f"{name}: capacity_factor must be None or a number > 0, got {capacity_factor!r}")
 
 
+def _platform(mesh):
+    try:
+        return mesh.devices.flat[0].platform
+    except ValueError:  # an abstract mesh (jax.set_mesh inside jit) has no devices
+        return jax.default_backend()
+
+
 def _pick_dispatch(dispatch, mesh):
-    platform = mesh.devices.flat[0].platform
+    platform = _platform(mesh)
     if dispatch == "auto":
         # Measured (2 x H200, jax 0.11.2, T 8192 d 1024 E 8 top-2): the dense all-to-all with a
         # capacity factor of 1.25 took 1.48 ms, ragged_all_to_all of the same rows 3.93 ms.
