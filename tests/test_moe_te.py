@@ -294,3 +294,26 @@ def test_te_moe_and_flax_block_equal_lowbit_moe_block():
         te.moe.moe(
             x, p["gate_kernel"], p["wi"], p["wo"], num_experts=E + 1, num_experts_per_tok=K, ep_axis="ep"
         )
+
+
+def test_bad_permutation_arguments_name_the_argument():
+    m, x = jnp.asarray(_routing_map(0)), jnp.zeros((T, H))
+    P = te.permutation
+    cases = [
+        (lambda: P.token_dispatch(x[1:], m, T * K), ["inp", str(T - 1), "routing_map"]),
+        (lambda: P.token_dispatch(x, m, 0), ["num_out_tokens"]),
+        (lambda: P.token_dispatch(x, m, T * K, align_size=0), ["align_size"]),
+        (lambda: P.token_dispatch(x[None, None], m, T * K), ["inp", "2-d or 3-d"]),
+        (
+            lambda: P.pure_jax_token_dispatch(x, jnp.zeros((T, K), jnp.int32), E, K + 1),
+            ["num_experts_per_tok"],
+        ),
+        (
+            lambda: P.compute_ragged_all_to_all_params(jnp.zeros((3, E), jnp.int32), 0, 4),
+            ["num_expert_shards"],
+        ),
+    ]
+    for thunk, words in cases:
+        with pytest.raises(ValueError) as info:
+            thunk()
+        assert all(w.lower() in str(info.value).lower() for w in words), str(info.value)
