@@ -3,6 +3,10 @@
 ``moe_mlp`` = router logits -> softmax -> top-k (weights renormalised over the chosen k) ->
 tokens permuted by expert -> grouped fc1 -> activation -> grouped fc2 -> unpermuted and summed
 with the routing weights. Group sizes stay on the device: no host sync, no data-dependent shape.
+``moe_experts`` is the same engine with any router (a function run on each device's tokens:
+lowbit.moe's TE-style router), expert biases, a per-expert capacity on one device, and FP8
+primary weights (:mod:`lowbit.ops.fused.grouped_prequantized`); the permutation is
+:mod:`lowbit.ops.fused.permutation`'s (gather-only custom VJPs).
 
 Expert parallelism (``mesh`` and ``expert_axis``): tokens and experts are split over the axis.
 Each device routes its own tokens, sends each (token, expert) pair only to the device that owns
