@@ -12,6 +12,10 @@ card's dense peak for the case's operand type (H100 SXM: 989 TFLOP/s BF16, 1979 
 written; FP8 with casts: read once by the cast, both copies written and read, dW written;
 primary: the copies read, dW written): at 128 experts of 128 tokens the step is
 bandwidth-bound on them.
+
+The ``pieces`` rows time the block's non-GEMM steps alone, forward+backward in BF16 (the gate
+and top-k router with the aux loss; the dispatch plan and the permutation of the tokens; the
+weighted combine): what a fused kernel for each could save at most.
 """
 
 from __future__ import annotations
@@ -94,6 +98,36 @@ def _extras(case, recipe, wi, wo):
     return state, qws
 
 
+def _pieces(x, gate, E, k):
+    """(name, jitted fwd+bwd fn, args) of the router, the dispatch and the combine alone."""
+    from lowbit.moe.block import RouterConfig, route_tokens
+    from lowbit.moe.router import aux_loss
+
+    cfg = RouterConfig(num_experts=E, topk=k, aux_loss=True)
+
+    def router(x, gate):
+        w, ex, (s, c) = route_tokens(cfg, x, gate)
+        return jnp.sum(w) + aux_loss(s[None], c, k, 0.01)
+
+    _, ex, _ = route_tokens(cfg, x, gate)
+    plan = plan_dispatch(ex, E)
+    w = jnp.full(ex.shape, 1.0 / k, jnp.float32)
+    y = permute(x, plan)
+
+    def dispatch(x, ex):
+        return jnp.sum(permute(x, plan_dispatch(ex, E)).astype(jnp.float32))
+
+    def combine(y, w):
+        return jnp.sum(unpermute(y, plan, w).astype(jnp.float32))
+
+    g = lambda f, n: jax.jit(jax.value_and_grad(f, argnums=n))  # noqa: E731
+    return [
+        ("router+aux", g(router, (0, 1)), (x, gate)),
+        ("dispatch", g(dispatch, 0), (x, ex)),
+        ("combine", g(combine, (0, 1)), (y, w)),
+    ]
+
+
 def weight_bytes(case, E, H, F) -> float:
     n = E * 3 * H * F  # wi (H, 2F) and wo (F, H) per expert
     if case in ("xla bf16", "lowbit bf16"):
@@ -135,11 +169,21 @@ def run(small: bool, progress=None) -> list[dict]:
             if progress:
                 progress()
             del fn, state, qws
+        for piece, fn, args in _pieces(x, gate, E, k):
+            ms = time_fn(fn, *args, warmup=2, iters=iters, repeats=3)
+            shape = f"T={T} H={H} E={E} F={F} k={k}"
+            rows.append(
+                {"name": f"{name} pieces {piece}", "shape": shape, "case": f"pieces {piece}", "ms": ms}
+            )
+            if progress:
+                progress()
     for r in rows:  # against lowbit's own BF16 block, the issue's goal
         bf = next(b for b in rows if b["shape"] == r["shape"] and b["case"] == "lowbit bf16")
-        r["vs_bf16"] = bf["ms"] / r["ms"]
+        r["vs_bf16"] = None if r["case"].startswith("pieces") else bf["ms"] / r["ms"]
+        for key in ("TFLOPs", "vs_xla", "floor_ms", "weight_GB"):
+            r.setdefault(key, None)
     return rows
 
 
 def count(small: bool) -> int:
-    return len(CPU_SHAPES if small else GPU_SHAPES) * len(CASES)
+    return len(CPU_SHAPES if small else GPU_SHAPES) * (len(CASES) + 3)
