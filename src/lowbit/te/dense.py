@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 import lowbit
 from lowbit.te._common import constrain, refuse
+from lowbit.te.grouped_dense import grouped_dense  # noqa: F401 (TE's name)
 from lowbit.te.quantize import QuantizerSet, noop_quantizer_set, recipe_of
 
 

@@ -31,6 +31,7 @@ from lowbit.flax import (
 from lowbit.flax.positions import RelativePositionBiases
 from lowbit.flax.state_module import call_index, state_variable_name
 from lowbit.recipe import DelayedScaling, NVFP4BlockScaling, Recipe
+from lowbit.te.grouped_dense import _MoEBlock, make_grouped_dense_cls  # noqa: F401 (TE's names)
 from lowbit.te.quantize import QuantizerSet, quantizer_set_for_recipe
 from lowbit.te.sharding import extend_logical_axis_rules
 
