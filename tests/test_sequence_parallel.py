@@ -150,7 +150,10 @@ def _dense_worker(case, rng):
                 # every plan axis under delayed scaling, one per direction under current scaling.
                 pmax = [e for e in jaxpr_eqns(jaxpr) if e.primitive.name == "pmax"]
                 want = 1 if name == "delayed" else 2
-                assert len(pmax) == want and all(e.params["axes"] == ("dp", "tp") for e in pmax), (layout, pmax)
+                assert len(pmax) == want and all(e.params["axes"] == ("dp", "tp") for e in pmax), (
+                    layout,
+                    pmax,
+                )
                 colls = md.collectives(hlo)
                 gathers = [c for c in colls if c["op"] == "all-gather"]
                 scatters = [c for c in colls if c["op"] == "reduce-scatter"]

@@ -30,6 +30,7 @@ CASES = (
     "flax_dot_general",
     "partial_sums_bf16",
     "amax_reductions",
+    "uneven_warns",
 )
 
 
@@ -352,6 +353,30 @@ def _worker(case: str) -> None:
             ref = jax.jit(step_for(recipe))(x, w, b, dy, state_for(recipe))
             got = run(recipe, mesh22, dp_tp, seed_specs)
             compare(ref, got, exact={"y"})
+    elif case == "uneven_warns":
+        # A size the MeshResource's axes do not divide: the dense runs unsharded (right results),
+        # and says so, naming the axes and the size (it used to fall back silently).
+        import warnings
+
+        from lowbit.sharding import ShardingFallbackWarning, plan_dense
+
+        with jax.set_mesh(mesh22), global_shard_guard(dp_tp):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                assert plan_dense(recipes["current"], 64, 128, 256) is not None
+                assert not [w for w in seen if w.category is ShardingFallbackWarning]
+                assert plan_dense(recipes["current"], 64, 128, 255) is None
+                assert plan_dense(recipes["current"], 63, 128, 256) is None
+            got = [str(w.message) for w in seen if w.category is ShardingFallbackWarning]
+            assert len(got) == 2, got
+            assert "('tp',) (size 2)" in got[0] and "N = 255" in got[0], got[0]
+            assert "('dp',) (size 2)" in got[1] and "M (x's rows) = 63" in got[1], got[1]
+            xo = jnp.asarray(np.random.default_rng(1).standard_normal((63, 128)), jnp.bfloat16)
+            wo = jnp.asarray(np.random.default_rng(2).standard_normal((128, 256)), jnp.bfloat16)
+            with pytest.warns(ShardingFallbackWarning, match="dp"):
+                y = jax.jit(lambda a, b: lowbit.dense(a, b, recipe=recipes["current"]))(xo, wo)
+        ref = jax.jit(lambda a, b: lowbit.dense(a, b, recipe=recipes["current"]))(xo, wo)
+        assert np.array_equal(np.asarray(y, np.float32), np.asarray(ref, np.float32))
     else:
         raise SystemExit(f"unknown case {case}")
     print(f"OK {case}")

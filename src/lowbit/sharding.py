@@ -243,6 +243,10 @@ class ShardPlan:
         return self.rows[0] // _axis_size(self.mesh, self.batch) if self.rows else 0
 
 
+class ShardingFallbackWarning(UserWarning):
+    """A MeshResource asks to split a size its mesh axes do not divide: the op runs unsharded."""
+
+
 def _axis_size(mesh, axes) -> int:
     return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
 
@@ -436,9 +440,18 @@ def plan_dense(
     # scaling: 128).
     modes = set() if recipe is None else {recipe.scaling_mode(r) for r in ("x", "kernel", "grad")}
     blk = 128 if any(m.is_fp8_block for m in modes) else 32 if ScalingMode.MXFP8_1D_SCALING in modes else 1
-    for size, axes in ((M, plan.batch), (K, plan.k_axes), (N, plan.n_axes)):
+    for name, size, axes in (("M (x's rows)", M, plan.batch), ("K", K, plan.k_axes), ("N", N, plan.n_axes)):
         n = _axis_size(mesh, axes)
-        if size % n or (size // n) % blk:
+        if size % n:
+            warnings.warn(
+                f"lowbit: dense (M, K, N) = ({M}, {K}, {N}): mesh axes {axes} (size {n}) do not "
+                f"divide {name} = {size}; this dense runs unsharded (XLA gathers its operands). "
+                "Pad the dimension or leave those axes out of the MeshResource.",
+                ShardingFallbackWarning,
+                stacklevel=3,
+            )
+            return None
+        if (size // n) % blk:
             return None
     rows = seq_view(lead, _axis_size(mesh, batch), _axis_size(mesh, seq), blk) if seq else ()
     if rows and int(np.prod(rows)) == M:

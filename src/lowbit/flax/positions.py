@@ -153,9 +153,7 @@ class RelativePositionBiases(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(
-        self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True, *, layout=None
-    ) -> jax.Array:
+    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True, *, layout=None) -> jax.Array:
         for name in ("num_buckets", "max_distance", "num_attention_heads"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:

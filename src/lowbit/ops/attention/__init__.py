@@ -9,6 +9,7 @@ from lowbit.ops.attention.context_parallel import (
 )
 from lowbit.ops.attention.core import SOFTMAX_TYPES, softmax_type_name
 from lowbit.ops.attention.descriptor import Segments, SequenceDescriptor, to_segments
+from lowbit.ops.attention import cudnn_impl as _cudnn_impl  # noqa: F401  (registers "cudnn_ffi")
 from lowbit.ops.attention.dispatch import (
     AttentionArrays,
     AttentionSpec,
