@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from lowbit.ops.softmax import softmax as _softmax
 from lowbit.flax.attention_masks import bias_per_batch
+from lowbit.ops.softmax import softmax as _softmax
 from lowbit.sharding import batch_shards, plan_heads, shard_map
 
 # Traces whose body XLA runs repeatedly: cuDNN's dropout inside them aborts XLA (jax 0.11.2, H100:

@@ -2,6 +2,7 @@
 attention sinks (:mod:`.core`), context parallelism (:mod:`.context_parallel`) and the one
 function that picks the implementation (:mod:`.dispatch`)."""
 
+from lowbit.ops.attention import cudnn_impl as _cudnn_impl  # noqa: F401  (registers "cudnn_ffi")
 from lowbit.ops.attention.context_parallel import (
     ReorderStrategy,
     inverse_reorder_causal_load_balancing,
@@ -9,7 +10,6 @@ from lowbit.ops.attention.context_parallel import (
 )
 from lowbit.ops.attention.core import SOFTMAX_TYPES, softmax_type_name
 from lowbit.ops.attention.descriptor import Segments, SequenceDescriptor, to_segments
-from lowbit.ops.attention import cudnn_impl as _cudnn_impl  # noqa: F401  (registers "cudnn_ffi")
 from lowbit.ops.attention.dispatch import (
     AttentionArrays,
     AttentionSpec,
