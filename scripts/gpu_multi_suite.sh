@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The multi-GPU check and benchmark in one device call on a multi-GPU host: the multi-GPU pytest
 # cases (the seed tutorial's flow, expert parallelism), then the multi_device stages seed, layer,
-# moe and collectives (scripts/gpu_multi.sh, one time limit each), TransformerEngine's rows where
+# moe, collectives and overlap (scripts/gpu_multi.sh, one time limit each), TransformerEngine's rows where
 # it is installed (source /tmp/te-site/env.sh first: ../shared/tepeer). Logs and JSON under $OUT.
-#   scripts/gpu_multi_suite.sh [pytest] [seed] [layer] [moe] [collectives] [mp-seed]  (default: all but mp-seed)
+#   scripts/gpu_multi_suite.sh [pytest] [seed] [layer] [moe] [collectives] [overlap] [mp-seed]
+#   (default: all but mp-seed)
 # LAYER_ARGS: extra layer-stage arguments (default: TransformerLayer, every layout, delayed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu_out} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-STAGES=${*:-pytest seed layer moe collectives}
+STAGES=${*:-pytest seed layer moe collectives overlap}
 BUILD=${LOWBIT_BUILD_DIR:-build/gpu}
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -23,10 +24,12 @@ run_stage() {
   LOWBIT_STAGE_TIMEOUT=$1 bash scripts/gpu_multi.sh "${@:2}" 2>&1 | grep -v "^  File\|^    \|Warning\|warn(" | tail -${TAIL:-14}
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
-# Stage time limits (seconds): LIMIT_SEED, LIMIT_LAYER, LIMIT_MOE, LIMIT_COLLECTIVES, LIMIT_MP.
+# Stage time limits (seconds): LIMIT_SEED, LIMIT_LAYER, LIMIT_MOE, LIMIT_COLLECTIVES, LIMIT_OVERLAP,
+# LIMIT_MP.
 has seed && run_stage "${LIMIT_SEED:-200}" seed
 has layer && run_stage "${LIMIT_LAYER:-420}" layer ${LAYER_ARGS:---models TransformerLayer --recipe delayed}
 has moe && run_stage "${LIMIT_MOE:-240}" moe
 has collectives && run_stage "${LIMIT_COLLECTIVES:-200}" collectives
+has overlap && run_stage "${LIMIT_OVERLAP:-240}" overlap
 has mp-seed && run_stage "${LIMIT_MP:-240}" mp-seed
 exit $status

@@ -104,7 +104,14 @@ def _norm(v):
 def _named_in_lowbit(name: str, ours) -> bool:
     # TE's default is a module-level object (noop_quantizer_set, tex.noop_collective_op_set):
     # ours must be the object lowbit.te binds to that name.
-    for mod in ("lowbit.te.quantize", "lowbit.te.cpp_extensions", "lowbit.te.attention", "lowbit.te.softmax"):
+    mods = (
+        "lowbit.te.quantize",
+        "lowbit.te.cpp_extensions",
+        "lowbit.te.attention",
+        "lowbit.te.softmax",
+        "lowbit.te.moe",
+    )
+    for mod in mods:
         obj = getattr(importlib.import_module(mod), name, inspect.Parameter.empty)
         if obj is not inspect.Parameter.empty and (obj is ours or obj == ours):
             return True

@@ -93,7 +93,15 @@ def test_seed_check_names_each_problem():
 # ---------------------------------------------------------------------------------------------
 # On 4 host devices (subprocess)
 # ---------------------------------------------------------------------------------------------
-CASES = ("seed", "layers", "moe", "no_zero_size_operands", "attention_dp_tp", "softmax_dp_tp")
+CASES = (
+    "seed",
+    "layers",
+    "moe",
+    "no_zero_size_operands",
+    "attention_dp_tp",
+    "softmax_dp_tp",
+    "relpos_bias_per_shard",
+)
 
 
 @pytest.mark.parametrize(
@@ -157,6 +165,8 @@ def test_bench_stages_end_to_end(tmp_path):
         (op, n) for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all") for n in (2, N_DEV)
     }
     assert all(r["ms"] > 0 and r["busbw_GBps"] > 0 for r in coll)
+    over = _rows(tmp_path, "overlap")["rows"]  # tests/test_collective_dense.py checks it closer
+    assert over and all(r["ms_on"] > 0 and r["rel_diff"] <= 2.0**-6 for r in over), over
 
 
 @pytest.mark.slow
@@ -321,6 +331,48 @@ def _worker(case: str) -> None:
         for r, o in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got)):
             r, o = np.asarray(r, np.float32), np.asarray(o, np.float32)
             np.testing.assert_allclose(o, r, rtol=2.0**-7, atol=2.0**-7 * np.abs(r).max())
+    elif case == "relpos_bias_per_shard":
+        # TransformerLayer's relative position bias under DP x TP: built once per batch shard from
+        # the (heads, buckets) table, so the sum over dp lands on the table's gradient; the old
+        # code all-reduced the whole (1, heads, s, s) bias gradient over dp (40% of the layer's DP
+        # bytes at TE's sizes). Same gradients as one device.
+        S = 24  # no other (S, S)-shaped array in the layer
+        cfg = dict(batch=4, seq=S, hidden=64, ffn=128, heads=4)
+        x = rng.standard_normal((4, S, 64)).astype(jnp.bfloat16)
+        dy = rng.standard_normal((4, S, 64)).astype(np.float32)
+        model, kw, _ = md._lowbit_models(cfg)["TransformerLayer"]
+        recipe = lowbit.Float8CurrentScaling()
+        with lowbit.autocast(recipe):
+            boxed = model.init(jax.random.PRNGKey(0), jnp.asarray(x), **kw)
+        v = nn.unbox(boxed)
+        step = md._grad_step(model.apply, kw)
+        ref = md._Ctx(None, None, recipe).wrap(step)(v, jnp.asarray(x), jnp.asarray(dy))
+        mshape_fn, names, rkw, rules, xspec = md.PARALLEL["dp_tp"]
+        mesh = md._mesh(mshape_fn(N_DEV), names)
+        specs = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, list(rules))
+        specs = jax.tree_util.tree_map(
+            lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, P()),
+            specs,
+            is_leaf=lambda s: s is None or isinstance(s, (NamedSharding, P)),
+        )
+        xs = NamedSharding(mesh, P(*xspec))
+        args = md.put((v, x, dy), (specs, xs, xs))
+        ctx = md._Ctx(mesh, lowbit.MeshResource(**rkw, partial_sum_dtype="float32"), recipe, list(rules))
+        with ctx:
+            hlo = step.lower(*args).compile().as_text()
+        got = ctx.wrap(step)(*args)
+        b, leaf = md.bound_ratio(ref[1], got[1], where=True)
+        assert b <= 1.0, (b, leaf)
+        reduced = [
+            sh for c in md.collectives(hlo) if c["op"].startswith("all-reduce") for _, sh in c["results"]
+        ]
+        assert reduced and not [sh for sh in reduced if sh[-2:] == (S, S)], reduced
+        table = got[1][0]["params"]["relpos_bias"]["rel_embedding"]
+        assert table.shape == (4, 32), table.shape
+        # The fused QKV projection's columns split per q/k/v slot (its kernel (H, 3, F) sharded on
+        # F over tp): no all-gather of the kernel or of q/k/v (the flat 3F split gathered both).
+        gathers = [c["results"] for c in md.collectives(hlo) if c["op"].startswith("all-gather")]
+        assert not gathers, gathers
     elif case == "softmax_dp_tp":
         # lowbit.softmax of attention logits (b, h, sq, sk) runs per shard under DP x TP (its FFI
         # call has no partitioning rule: XLA gathered the whole input before it): row-wise, so

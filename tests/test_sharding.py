@@ -30,6 +30,7 @@ CASES = (
     "flax_dot_general",
     "partial_sums_bf16",
     "amax_reductions",
+    "uneven_warns",
 )
 
 
@@ -335,8 +336,9 @@ def _worker(case: str) -> None:
             else:
                 np.testing.assert_allclose(g, r, rtol=2.0**-7, atol=2.0**-7 * np.abs(r).max(), err_msg=n)
     elif case == "amax_reductions":
-        # One scalar all-reduce per direction: the forward's x and kernel amaxes together, the
-        # backward's gradient amax (the old code reduced each tensor's, and current scaling's twice).
+        # Scalar all-reduces: delayed scaling one per step (the forward's local x and kernel amaxes
+        # ride along with the gradient's in the backward; the old code reduced them in the forward
+        # too), current scaling one per direction (each amax is needed before quantizing).
         res = MeshResource(dp_resource="dp", tp_resource="tp")
         for name in ("delayed", "current"):
             recipe = recipes[name]
@@ -346,10 +348,35 @@ def _worker(case: str) -> None:
                 ]
                 jaxpr = jax.make_jaxpr(step_for(recipe))(*args, state_for(recipe))
             pmax = _primitive_inputs(jaxpr.jaxpr, "pmax")
-            assert len(pmax) == 2, (name, [v.aval for v in pmax])
+            want = 1 if name == "delayed" else 2
+            assert len(pmax) == want, (name, [v.aval for v in pmax])
             ref = jax.jit(step_for(recipe))(x, w, b, dy, state_for(recipe))
             got = run(recipe, mesh22, dp_tp, seed_specs)
             compare(ref, got, exact={"y"})
+    elif case == "uneven_warns":
+        # A size the MeshResource's axes do not divide: the dense runs unsharded (right results),
+        # and says so, naming the axes and the size (it used to fall back silently).
+        import warnings
+
+        from lowbit.sharding import ShardingFallbackWarning, plan_dense
+
+        with jax.set_mesh(mesh22), global_shard_guard(dp_tp):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                assert plan_dense(recipes["current"], 64, 128, 256) is not None
+                assert not [w for w in seen if w.category is ShardingFallbackWarning]
+                assert plan_dense(recipes["current"], 64, 128, 255) is None
+                assert plan_dense(recipes["current"], 63, 128, 256) is None
+            got = [str(w.message) for w in seen if w.category is ShardingFallbackWarning]
+            assert len(got) == 2, got
+            assert "('tp',) (size 2)" in got[0] and "N = 255" in got[0], got[0]
+            assert "('dp',) (size 2)" in got[1] and "M (x's rows) = 63" in got[1], got[1]
+            xo = jnp.asarray(np.random.default_rng(1).standard_normal((63, 128)), jnp.bfloat16)
+            wo = jnp.asarray(np.random.default_rng(2).standard_normal((128, 256)), jnp.bfloat16)
+            with pytest.warns(ShardingFallbackWarning, match="dp"):
+                y = jax.jit(lambda a, b: lowbit.dense(a, b, recipe=recipes["current"]))(xo, wo)
+        ref = jax.jit(lambda a, b: lowbit.dense(a, b, recipe=recipes["current"]))(xo, wo)
+        assert np.array_equal(np.asarray(y, np.float32), np.asarray(ref, np.float32))
     else:
         raise SystemExit(f"unknown case {case}")
     print(f"OK {case}")

@@ -199,6 +199,13 @@ def test_ops_layers_import_downward():
     )
 
 
+def test_moe_layer_sits_between_ops_and_flax():
+    """lowbit.moe drives lowbit.ops (its fused moe engine) and is used by lowbit.flax / lowbit.te."""
+    up = _importers(("lowbit.flax", "lowbit.te"), "lowbit.moe")
+    down = {m: ts for m, ts in _importers(("lowbit.moe",), "lowbit.ops").items()}
+    assert not up and not down, f"lowbit.moe layering broken: {up or down}"
+
+
 def _te_importers() -> dict[str, set[str]]:
     out = _importers(("lowbit.te",), "lowbit")
     return {m: ts for m, ts in out.items() if not m.startswith(("lowbit.te", "lowbit.bench"))}

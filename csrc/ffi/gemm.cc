@@ -6,9 +6,13 @@
 // liblowbit_cuda (cuBLASLt). The handler only decodes buffers and attributes.
 #include "lowbit/gemm.h"
 
+#include <cstdlib>
 #include <string>
 
 #include "lowbit/block_scaling.h"
+#if LOWBIT_WITH_CUDA
+#include "lowbit/block_gemm.h"
+#endif
 
 #include "ffi_common.h"
 
@@ -147,5 +151,27 @@ LOWBIT_EXPORT int64_t lowbit_gemm_workspace_bytes() {
   return static_cast<int64_t>(kGemmWorkspaceBytes);
 #else
   return 0;
+#endif
+}
+
+// Whether a block-scaled GEMM of these dtypes (DType codes) and block modes takes its bias in
+// the epilogue (Python then passes it instead of adding it after an F32 GEMM): the CPU kernel
+// always does; on CUDA lowbit's CUTLASS kernels do where one exists, unless
+// LOWBIT_BLOCK_GEMM=cublaslt forces cuBLASLt (which has no such epilogue).
+LOWBIT_EXPORT int lowbit_gemm_block_bias(int a_dtype, int b_dtype, int a_block, int b_block,
+                                         int out_dtype) {
+#if LOWBIT_WITH_CUDA
+  const char* e = std::getenv("LOWBIT_BLOCK_GEMM");
+  if (e && std::string(e) == "cublaslt") return 0;
+  GemmParams p;
+  p.a_dtype = static_cast<DType>(a_dtype);
+  p.b_dtype = static_cast<DType>(b_dtype);
+  p.a_block = a_block;
+  p.b_block = b_block;
+  p.out_dtype = static_cast<DType>(out_dtype);
+  return block_gemm_cutlass_variants(p) > 0 ? 1 : 0;
+#else
+  (void)a_dtype, (void)b_dtype, (void)a_block, (void)b_block, (void)out_dtype;
+  return 1;
 #endif
 }

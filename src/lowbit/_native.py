@@ -32,6 +32,8 @@ OPS: tuple[str, ...] = (
     "act_bwd",
     "softmax_fwd",
     "softmax_bwd",
+    "attention_fwd",
+    "attention_bwd",
 )
 
 # Stand-ins for optional operands and results the handlers take as zero-length buffers.

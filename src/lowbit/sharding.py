@@ -208,6 +208,7 @@ class ShardPlan:
     partial_sum_dtype: Optional[str] = None  # MeshResource.partial_sum_dtype
     seq: tuple = ()  # sequence parallelism: the tp axes splitting S between blocks
     rows: tuple = ()  # sequence parallelism: (B, S), M = B * S
+    overlap: bool = False  # lowbit.ops.collective_dense: the gather / scatter as a ppermute ring
 
     @staticmethod
     def _entry(axes):
@@ -240,6 +241,10 @@ class ShardPlan:
     def b_local(self) -> int:
         """B per shard (sequence parallelism): the rows of a shard are (b_local, S or S/tp)."""
         return self.rows[0] // _axis_size(self.mesh, self.batch) if self.rows else 0
+
+
+class ShardingFallbackWarning(UserWarning):
+    """A MeshResource asks to split a size its mesh axes do not divide: the op runs unsharded."""
 
 
 def _axis_size(mesh, axes) -> int:
@@ -379,10 +384,42 @@ def plan_heads(batch: int, *heads: int):
     return mesh, ShardPlan._entry(batch_axes), ShardPlan._entry(tp)
 
 
+def batch_shards(batch: int) -> int:
+    """How many batch shards :func:`plan_heads` splits ``batch`` into (1: none). A tensor shared
+    over the batch (an attention bias) given with this many leading entries, one per shard,
+    keeps its gradient per shard instead of summing it over the batch axes (see
+    :func:`constrain_batch_shards`)."""
+    found = _mesh_axes()
+    if found is None:
+        return 1
+    n = _axis_size(found.mesh, found.batch)
+    return n if n > 1 and batch % n == 0 else 1
+
+
+def bias_layout(batch: int, *heads: int):
+    """How :func:`plan_heads` lays out an attention bias that is built rather than given (a
+    relative position bias): ``(n, mesh, batch entry, head entry)``, one bias per batch shard
+    (n of them, 1 where the batch is not split) with its heads split as the attention's; None
+    when the attention runs as one op. Built on each device for its own shard
+    (:func:`constrain_bias`), its gradient reaches the bias's source before any sum over the mesh."""
+    plan = plan_heads(batch, *heads)
+    if plan is None:
+        return None
+    mesh, b, h = plan
+    return _axis_size(mesh, () if b is None else ((b,) if isinstance(b, str) else b)), mesh, b, h
+
+
+def constrain_bias(x, layout):
+    """``x`` (n, heads, ...) laid out as :func:`bias_layout` says."""
+    _, mesh, b, h = layout
+    spec = P(b, h, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
 def plan_dense(
     recipe, M: int, K: int, N: int, tp_layout: Optional[str] = None, lead: tuple = ()
 ) -> Optional[ShardPlan]:
-    """The shard plan for a (M, K) x (K, N) dense under ``recipe``, tp splitting the kernel's N
+    """The shard plan for a (M, K) x (K, N) dense under ``recipe`` (None: BF16), tp splitting the kernel's N
     or K as ``tp_layout`` says (:func:`resolve_tp_layout`), or None to run unsharded (no
     MeshResource or mesh, already inside a shard_map over these axes, or uneven shards).
 
@@ -401,11 +438,20 @@ def plan_dense(
         return None
     # Every shard must hold whole scaling blocks (MXFP8: 32 along each quantized axis; FP8 block
     # scaling: 128).
-    modes = {recipe.scaling_mode(r) for r in ("x", "kernel", "grad")}
+    modes = set() if recipe is None else {recipe.scaling_mode(r) for r in ("x", "kernel", "grad")}
     blk = 128 if any(m.is_fp8_block for m in modes) else 32 if ScalingMode.MXFP8_1D_SCALING in modes else 1
-    for size, axes in ((M, plan.batch), (K, plan.k_axes), (N, plan.n_axes)):
+    for name, size, axes in (("M (x's rows)", M, plan.batch), ("K", K, plan.k_axes), ("N", N, plan.n_axes)):
         n = _axis_size(mesh, axes)
-        if size % n or (size // n) % blk:
+        if size % n:
+            warnings.warn(
+                f"lowbit: dense (M, K, N) = ({M}, {K}, {N}): mesh axes {axes} (size {n}) do not "
+                f"divide {name} = {size}; this dense runs unsharded (XLA gathers its operands). "
+                "Pad the dimension or leave those axes out of the MeshResource.",
+                ShardingFallbackWarning,
+                stacklevel=3,
+            )
+            return None
+        if (size // n) % blk:
             return None
     rows = seq_view(lead, _axis_size(mesh, batch), _axis_size(mesh, seq), blk) if seq else ()
     if rows and int(np.prod(rows)) == M:

@@ -81,4 +81,19 @@ constexpr int32_t kSoftmaxScaled = 0;
 constexpr int32_t kSoftmaxScaledMasked = 1;
 constexpr int32_t kSoftmaxScaledUpperTriangMasked = 2;
 
+// Attention (ffi/attention.cc, cuDNN): bits of the `flags` attribute, and the FP8 scale and
+// amax arrays' geometry (rows kAttnScaleStride floats apart: each pointer 16-byte aligned).
+constexpr int32_t kAttnCausal = 1;
+constexpr int32_t kAttnPadding = 2;
+constexpr int32_t kAttnRagged = 4;
+constexpr int32_t kAttnDropout = 8;
+constexpr int32_t kAttnSink = 16;
+constexpr int32_t kAttnFp8 = 32;
+constexpr int32_t kAttnDeterministic = 64;
+constexpr int32_t kAttnScaleStride = 4;
+constexpr int32_t kAttnFp8FwdScales = 6;
+constexpr int32_t kAttnFp8BwdScales = 12;
+constexpr int32_t kAttnFp8FwdAmaxes = 2;
+constexpr int32_t kAttnFp8BwdAmaxes = 4;
+
 }  // namespace lowbit::abi

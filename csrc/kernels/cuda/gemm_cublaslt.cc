@@ -24,6 +24,7 @@
 #include <string>
 #include <tuple>
 
+#include "lowbit/block_gemm.h"
 #include "lowbit/gemm.h"
 
 namespace lowbit {
@@ -127,6 +128,8 @@ int current_device(cudaStream_t stream) {
 
 }  // namespace
 
+int gemm_stream_device(void* stream) { return current_device(static_cast<cudaStream_t>(stream)); }
+
 Status gemm_cuda_init() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return Status::Invalid("gemm: no current CUDA device");
@@ -134,7 +137,7 @@ Status gemm_cuda_init() {
   return handle_for(device, &handle);
 }
 
-Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
+Status gemm_cublaslt(const GemmParams& p, void* stream_ptr) {
   Status s = validate(p);
   if (!s.ok()) return s;
   // Empty problems are handled by the caller (no kernel can write an empty output; K == 0 needs
@@ -293,6 +296,13 @@ Status gemm_cuda(const GemmParams& p, void* stream_ptr) {
                                  d.d, &algo, p.workspace, p.workspace_bytes, stream),
                   "cublasLtMatmul");
   return Status::Ok();
+}
+
+// FP8 block scaling goes to block_gemm.cu: lowbit's CUTLASS kernels or cuBLASLt, whichever
+// measured faster for the shape.
+Status gemm_cuda(const GemmParams& p, void* stream) {
+  if (p.a_block != 0) return block_gemm_cuda(p, stream);
+  return gemm_cublaslt(p, stream);
 }
 
 }  // namespace lowbit

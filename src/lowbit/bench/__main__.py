@@ -1,4 +1,4 @@
-"""``python -m lowbit.bench [quantize|gemm|dense|grouped|layer|all] [--small|--full] [--out DIR]``
+"""``python -m lowbit.bench [quantize|gemm|dense|grouped|moe|layer|all] [--small|--full] [--out DIR]``
 ``python -m lowbit.bench multi_device --stage {seed,layer,moe,all} ...`` (lowbit.bench.multi_device)
 
 Times lowbit next to plain Flax/XLA in one process, prints tables, writes JSON (with the device
@@ -20,6 +20,7 @@ SUITES = {
     "gemm": ("lowbit.bench.gemm", ["shape", "format", "ms", "tflops", "vs_bf16", "vs_fp8"]),
     "dense": ("lowbit.bench.dense", None),
     "grouped": ("lowbit.bench.grouped", None),
+    "moe": ("lowbit.bench.moe", ["name", "ms", "TFLOPs", "vs_xla", "vs_bf16", "floor_ms", "weight_GB"]),
     "layer": ("lowbit.bench.layer", ["model", "name", "ms", "speedup", "sm_mhz", "power_w", "note"]),
 }
 

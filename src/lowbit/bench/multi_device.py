@@ -1,6 +1,6 @@
 """Multiple devices: the seed's DP x TP Dense, sharded layers, expert-parallel MoE (issue 16).
 
-    python -m lowbit.bench multi_device --stage {seed,layer,moe,all} [--small|--full] [--out DIR]
+    python -m lowbit.bench multi_device --stage {seed,layer,moe,collectives,overlap,all} [--small|--full]
     python -m lowbit.bench multi_device --stage seed --processes 2   # jax.distributed, one host
 
 Stages (each prints a table and writes ``multi_device-<stage>-<size>.json`` under ``--out``,
@@ -20,6 +20,8 @@ default ``benchmarks/results/<device>/``):
   of each device's experts, the results sent back; BF16 and FP8, exact buffers and a capacity
   factor of 1.25, and the first version (:func:`moe_allgather`: every token gathered, outputs
   reduce-scattered) for comparison.
+* ``overlap``: the sequence-parallel MLP and the seed's dense with ``tp_overlap`` off and on
+  (lowbit.bench.overlap).
 
 Columns: ``ms`` the sharded fwd+bwd step, ``ms_one_device`` the same global batch on one device,
 ``scaling_eff`` = ms_one_device / (devices x ms) (strong scaling; 1 is ideal), ``rel_diff_vs_one``
@@ -47,7 +49,7 @@ import time
 
 from lowbit.bench.peers import te_peer  # imports neither jax nor TE at module load
 
-STAGES = ("seed", "layer", "moe", "collectives")
+STAGES = ("seed", "layer", "moe", "collectives", "overlap")
 _ENV_ID, _ENV_NUM, _ENV_COORD = "LOWBIT_MP_PROCESS_ID", "LOWBIT_MP_NUM_PROCESSES", "LOWBIT_MP_COORDINATOR"
 
 
@@ -1096,6 +1098,15 @@ def main(argv=None) -> int:
             from lowbit.bench import collectives as cl
 
             rows, cols, bad = cl.collective_rows(small, lambda f, a: _timed(f, a, small)), cl.COLUMNS, []
+        elif stage == "overlap":
+            from lowbit.bench import overlap as ov
+
+            recipes = ("bf16", "current") if args.quick else ("bf16", "current", "delayed")
+            rows, cols = (
+                ov.overlap_rows(small, lambda f, a: _timed(f, a, small), sys.modules[__name__], recipes),
+                ov.COLUMNS,
+            )
+            bad = [r for r in rows if r["rel_diff"] > 2.0**-6]
         else:
             rows, cols, bad = moe_rows(small, quick=args.quick), MOE_COLUMNS, []
         if main_proc:

@@ -3,6 +3,7 @@
 from lowbit.flax.attention import DotProductAttention, MultiHeadAttention
 from lowbit.flax.dot_general import layer_dot_general_cls, make_dot_general_cls
 from lowbit.flax.modules import DenseGeneral, DenseOp, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
+from lowbit.flax.moe import MoEBlock
 from lowbit.flax.positions import RelativePositionBiases
 from lowbit.flax.ragged_dot import make_ragged_dot_cls
 from lowbit.flax.state_module import (
@@ -16,6 +17,7 @@ from lowbit.flax.transformer import TransformerLayer, TransformerLayerType
 
 __all__ = [
     "make_ragged_dot_cls",
+    "MoEBlock",
     "OVERWRITE_WITH_GRADIENT",
     "SR_RNG",
     "QuantizeContext",

@@ -50,10 +50,19 @@ from lowbit.flax.attention_paths import cudnn_dropout_allowed as _cudnn_dropout_
 from lowbit.flax.attention_paths import default_is_gpu as _default_is_gpu
 from lowbit.flax.attention_paths import traced_in_loop as _traced_in_loop
 from lowbit.flax.attention_projections import out_projection, qkv_projections
-from lowbit.flax.compat import batch_first_default, check_attn_softmax_type
+from lowbit.flax.compat import batch_first_default
 from lowbit.flax.params import Initializer, check_norm_type
 from lowbit.flax.positions import canonical_group_method, check_rotary_windows, rotary_pos_emb
-from lowbit.sharding import constrain_sequence
+from lowbit.ops.attention import (
+    SequenceDescriptor,
+    cp_active,
+    implementations,
+    make_spec,
+    pick_implementation,
+    softmax_type_name,
+)
+from lowbit.ops.attention import attention as core_attention
+from lowbit.sharding import HEAD_AXES, constrain_sequence
 
 _CP_STRATEGIES = ("DEFAULT", "ALL_GATHER", "ALLGATHER", "RING")
 _LORA_SCOPES = (
@@ -111,8 +120,11 @@ class DotProductAttention(nn.Module):
     context_parallel_axis: str = ""
     context_parallel_strategy: str = "DEFAULT"
     context_checkpoint_name: str = "context"
-    softmax_type: Any = "vanilla"
-    #: lowbit: None = cuDNN on a GPU where it applies, else XLA; or force "cudnn" / "xla".
+    #: attention sinks: "vanilla", "off_by_one" (a zero logit more in the denominator) or
+    #: "learnable" (a logit per head, parameter ``softmax_offset (1, heads, 1, 1)``).
+    softmax_type: str = "vanilla"
+    #: lowbit: None = cuDNN on a GPU where it applies, else XLA; or force "cudnn" / "xla" (or a
+    #: name registered with lowbit.ops.attention.register_implementation).
     implementation: Optional[str] = None
 
     def __post_init__(self):
@@ -136,21 +148,19 @@ class DotProductAttention(nn.Module):
                 raise ValueError("sequence_descriptor and mask cannot be provided at the same time")
             sequence_descriptor = mask
         self._check_unsupported()
-        check_attn_softmax_type(self.softmax_type)
         mask_type = enum_name(self.attn_mask_type, "attn_mask_type", MASK_TYPES)
         btype = bias_type(self.attn_bias_type, bias)
         layout = enum_name(self.qkv_layout, "qkv_layout", QKV_LAYOUTS + THD_LAYOUTS)
-        if layout in THD_LAYOUTS:
-            raise NotImplementedError(
-                f"qkv_layout={self.qkv_layout!r}: the THD layouts (sequence packing) are not supported "
-                f"by lowbit; use one of {list(QKV_LAYOUTS)}"
-            )
+        softmax = softmax_type_name(self.softmax_type)
         window = check_window(self.window_size)
         rate = self.attention_dropout
         if not isinstance(rate, (int, float, np.floating)) or not 0.0 <= rate < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {rate!r}")
-        if self.implementation not in (None, "cudnn", "xla"):
-            raise ValueError(f"implementation must be None, 'cudnn' or 'xla', got {self.implementation!r}")
+        if self.implementation not in (None, "cudnn", *implementations()):
+            raise ValueError(
+                f"implementation must be None, 'cudnn' or one of {list(implementations())}, got "
+                f"{self.implementation!r}"
+            )
 
         query, key, value = self._unpack(layout, query, key, value)
         if self.transpose_batch_sequence:
@@ -178,6 +188,15 @@ class DotProductAttention(nn.Module):
             )
         sk = key.shape[1]
 
+        # Packing, sinks, context parallelism, or a registered implementation (lowbit's cuDNN
+        # op) that takes the call: lowbit.ops.attention picks the path.
+        drop = 0.0 if deterministic else rate
+        if self._use_core(
+            query, key, value, sequence_descriptor, btype, mask_type, layout, window, softmax, drop
+        ):
+            args = (sequence_descriptor, bias, btype, mask_type, layout, window, softmax, drop)
+            out = checkpoint_name(self._core(query, key, value, *args), self.context_checkpoint_name)
+            return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
         padding = check_mask(sequence_descriptor, mask_type, b, h, sq, sk)
         masked, plain_causal = combine_masks(padding, mask_type, window, sq, sk)
         scale = float(self.scale_factor) if self.scale_factor is not None else 1.0 / math.sqrt(d)
@@ -224,20 +243,64 @@ class DotProductAttention(nn.Module):
         out = checkpoint_name(out, self.context_checkpoint_name)
         return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
 
+    def _use_core(self, query, key, value, desc, btype, mask_type, layout, window, softmax, rate) -> bool:
+        if isinstance(desc, SequenceDescriptor) or softmax != "vanilla" or layout in THD_LAYOUTS:
+            return True
+        if cp_active(self.context_parallel_axis):
+            return True
+        impl = self.implementation
+        if impl in ("cudnn", "xla") or (impl is None and len(implementations()) == 1):
+            return False
+        mask = None if desc is None else jnp.asarray(desc)
+        spec = make_spec(query, key, value, scale=1.0, bias_type=btype, mask_type=mask_type, window=window,
+                         mask=mask, dropout_rate=rate)  # fmt: skip
+        return pick_implementation(spec, impl) != "xla"
+
+    def _core(self, query, key, value, desc, bias, btype, mask_type, layout, window, softmax, rate):
+        """Packing, sinks and context parallelism through :func:`lowbit.ops.attention.attention`."""
+        b, sq, h, d = query.shape
+        padding = None
+        if desc is not None and not isinstance(desc, SequenceDescriptor):
+            padding = check_mask(desc, mask_type, b, h, sq, key.shape[1])
+            desc = None
+        offset = None
+        if softmax == "learnable":
+            init = nn.with_logical_partitioning(nn.initializers.zeros, (None, HEAD_AXES, None, None))
+            offset = self.param("softmax_offset", init, (1, h, 1, 1), jnp.float32)
+        rng = self.make_rng(self.dropout_rng_name) if rate > 0 else None
+        return core_attention(
+            query,
+            key.astype(query.dtype),
+            value.astype(query.dtype),
+            scale=float(self.scale_factor) if self.scale_factor is not None else 1.0 / math.sqrt(d),
+            bias=check_bias(bias, b, h, sq, key.shape[1]),
+            bias_type=btype,
+            mask_type=mask_type,
+            mask=padding,
+            sequence_descriptor=desc,
+            thd=layout in THD_LAYOUTS,
+            window=window,
+            max_segments_per_seq=self.max_segments_per_seq,
+            softmax_type=softmax,
+            softmax_offset=offset,
+            dropout_rate=rate,
+            rng=rng,
+            context_parallel_axis=self.context_parallel_axis,
+            context_parallel_strategy=self.context_parallel_strategy,
+            context_parallel_load_balanced=self.context_parallel_causal_load_balanced,
+            implementation=None if self.implementation == "cudnn" else self.implementation,
+        )
+
     def _check_unsupported(self):
-        if self.max_segments_per_seq not in (None, 1):
-            raise NotImplementedError(
-                f"max_segments_per_seq={self.max_segments_per_seq!r}: several segments per sequence "
-                f"(sequence packing) are not supported by lowbit; leave it at 1"
+        if self.max_segments_per_seq is not None and (
+            not isinstance(self.max_segments_per_seq, (int, np.integer)) or self.max_segments_per_seq < 1
+        ):
+            raise ValueError(
+                f"max_segments_per_seq must be a positive int, got {self.max_segments_per_seq!r}"
             )
-        if self.context_parallel_causal_load_balanced:
-            raise NotImplementedError(
-                "context_parallel_causal_load_balanced=True: context parallelism is not supported by lowbit"
-            )
-        if self.context_parallel_axis:
-            raise NotImplementedError(
-                f"context_parallel_axis={self.context_parallel_axis!r}: context parallelism is not "
-                f"supported by lowbit; leave it ''"
+        if not isinstance(self.context_parallel_axis, str):
+            raise TypeError(
+                f"context_parallel_axis must be a mesh axis name (str), got {self.context_parallel_axis!r}"
             )
         s = self.context_parallel_strategy
         if getattr(s, "name", s) is None or str(getattr(s, "name", s)).upper() not in _CP_STRATEGIES:
@@ -249,6 +312,7 @@ class DotProductAttention(nn.Module):
             raise TypeError(f"context_checkpoint_name must be a str, got {self.context_checkpoint_name!r}")
 
     def _unpack(self, layout, query, key, value):
+        layout = {"t3hd": "bs3hd", "thd_t2hd": "bshd_bs2hd"}.get(layout, layout)
         if layout == "bs3hd":
             if query.ndim != 5 or query.shape[2] != 3:
                 raise ValueError(
@@ -355,7 +419,7 @@ class MultiHeadAttention(nn.Module):
     scaled_query_init: bool = True
     float32_logits: bool = False
     window_size: Optional[Tuple[int, int]] = None
-    softmax_type: Any = "vanilla"
+    softmax_type: str = "vanilla"  # attention sinks: DotProductAttention.softmax_type
     # Deprecated in TransformerEngine (same handling here)
     num_heads: Optional[int] = None
     dropout_rate: Optional[float] = None
@@ -450,6 +514,8 @@ class MultiHeadAttention(nn.Module):
             windows, method = self.rotary_pos_emb_windows, self.rotary_pos_emb_group_method
             q = rotary_pos_emb(q, windows, tbs, method, position_offset=offset)
             k = rotary_pos_emb(k, windows, tbs, method, position_offset=offset)
+        if decode and isinstance(mask, SequenceDescriptor):
+            raise NotImplementedError("decode=True takes a mask array, not a SequenceDescriptor")
         if decode:
             k, v, mask, bias = self._decode_step(q, k, v, mask, bias, stepping, h, d)
             if stepping:  # one query at position cache_index: the step mask replaces the causal one

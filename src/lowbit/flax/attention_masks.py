@@ -15,6 +15,8 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.sharding import batch_shards
+
 MASK_TYPES = (
     "no_mask",
     "padding",
@@ -76,10 +78,9 @@ def check_mask(mask, mask_type, b, h, sq, sk):
     if not needs:
         return None  # TransformerEngine ignores the mask of the no_mask/causal types
     if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
-        raise NotImplementedError(
-            f"DotProductAttention: sequence_descriptor must be a boolean mask array (True = masked "
-            f"out); TransformerEngine's SequenceDescriptor (seqlens, offsets, segment ids) is not "
-            f"supported, got {type(mask).__name__}"
+        raise TypeError(
+            f"DotProductAttention: sequence_descriptor must be a SequenceDescriptor "
+            f"(lowbit.te.attention) or a boolean mask array (True = masked out), got {type(mask).__name__}"
         )
     mask = jnp.asarray(mask)
     want = (b, h, sq, sk)
@@ -138,14 +139,30 @@ def bias_type(attn_bias_type, bias) -> str:
 
 
 def check_bias(bias, b: int, h: int, sq: int, sk: int):
-    """``bias`` as an array of shape ``(1 or b, 1 or h, sq, sk)``, or None."""
+    """``bias`` as an array of shape ``(1 or b, 1 or h, sq, sk)``, or None. Under a mesh the
+    leading size may also be the number of batch shards (``lowbit.sharding.batch_shards(b)``:
+    one bias per shard, as ``RelativePositionBiases(batch_shards=)`` builds it)."""
     if bias is None:
         return None
     bias = jnp.asarray(bias)
-    if bias.ndim != 4 or any(m not in (1, w) for m, w in zip(bias.shape, (b, h, sq, sk))):
+    lead = {1, b, batch_shards(b)}
+    if (
+        bias.ndim != 4
+        or bias.shape[0] not in lead
+        or any(m not in (1, w) for m, w in zip(bias.shape[1:], (h, sq, sk)))
+    ):
+        shards = f" or {batch_shards(b)} (batch shards)" if batch_shards(b) > 1 else ""
         raise ValueError(
-            f"bias must have shape (1 or batch, 1 or heads, sq, sk) = "
+            f"bias must have shape (1 or batch{shards}, 1 or heads, sq, sk) = "
             f"(1 or {b}, 1 or {h}, {sq}, {sk}), "
             f"got {tuple(bias.shape)}"
         )
     return bias
+
+
+def bias_per_batch(bias, b: int):
+    """A bias given once per batch shard (leading size n, 1 < n < b) repeated to one per
+    sequence, for the paths that do not run per shard; others unchanged."""
+    if bias is None or bias.shape[0] in (1, b):
+        return bias
+    return jnp.repeat(bias, b // bias.shape[0], axis=0)

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from lowbit.flax.attention_masks import bias_per_batch
 from lowbit.ops.softmax import softmax as _softmax
-from lowbit.sharding import plan_heads, shard_map
+from lowbit.sharding import batch_shards, plan_heads, shard_map
 
 # Traces whose body XLA runs repeatedly: cuDNN's dropout inside them aborts XLA (jax 0.11.2, H100:
 # "Fatal Python error: Aborted" compiling lax.scan over the attention), so dropout there takes the
@@ -73,6 +74,7 @@ def attention_reference(q, k, v, masked, bias, bias_type, scale, rate, rng, plai
     ``(b, h, sq, sk)``) or None; ``plain_causal``: the mask is exactly the square causal triangle."""
     b, sq, h, d = q.shape
     sk, g = k.shape[1], k.shape[2]
+    bias = bias_per_batch(bias, b)
     qg = q.reshape(b, sq, g, h // g, d)
     logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k, preferred_element_type=jnp.float32).reshape(b, h, sq, sk)
     smax_scale = scale
@@ -112,10 +114,11 @@ def per_shard_attention(fn, query, key, value, bias=None, mask=None):
     mesh, b, h = plan
     qkv = P(b, None, h, None)
 
-    def spec4(a):  # (b or 1, h or 1, sq, skv); anything else replicated
+    def spec4(a):  # (b or batch shards or 1, h or 1, sq, skv); anything else replicated
         if a.ndim != 4:
             return P()
-        return P(b if a.shape[0] == query.shape[0] else None, h if a.shape[1] > 1 else None)
+        split = a.shape[0] in (query.shape[0], batch_shards(query.shape[0])) and a.shape[0] > 1
+        return P(b if split else None, h if a.shape[1] > 1 else None)
 
     args = {k: a for k, a in (("bias", bias), ("mask", mask)) if a is not None}
 
@@ -135,7 +138,7 @@ def cudnn_attention_dropout(q, k, v, masked, bias, bias_type, scale, rate, seed,
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dpa
 
     if bias is not None:
-        bias = bias.astype(q.dtype)
+        bias = bias_per_batch(bias, q.shape[0]).astype(q.dtype)
         if bias_type == "pre_scale_bias":
             bias = (bias * scale).astype(q.dtype)
     keep = None if (masked is None or plain_causal) else jnp.logical_not(masked)

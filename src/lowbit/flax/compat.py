@@ -6,16 +6,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-# TE's AttnSoftmaxType names and strings -> the canonical string.
-_ATTN_SOFTMAX = {
-    "vanilla": "vanilla",
-    "vanilla_softmax": "vanilla",
-    "off_by_one": "off_by_one",
-    "off-by-one": "off_by_one",
-    "off_by_one_softmax": "off_by_one",
-    "learnable": "learnable",
-    "learnable_softmax": "learnable",
-}
+from lowbit.ops.attention import softmax_type_name
 
 
 def batch_first_default(module) -> None:
@@ -25,21 +16,14 @@ def batch_first_default(module) -> None:
         object.__setattr__(module, "transpose_batch_sequence", False)
 
 
-def attn_softmax_type(value) -> str:
-    """'vanilla', 'off_by_one' or 'learnable' from a string or TE's ``AttnSoftmaxType``."""
-    key = getattr(value, "name", value)
-    canon = _ATTN_SOFTMAX.get(key.lower()) if isinstance(key, str) else None
-    if canon is None:
-        raise ValueError(f"softmax_type must be 'vanilla', 'off_by_one' or 'learnable', got {value!r}")
-    return canon
-
-
 def check_attn_softmax_type(value) -> str:
-    """As :func:`attn_softmax_type`, refusing the variants lowbit's attention does not compute."""
-    canon = attn_softmax_type(value)
+    """The attention softmax variant (a string or TE's ``AttnSoftmaxType``), refused unless
+    vanilla: for modules without attention sinks (``Softmax``)."""
+    canon = softmax_type_name(value)
     if canon != "vanilla":
         raise NotImplementedError(
-            f"softmax_type={value!r}: only the vanilla attention softmax is supported by lowbit"
+            f"softmax_type={value!r}: only the vanilla softmax is supported here (the attention "
+            "modules compute the sinks)"
         )
     return canon
 

@@ -32,8 +32,10 @@ from lowbit.ops.fused.dense_split import split_dense as _split_dense
 from lowbit.sharding import check_tp_layout
 
 
-def _dense_op(ctx: QuantizeContext, x, kernel, bias, contracting_dims, tp_layout=None):
-    kw = dict(contracting_dims=contracting_dims, out_dtype=x.dtype, tp_layout=tp_layout)
+def _dense_op(ctx: QuantizeContext, x, kernel, bias, contracting_dims, tp_layout=None, tp_overlap=False):
+    kw = dict(
+        contracting_dims=contracting_dims, out_dtype=x.dtype, tp_layout=tp_layout, tp_overlap=tp_overlap
+    )
     return _dense(x, kernel, bias, **kw, **ctx.dense_kwargs())
 
 
@@ -86,7 +88,7 @@ def _dense_general(m, x, features, axis, owner: str, norm: Optional[NormInput] =
     dims = (tuple(range(nd - c, nd)), tuple(range(c)))
     if split:
         return SplitDenseOp(name="dense_op")(x, k, b, norm=norm, tp_layout=tp_layout)
-    y = DenseOp(name="dense_op")(x, k, b, dims, tp_layout=tp_layout)
+    y = DenseOp(name="dense_op")(x, k, b, dims, tp_layout=tp_layout, tp_overlap=m.tp_overlap)
     if m.enable_low_rank_adaptation:
         y = y + _lora(m, x, in_shape, features, owner)
     return y
@@ -148,6 +150,9 @@ class DenseGeneral(nn.Module):
     #: lowbit: how tensor parallelism splits the kernel ("column": its features, the default
     #: for None; "row": its contracted axes, as the second GEMM of a column/row pair).
     tp_layout: Optional[str] = None
+    #: lowbit: under ``tpsp_resource``, the sequence all-gather / reduce-scatter overlapped with
+    #: the GEMM (``lowbit.dense``'s ``tp_overlap``; the split QKV path keeps XLA's collectives).
+    tp_overlap: bool = False
     #: lowbit: with two feature axes (n, F) over one contracted axis and no LoRA, return the n
     #: slots ``out[..., i, :]`` as a tuple (the fused QKV projection: no slicing copies, and the
     #: gradients need no concatenation).
@@ -190,6 +195,7 @@ class LayerNormDenseGeneral(nn.Module):
     transpose_batch_sequence: bool = False  # per token: changes nothing
     quantization_checkpoint_name: Optional[str] = None  # ignored, as DenseGeneral's
     tp_layout: Optional[str] = None  # lowbit's, as DenseGeneral's
+    tp_overlap: bool = False  # lowbit's, as DenseGeneral's
     split_features: bool = False  # lowbit's, as DenseGeneral's
 
     @nn.compact

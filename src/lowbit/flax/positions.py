@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.sharding import constrain_bias
+
 _GROUP_METHODS = ("consecutive", "alternate")
 
 
@@ -135,7 +137,13 @@ class RelativePositionBiases(nn.Module):
     (param ``rel_embedding``) indexed by the bucket of each (query, key) distance.
 
     ``__call__(q_seqlen, k_seqlen, bidirectional=True)`` returns
-    ``(1, num_attention_heads, q_seqlen, k_seqlen)`` in ``dtype``: an attention bias."""
+    ``(1, num_attention_heads, q_seqlen, k_seqlen)`` in ``dtype``: an attention bias.
+
+    ``layout`` (:func:`lowbit.sharding.bias_layout` of the attention, under a mesh) returns
+    ``(n, ...)``: the same bias once per batch shard (n of them), its heads split as the
+    attention splits them, each shard built on its own device from the table, so that its
+    gradient reaches the (heads, buckets) table before it is summed over the mesh (a few KB
+    reduced instead of the whole (1, heads, sq, sk) gradient)."""
 
     num_buckets: int
     max_distance: int
@@ -145,7 +153,7 @@ class RelativePositionBiases(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> jax.Array:
+    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True, *, layout=None) -> jax.Array:
         for name in ("num_buckets", "max_distance", "num_attention_heads"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
@@ -164,11 +172,13 @@ class RelativePositionBiases(nn.Module):
         axes: Sequence[str] = tuple(self.embedding_axes or ())
         init = nn.with_logical_partitioning(self.embedding_init, axes) if axes else self.embedding_init
         table = self.param("rel_embedding", init, (self.num_attention_heads, self.num_buckets), self.dtype)
-        table = jnp.asarray(table, self.dtype)
-        # One-hot contraction (a gather's gradient would be a scatter): (h, nb) x (nb, q, k).
+        table = jnp.asarray(table, self.dtype)[None]
+        if layout is not None:
+            table = constrain_bias(jnp.broadcast_to(table, (layout[0],) + table.shape[1:]), layout)
+        # One-hot contraction (a gather's gradient would be a scatter): (n, h, nb) x (nb, q, k).
         onehot = jnp.asarray(bucket[None, :, :] == np.arange(self.num_buckets)[:, None, None], self.dtype)
-        values = jax.lax.dot_general(table, onehot, (((1,), (0,)), ((), ())))
-        return values[None]
+        values = jax.lax.dot_general(table, onehot, (((2,), (0,)), ((), ())))
+        return values if layout is None else constrain_bias(values, layout)
 
 
 __all__ = ["RelativePositionBiases", "relative_position_buckets", "rotary_pos_emb"]

@@ -32,7 +32,14 @@ from lowbit.flax.layernorm_mlp import LayerNormMLP
 from lowbit.flax.modules import LayerNorm
 from lowbit.flax.params import Initializer
 from lowbit.flax.positions import RelativePositionBiases
-from lowbit.sharding import W_FSDP_AXES, W_JOINED_AXES, W_NO_SHARD_AXES, W_TP_AXES, constrain_sequence
+from lowbit.sharding import (
+    W_FSDP_AXES,
+    W_JOINED_AXES,
+    W_NO_SHARD_AXES,
+    W_TP_AXES,
+    bias_layout,
+    constrain_sequence,
+)
 
 
 class TransformerLayerType(enum.Enum):
@@ -116,7 +123,7 @@ class TransformerLayer(nn.Module):
     scale_attn_logits: bool = False
     scaled_query_init: bool = True
     window_size: Optional[Tuple[int, int]] = None
-    softmax_type: Any = "vanilla"
+    softmax_type: str = "vanilla"  # attention sinks: DotProductAttention.softmax_type
 
     @nn.compact
     def __call__(
@@ -187,7 +194,14 @@ class TransformerLayer(nn.Module):
             # A decoding decoder: the bias for max_decode_length positions (the cache's length);
             # the attention takes the row of the cache position.
             n = max_decode_length if decoder and decode and max_decode_length else seq
-            attn_bias = rel_emb(n, n, not decoder)
+            # Under a mesh the bias is built per attention shard (sharding.bias_layout): its
+            # gradient then sums over the mesh on the table, not on (1, heads, n, n).
+            groups = self.num_gqa_groups if self.num_gqa_groups is not None else heads
+            layout = bias_layout(inputs.shape[batch_dim], heads, groups)
+            if layout is not None and isinstance(rel_emb, RelativePositionBiases):
+                attn_bias = rel_emb(n, n, not decoder, layout=layout)
+            else:
+                attn_bias = rel_emb(n, n, not decoder)
 
         mha_init = self.mha_kernel_init or nn.initializers.variance_scaling(
             1.0, "fan_in", "normal", dtype=self.dtype

@@ -25,7 +25,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
-from lowbit.ops import dense_sharded
+from lowbit.ops import collective_dense, dense_sharded
 from lowbit.ops.fused_quantize import QuantizeSpec, parse_quantize_spec
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
 from lowbit.ops.nonfinite import poison_nonfinite
@@ -290,6 +290,7 @@ def dense(
     out_dtype: Optional[DTypeLike] = None,
     fast_accum: bool = True,
     tp_layout: Optional[str] = None,
+    tp_overlap: bool = False,
 ) -> jax.Array:
     """Quantized ``x . kernel (+ bias)`` with gradients through quantized GEMMs.
 
@@ -313,6 +314,10 @@ def dense(
         axes, y summed over tp: the second GEMM of a column/row pair, as an MLP's). Under
         ``tpsp_resource`` (sequence parallelism) "column" takes x split along the sequence (axis
         1, gathered in FP8) and "row" leaves y so (reduce-scattered).
+      tp_overlap: under ``tpsp_resource``, that gather and reduce-scatter (and the backward's)
+        run as rings of ppermute steps overlapped with the GEMM of each sequence chunk
+        (lowbit.ops.collective_dense; BF16 too); a ValueError where x's sequence does not split
+        evenly over the tp axis. Without sequence parallelism it changes nothing.
 
     Returns:
       ``x.shape[:-c] + F...``.
@@ -352,6 +357,18 @@ def dense(
             )
         bias = bias.reshape(N)
 
+    if recipe is None and tp_overlap:
+        y = collective_dense.dense_overlapped(
+            make_config(None, out_dtype, x.dtype, kernel, bias, fast_accum),
+            x,
+            kernel,
+            bias,
+            None,
+            tp_layout,
+            lead,
+        )
+        if y is not None:
+            return y
     if recipe is None:
         dt = jnp.result_type(x, kernel)
         y = jax.lax.dot_general(
@@ -378,6 +395,13 @@ def dense(
         rng = None  # only NVFP4's stochastic rounding draws random bits
 
     cfg = make_config(recipe, out_dtype, x.dtype, kernel, bias, fast_accum)
+    y = (
+        collective_dense.dense_overlapped(cfg, x, kernel, bias, state, tp_layout, lead)
+        if tp_overlap
+        else None
+    )
+    if y is not None:  # NVFP4 excepted: it runs unsharded
+        return y
     x2 = x.reshape(M, K)
     # Block-scaled colwise copies need the token count in whole blocks: zero rows change no
     # result (nor any amax, nor the bias gradient), so pad and slice.

@@ -270,7 +270,9 @@ def _fwd(cfg, plan: ShardPlan, x, k, bias, state):
         pre = _global_amaxes(cfg, {"x": x, "kernel": k}, axes)
         qx, _ = _quantize(cfg, "x", x, sx, pre.get("x"))
         qk, _ = _quantize(cfg, "kernel", k, sk, pre.get("kernel"))
-        qx, qk = _reduce_amaxes(cfg, {"x": qx, "kernel": qk}, axes)
+        # The delayed roles' amaxes only feed the state update: they leave as the shard's own and
+        # are reduced in the backward's one all-reduce (no scalar collective in the forward).
+        qx, qk = _reduce_amaxes(cfg, {"x": qx, "kernel": qk}, () if cfg.delayed else axes)
         # Column layout under sequence parallelism: the GEMM reads whole sequences (the rowwise
         # FP8 copy gathered); the colwise copy stays a shard until the backward needs it.
         xg = qx
@@ -280,7 +282,8 @@ def _fwd(cfg, plan: ShardPlan, x, k, bias, state):
         scatter = plan.b_local if plan.y_seq else 0
         y = _mm(plan, xg, qk, "rowwise", "colwise", cfg.out_dtype, plan.k_axes, bias, cfg.fast_accum, scatter)
         res = (qx.colwise_data, qx.colwise_scale_inv, qk.data, qk.scale_inv)
-        return _rows_out(plan, y), res, (qx.amax, qk.amax)
+        fa = jnp.concatenate([qx.amax, qk.amax]) if cfg.delayed else jnp.zeros((2,), jnp.float32)
+        return _rows_out(plan, y), res, fa
 
     res_specs = (
         plan.spec("k_axes", "x_rows"),
@@ -297,7 +300,8 @@ def _fwd(cfg, plan: ShardPlan, x, k, bias, state):
         sx=P(),
         sk=P(),
     )
-    y, res, amaxes = _call(plan, body, args, specs, (_act_spec(plan, "y"), res_specs, (P(), P())))
+    amax_spec = P(_plan_axes(plan) or None)  # (2,) per shard: local under delayed scaling
+    y, res, amaxes = _call(plan, body, args, specs, (_act_spec(plan, "y"), res_specs, amax_spec))
     return y, res, amaxes
 
 
@@ -323,16 +327,26 @@ def _local_tensor(cfg, role, data, s_inv, colwise):
     )
 
 
-def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
-    def body(dy, xc, xcs, kr, krs, sg):
+def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale, fwd_amax):
+    def body(dy, xc, xcs, kr, krs, sg, fa):
         dy = dy.reshape(-1, dy.shape[-1])  # (b, s, N) under sequence parallelism
         # Split rows: sum dbias in float32 here (the fused one rounds each partial to dy's dtype).
         fused = cfg.bias_dtype is not None and not plan.y_rows
         axes = _plan_axes(plan)
-        qdy, db = _quantize(
-            cfg, "grad", dy, sg, _global_amaxes(cfg, {"grad": dy}, axes).get("grad"), dbias=fused
-        )
-        (qdy,) = _reduce_amaxes(cfg, {"grad": qdy}, axes)
+        # Every scalar reduction of the step in one all-reduce: the forward's local amaxes (delayed
+        # scaling) ride along with the gradient's (before quantizing it under current scaling,
+        # after under delayed).
+        fa = fa if cfg.delayed else jnp.zeros((0,), jnp.float32)
+        pre = {}
+        if _current(cfg, "grad"):
+            g = _pmax(jnp.concatenate([fa, _local_amax(dy)]), axes)
+            fa, pre = g[:-1], {"grad": g[-1:]}
+        qdy, db = _quantize(cfg, "grad", dy, sg, pre.get("grad"), dbias=fused)
+        if cfg.delayed and not pre:
+            g = _pmax(jnp.concatenate([fa, qdy.amax]), axes)
+            fa, qdy = g[:-1], poison_nonfinite(dataclasses.replace(qdy, amax=g[-1:]))
+        else:
+            (qdy,) = _reduce_amaxes(cfg, {"grad": qdy}, axes)
         if cfg.bias_dtype is not None and plan.y_rows:
             db = jnp.sum(dy.astype(jnp.float32), axis=0)
         # Sequence parallelism: the GEMMs read whole sequences: dy's FP8 copies gathered (row
@@ -357,10 +371,10 @@ def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
         )
         if db is not None:
             db = (jax.lax.psum(db, plan.y_rows) if plan.y_rows else db).astype(cfg.bias_dtype)
-        return _rows_out(plan, dx), dk, db, qdy.amax
+        return _rows_out(plan, dx), dk, db, jnp.concatenate([fa, qdy.amax])
 
     xc, xcs, kr, krs = res
-    args = dict(dy=dy, xc=xc, xcs=xcs, kr=kr, krs=krs, sg=grad_scale)
+    args = dict(dy=dy, xc=xc, xcs=xcs, kr=kr, krs=krs, sg=grad_scale, fa=fwd_amax)
     specs = dict(
         dy=_act_spec(plan, "y"),
         xc=plan.spec("k_axes", "x_rows"),
@@ -368,6 +382,7 @@ def _bwd(cfg, plan: ShardPlan, res, dy, grad_scale):
         kr=plan.spec("k_axes", "n_axes"),
         krs=_scale_spec(cfg, plan, "kernel", colwise=False),
         sg=P(),
+        fa=P(_plan_axes(plan) or None),
     )
     db_spec = plan.spec("n_axes") if cfg.bias_dtype is not None else None
     outs = (_act_spec(plan, "x"), plan.spec("k_axes", "n_axes"), db_spec, P())
@@ -388,16 +403,16 @@ def _sharded_2d(cfg, plan, x, kernel, bias, state):
 
 
 def _sharded_2d_fwd(cfg, plan, x, kernel, bias, state):
-    y, res, amaxes = _fwd(cfg, plan, x, kernel, bias, state)
-    return y, (res, amaxes, state)
+    y, res, fwd_amax = _fwd(cfg, plan, x, kernel, bias, state)
+    return y, (res, fwd_amax, state)
 
 
 def _sharded_2d_bwd(cfg, plan, saved, dy):
-    res, (ax, ak), state = saved
-    dx, dk, db, ag = _bwd(cfg, plan, res, dy, ds.scale_of(state, "grad"))
+    res, fwd_amax, state = saved
+    dx, dk, db, a = _bwd(cfg, plan, res, dy, ds.scale_of(state, "grad"), fwd_amax)
     state_ct = None
-    if cfg.delayed:
-        state_ct = ds.advance_step(cfg.recipe, state, {"x": ax, "kernel": ak, "grad": ag})
+    if cfg.delayed:  # a: the global amaxes of x, kernel and grad
+        state_ct = ds.advance_step(cfg.recipe, state, {"x": a[0:1], "kernel": a[1:2], "grad": a[2:3]})
     return dx, dk, db, state_ct
 
 

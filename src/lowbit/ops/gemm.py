@@ -239,8 +239,8 @@ def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
     a 1x128 operand's scale array gains columns for the padded rows (filled with 1). With M, N
     multiples of 16 the 1x128 scale arrays' leading dimension round_up(rows, 4) equals rows,
     which is what cuBLASLt reads (its docs give the 1x128 scales of an (M, K) operand strides
-    (1, M)). The bias is
-    added in float32 after the GEMM (no epilogue with block scales)."""
+    (1, M)). The bias goes to the GEMM's epilogue where it has one (ffi.block_bias_fused), else
+    it is added in float32 after an F32 GEMM: both round acc + bias once."""
     a2, b2, sa, sb = a.data, b.data, a.scale_inv, b.scale_inv
     M, N = a2.shape[0], b2.shape[0]
     a2 = pad_to(pad_to(a2, 1, _BLOCK_K_ALIGN), 0, _FP8_ALIGN)
@@ -252,12 +252,15 @@ def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
         return s
 
     sa, sb = pad_rows_of_1d(sa, a, a2.shape[0]), pad_rows_of_1d(sb, b, b2.shape[0])
-    ffi_out = out_dtype if bias is None else _F32
     blocks = (_BLOCK_FLAG[a.mode], _BLOCK_FLAG[b.mode])
-    out = ffi.gemm(a2, b2, sa, sb, None, ffi_out, fast_accum=False, blocks=blocks)
+    # The bias in the GEMM's epilogue where it has one (rounded once, as below), else in F32 after.
+    fused = bias is not None and ffi.block_bias_fused(a2.dtype, b2.dtype, blocks, out_dtype)
+    ffi_bias = pad_to(bias, 0, _FP8_ALIGN) if fused else None
+    ffi_out = out_dtype if bias is None or fused else _F32
+    out = ffi.gemm(a2, b2, sa, sb, ffi_bias, ffi_out, fast_accum=False, blocks=blocks)
     if out.shape != (M, N):
         out = out[:M, :N]
-    if bias is not None:
+    if bias is not None and not fused:
         out = (out + bias.astype(jnp.float32)).astype(out_dtype)
     return out
 

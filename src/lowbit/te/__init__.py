@@ -4,8 +4,9 @@
 
 The module tree mirrors ``transformer_engine.jax``: ``lowbit.te.flax``, ``.quantize``,
 ``.sharding``, ``.dense``, ``.layernorm``, ``.layernorm_dense``, ``.layernorm_mlp``,
-``.activation``, ``.softmax``, ``.checkpoint_policies``. What lowbit cannot do raises an error
-that says so; docs/te_compat.md lists every name with its status.
+``.activation``, ``.softmax``, ``.checkpoint_policies``, ``.router``, ``.permutation``,
+``.moe``. What lowbit cannot do raises an error that says so; docs/te_compat.md lists every
+name with its status.
 """
 
 from lowbit.te import (
@@ -19,7 +20,10 @@ from lowbit.te import (
     layernorm,
     layernorm_dense,
     layernorm_mlp,
+    moe,
+    permutation,
     quantize,
+    router,
     sharding,
     softmax,
 )
@@ -46,7 +50,10 @@ __all__ = [
     "layernorm",
     "layernorm_dense",
     "layernorm_mlp",
+    "moe",
+    "permutation",
     "quantize",
+    "router",
     "sharding",
     "softmax",
     "NVTE_FP8_COLLECTION_NAME",

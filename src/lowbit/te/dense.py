@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import lowbit
 from lowbit.te._common import constrain, refuse
 from lowbit.te.cpp_extensions.gemm import is_noop_collective, noop_collective_op_set
+from lowbit.te.grouped_dense import grouped_dense  # noqa: F401 (TE's name)
 from lowbit.te.quantize._impl import QuantizerSet, noop_quantizer_set, recipe_of
 
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from lowbit import _native, abi
 from lowbit._native import EMPTY_F32
+from lowbit.quantization.scaling_modes import dtype_code
 
 # Bits of the `flags` attribute: fast accumulation, and each operand's FP8 block scaling (none,
 # 1x128 blocks, 128x128 tiles) as a field at its shift.
@@ -32,3 +33,13 @@ def gemm(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, *, fast_accum: bool, b
         workspace=(),
         flags=np.int32(flags),
     )
+
+
+def block_bias_fused(a_dtype, b_dtype, blocks, out_dtype) -> bool:
+    """Whether the block-scaled GEMM of these dtypes and ``blocks`` adds a bias in its epilogue
+    (rounding once), so the caller passes it instead of adding it to an F32 product: the CPU kernel
+    always; on CUDA lowbit's CUTLASS kernels where one exists (csrc/ffi/gemm.cc)."""
+    libs = _native.ensure_loaded()
+    fn = getattr(libs["cuda"] or libs["cpu"], "lowbit_gemm_block_bias", None)
+    codes = (dtype_code(a_dtype), dtype_code(b_dtype), blocks[0], blocks[1], dtype_code(out_dtype))
+    return fn is not None and bool(fn(*codes))

@@ -16,6 +16,7 @@ import functools
 from typing import Optional
 
 import jax
+import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import delayed_scaling as ds
@@ -105,6 +106,9 @@ def split_dense(
     if not fused:
         y_norm = dense_norm.apply_norm(ncfg, x, gamma, beta)
         kw = dict(recipe=recipe, state=state, rng=rng, out_dtype=out_dtype, tp_layout=tp_layout)
+        t = _column_shards(plan_dense(recipe, M, K, n * F, tp_layout))
+        if t > 1 and F % t == 0:
+            return dense_norm.with_norm_output(ncfg, _per_slot_columns(y_norm, kernel, bias, t, kw), y_norm)
         y = dense_mod.dense(y_norm, kernel, bias, **kw)
         return dense_norm.with_norm_output(ncfg, tuple(y[..., i, :] for i in range(n)), y_norm)
     state = ds.check_state_arg("split_dense", recipe, state, "lowbit.init_delayed_state(recipe)")
@@ -115,6 +119,27 @@ def split_dense(
     outs, y_norm = _split_2d(cfg, n, ncfg, x.reshape(M, K), k2, b2, state, gamma, beta)
     slots = tuple(o.reshape(lead + (F,)) for o in outs)
     return dense_norm.with_norm_output(ncfg, slots, None if y_norm is None else y_norm.reshape(x.shape))
+
+
+def _column_shards(plan) -> int:
+    """How many shards a column-parallel plan splits the output features into (1: none)."""
+    if plan is None or not plan.n_axes:
+        return 1
+    return int(np.prod([plan.mesh.shape[a] for a in plan.n_axes]))
+
+
+def _per_slot_columns(x, kernel, bias, t: int, kw) -> tuple:
+    """The column-parallel split dense with each of the ``t`` shards holding its 1/t of every
+    slot's F (the layout of a (K, n, F) kernel sharded on F), not 1/t of the flat n*F columns:
+    the kernel's columns are ordered (shard, slot, F/t) before the GEMM, so the sharded GEMM's
+    output regroups into slots without moving data between devices (the flat order made XLA
+    all-gather the kernel and the output)."""
+    K, n, F = kernel.shape
+    k2 = kernel.reshape(K, n, t, F // t).swapaxes(1, 2).reshape(K, n * F)
+    b2 = None if bias is None else bias.reshape(n, t, F // t).swapaxes(0, 1).reshape(n * F)
+    y = dense_mod.dense(x, k2, b2, **kw)
+    y = y.reshape(y.shape[:-1] + (t, n, F // t))
+    return tuple(y[..., i, :].reshape(y.shape[:-3] + (F,)) for i in range(n))
 
 
 __all__ = ["split_dense"]

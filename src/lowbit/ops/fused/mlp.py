@@ -21,6 +21,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
+from lowbit.ops import collective_dense
 from lowbit.ops import dense as dense_mod
 from lowbit.ops.activation import act_backward, act_forward, activation, parse_activations
 from lowbit.ops.fused import dense_norm
@@ -121,6 +122,7 @@ def mlp(
     out_dtype: Optional[DTypeLike] = None,
     hidden_checkpoint_name: str = "ffn1",
     norm: Optional[dense_norm.NormInput] = None,
+    tp_overlap: bool = False,
 ):
     """``act(x . kernel_1 + bias_1) . kernel_2 + bias_2``, fused where :func:`fusable`.
 
@@ -135,6 +137,8 @@ def mlp(
       hidden_checkpoint_name: ``checkpoint_name`` of the first GEMM's output (TE's ffn1).
       norm: a :class:`lowbit.ops.fused.dense_norm.NormInput`: the first GEMM reads ``layernorm(x,
         ...)``, the norm fused into its input quantization.
+      tp_overlap: under ``tpsp_resource``, both GEMMs' sequence collectives overlapped with
+        their GEMMs (:func:`lowbit.dense`'s ``tp_overlap``).
     Returns ``(..., N)``; gradients flow to x, both kernels, both biases (and the states, as
     :func:`lowbit.dense`). With ``norm``: ``(out, norm_output)``, norm_output None unless
     ``norm.return_output``.
@@ -166,10 +170,10 @@ def mlp(
     if not isinstance(states, (tuple, list)) or len(states) != 2:
         raise TypeError(f"mlp: states must be a pair (one state per GEMM), got {states!r}")
     lead, M = tuple(x.shape[:-1]), prod(x.shape[:-1])
-    if not runs_fused(recipe, activations, M, K, W):
+    if not runs_fused(recipe, activations, M, K, W) or (tp_overlap and collective_dense.sequence_parallel()):
         # Under tensor parallelism kernel_1 is column-parallel and kernel_2 row-parallel (as in
         # TransformerEngine): no gather between the GEMMs.
-        kw = dict(recipe=recipe, out_dtype=out_dtype)
+        kw = dict(recipe=recipe, out_dtype=out_dtype, tp_overlap=tp_overlap)
         y_norm = dense_norm.apply_norm(ncfg, x, gamma, beta)
         h = checkpoint_name(dense_mod.dense(y_norm, k1, b1, state=states[0], **kw), hidden_checkpoint_name)
         out = dense_mod.dense(activation(h, activations), k2, b2, state=states[1], tp_layout="row", **kw)

@@ -3,6 +3,10 @@
 ``moe_mlp`` = router logits -> softmax -> top-k (weights renormalised over the chosen k) ->
 tokens permuted by expert -> grouped fc1 -> activation -> grouped fc2 -> unpermuted and summed
 with the routing weights. Group sizes stay on the device: no host sync, no data-dependent shape.
+``moe_experts`` is the same engine with any router (a function run on each device's tokens:
+lowbit.moe's TE-style router), expert biases, a per-expert capacity on one device, and FP8
+primary weights (:mod:`lowbit.ops.fused.grouped_prequantized`); the permutation is
+:mod:`lowbit.ops.fused.permutation`'s (gather-only custom VJPs).
 
 Expert parallelism (``mesh`` and ``expert_axis``): tokens and experts are split over the axis.
 Each device routes its own tokens, sends each (token, expert) pair only to the device that owns
@@ -49,6 +53,15 @@ from jax.typing import ArrayLike
 from lowbit import delayed_scaling as ds
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
+from lowbit.ops.fused.grouped_prequantized import grouped_gemm_prequantized
+from lowbit.ops.fused.permutation import (
+    exclusive_cumsum,
+    permute,
+    permute_probs,
+    plan_dispatch,
+    row_experts,
+    unpermute,
+)
 from lowbit.ops.grouped_gemm import grouped_gemm
 from lowbit.quantization.checks import as_array
 from lowbit.recipe import DelayedScaling, Recipe
@@ -69,7 +82,9 @@ class _MoeConfig:
     axis: Optional[str] = None  # the expert axis (None: one device)
     devices: int = 1
     dispatch: str = "local"  # "local" (one device), "ragged" or "capacity"
-    rows: int = 0  # ragged: receive buffer rows; capacity: rows per (source, destination)
+    rows: int = 0  # ragged: receive buffer rows; capacity: rows per (source, destination);
+    # local: each expert's capacity (0: dropless)
+    weights_early: bool = False  # local only: routing weights applied before fc2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,46 +103,64 @@ def route(x: ArrayLike, router_kernel: ArrayLike, top_k: int) -> tuple[jax.Array
     return weights / jnp.sum(weights, axis=-1, keepdims=True), experts.astype(jnp.int32)
 
 
-def _experts(cfg: _MoeConfig, xs, w1, w2, sizes, state):
-    """Grouped fc1 -> activation -> grouped fc2 over rows grouped by expert (rows past the last
-    group give zeros)."""
+def _gemm(cfg, x, w, sizes, state, qw):
+    if qw is None:
+        return grouped_gemm(x, w, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=state)
+    return grouped_gemm_prequantized(
+        x, w, qw, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=state
+    )
+
+
+def _experts(cfg: _MoeConfig, xs, w1, w2, sizes, state, extras, row_w=None):
+    """Grouped fc1 (+ b1) -> activation (x row weights, when early) -> grouped fc2 (+ b2) over
+    rows grouped by expert (rows past the last group give zeros; so do their biases). ``extras``
+    = (b1, b2, quantized w1, quantized w2), each None or an array (a QuantizedExperts)."""
     s1, s2 = (None, None) if state is None else state
-    h = grouped_gemm(xs, w1, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=s1)
+    b1, b2, q1, q2 = (None,) * 4 if extras is None else extras
+    rows_e = None if b1 is None and b2 is None else row_experts(sizes, xs.shape[0])
+    h = _gemm(cfg, xs, w1, sizes, s1, q1)
+    if b1 is not None:
+        h = (h.astype(jnp.float32) + _bias_rows(b1, rows_e)).astype(_BF16)
     h = _activation(h, cfg.act)
-    return grouped_gemm(h, w2, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=s2)
+    if row_w is not None:
+        h = (h.astype(jnp.float32) * row_w[:, None]).astype(_BF16)
+    y = _gemm(cfg, h, w2, sizes, s2, q2)
+    if b2 is not None:
+        y = (y.astype(jnp.float32) + _bias_rows(b2, rows_e)).astype(_BF16)
+    return y
+
+
+def _bias_rows(b, rows_e):
+    # One bias row per expert, a zero row for the rows past the last group.
+    return jnp.concatenate([b.astype(jnp.float32), jnp.zeros((1, b.shape[1]), jnp.float32)])[rows_e]
 
 
 def _inverse(perm):
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
 
 
-def _exclusive_cumsum(a, axis=0):
-    return jnp.cumsum(a, axis=axis) - a
-
-
-def _sort_pairs(x, router, cfg: _MoeConfig):
-    """Routes x's tokens and sorts the T * top_k (token, expert) pairs by expert (stable: token
-    order within an expert). Returns (weights, xs (P, d) bf16 rows in sorted order, inverse
-    permutation (pair -> sorted position), per-expert counts (E,), each pair's expert (P,))."""
-    weights, experts = route(x, router, cfg.top_k)
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=cfg.experts).astype(jnp.int32)
-    xs = x.astype(_BF16)[order // cfg.top_k]
-    return weights, xs, _inverse(order).astype(jnp.int32), sizes, flat
+def _sort_pairs(x, experts, cfg: _MoeConfig):
+    """Sorts the T * top_k (token, expert) pairs by expert (stable: token order within an
+    expert). Returns (plan, xs (P, d) bf16 rows in sorted order)."""
+    plan = plan_dispatch(experts, cfg.experts)
+    return plan, permute(x.astype(_BF16), plan)
 
 
 def _combine(weights, y_pairs, out_dtype):
-    """sum_k weights[t, k] * y[t, k] in float32."""
+    """sum_k weights[t, k] * y[t, k] in float32 (y in pair order)."""
     T, k = weights.shape
     y = y_pairs.reshape(T, k, -1).astype(jnp.float32)
     return jnp.einsum("tkd,tk->td", y, weights).astype(out_dtype)
 
 
-def _local(cfg: _MoeConfig, x, router, w1, w2, state):
-    weights, xs, inv, sizes, _ = _sort_pairs(x, router, cfg)
-    ys = _experts(cfg, xs, w1, w2, sizes, state)
-    return _combine(weights, ys[inv], cfg.out_dtype)
+def _local(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
+    plan = plan_dispatch(experts, cfg.experts, capacity=cfg.rows or None)
+    xs = permute(x.astype(_BF16), plan)
+    if cfg.weights_early:  # fold the weights into fc2's input (fc2 is linear): combine sums
+        ys = _experts(cfg, xs, w1, w2, plan.group_sizes, state, extras, permute_probs(weights, plan))
+        return unpermute(ys, plan, None, cfg.out_dtype)
+    ys = _experts(cfg, xs, w1, w2, plan.group_sizes, state, extras)
+    return unpermute(ys, plan, weights, cfg.out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,17 +198,18 @@ def reverse_plan(plan):
     return (my_off, recv, their_off, send, in_off, out_off)
 
 
-def _ragged(cfg: _MoeConfig, x, router, w1, w2, state):
+def _ragged(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
     n, E = cfg.devices, cfg.experts
     El = E // n
-    weights, xs, inv, sizes, _ = _sort_pairs(x, router, cfg)
-    starts = _exclusive_cumsum(sizes)
+    dplan, xs = _sort_pairs(x, experts, cfg)
+    sizes = dplan.group_sizes
+    starts = exclusive_cumsum(sizes)
     # Per source s and local expert e: how many rows come, and where they sit on s.
     got = jax.lax.all_to_all(jnp.stack([sizes, starts]).reshape(2, n, El), cfg.axis, 1, 1, tiled=True)
     recv, src_off = got[0], got[1]
     # This device's buffer: by local expert, then source; rows past its end are dropped.
     tot = jnp.sum(recv, axis=0)
-    off = _exclusive_cumsum(tot)[None, :] + _exclusive_cumsum(recv, axis=0)
+    off = exclusive_cumsum(tot)[None, :] + exclusive_cumsum(recv, axis=0)
     keep = jnp.clip(cfg.rows - off, 0, recv)
     back = jax.lax.all_to_all(jnp.stack([off, keep]), cfg.axis, 1, 1, tiled=True)
     plan = (
@@ -188,21 +222,22 @@ def _ragged(cfg: _MoeConfig, x, router, w1, w2, state):
     )
     P_ = xs.shape[0]
     xr = _ragged_exchange((cfg.axis, cfg.rows, P_), xs, plan)
-    ys = _experts(cfg, xr, w1, w2, jnp.sum(keep, axis=0), state)
+    ys = _experts(cfg, xr, w1, w2, jnp.sum(keep, axis=0), state, extras)
     y_sorted = _ragged_exchange((cfg.axis, P_, cfg.rows), ys, reverse_plan(plan))
-    return _combine(weights, y_sorted[inv], cfg.out_dtype)
+    return unpermute(y_sorted, dplan, weights, cfg.out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # Capacity dispatch: dense all_to_all of (capacity, d) blocks per (source, destination)
 # ---------------------------------------------------------------------------------------------
-def _capacity(cfg: _MoeConfig, x, router, w1, w2, state):
+def _capacity(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
     n, E, C = cfg.devices, cfg.experts, cfg.rows
     El = E // n
-    weights, xs, inv, sizes, flat = _sort_pairs(x, router, cfg)
+    dplan, xs = _sort_pairs(x, experts, cfg)
+    sizes, inv, flat = dplan.group_sizes, dplan.dest.reshape(-1), experts.reshape(-1)
     P_ = xs.shape[0]
     per_dest = jnp.sum(sizes.reshape(n, El), axis=1)
-    dstart = _exclusive_cumsum(per_dest)
+    dstart = exclusive_cumsum(per_dest)
     # Slot (j, r) of the send buffer holds sorted pair dstart[j] + r, for r < min(count, C).
     r = jnp.arange(C, dtype=jnp.int32)
     src = jnp.minimum(dstart[:, None] + r[None, :], P_ - 1)
@@ -216,7 +251,7 @@ def _capacity(cfg: _MoeConfig, x, router, w1, w2, state):
     local = jnp.where(r[None, :] < ends[:, -1:], local, El).reshape(-1)
     order = jnp.argsort(local, stable=True)
     gs = jnp.bincount(local, length=El + 1)[:El].astype(jnp.int32)
-    ys = _experts(cfg, xr[order], w1, w2, gs, state)
+    ys = _experts(cfg, xr[order], w1, w2, gs, state, extras)
     yback = jax.lax.all_to_all(ys[_inverse(order)], cfg.axis, 0, 0, tiled=True)
     # Pair q (sorted position inv[q]) went to slot (j, rank) of its destination's block.
     j = flat // El
@@ -234,6 +269,26 @@ def _state_spec(axis):
     return lambda a: P(*([None] * (a.ndim - 1)), axis)
 
 
+def _check_weights(name, x, w1, w2, E, gated, bias):
+    T, d = x.shape
+    if w1.ndim != 3 or w1.shape[:2] != (E, d):
+        raise ValueError(
+            f"{name}: w1 must be (experts, d_model, d_ff) = ({E}, {d}, F), got {tuple(w1.shape)}"
+        )
+    F = w1.shape[2] // 2 if gated else w1.shape[2]
+    if gated and w1.shape[2] % 2:
+        raise ValueError(
+            f"{name}: a gated activation needs w1's last dim even (two halves), got {w1.shape[2]}"
+        )
+    if w2.shape != (E, F, d):
+        raise ValueError(
+            f"{name}: w2 must be (experts, d_ff, d_model) = ({E}, {F}, {d}), got {tuple(w2.shape)}"
+        )
+    for b_name, b, shape in zip(("b1", "b2"), bias or (None, None), ((E, w1.shape[2]), (E, d))):
+        if b is not None and tuple(b.shape) != shape:
+            raise ValueError(f"{name}: {b_name} must have shape {shape}, got {tuple(b.shape)}")
+
+
 def _check_args(x, router_kernel, w1, w2, top_k, gated):
     for name, a in (("x", x), ("router_kernel", router_kernel), ("w1", w1), ("w2", w2)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
@@ -246,19 +301,7 @@ def _check_args(x, router_kernel, w1, w2, top_k, gated):
             f"moe_mlp: router_kernel must be (d_model, experts) = ({d}, E), got {tuple(router_kernel.shape)}"
         )
     E = router_kernel.shape[1]
-    if w1.ndim != 3 or w1.shape[:2] != (E, d):
-        raise ValueError(
-            f"moe_mlp: w1 must be (experts, d_model, d_ff) = ({E}, {d}, F), got {tuple(w1.shape)}"
-        )
-    F = w1.shape[2] // 2 if gated else w1.shape[2]
-    if gated and w1.shape[2] % 2:
-        raise ValueError(
-            f"moe_mlp: a gated activation needs w1's last dim even (two halves), got {w1.shape[2]}"
-        )
-    if w2.shape != (E, F, d):
-        raise ValueError(
-            f"moe_mlp: w2 must be (experts, d_ff, d_model) = ({E}, {F}, {d}), got {tuple(w2.shape)}"
-        )
+    _check_weights("moe_mlp", x, w1, w2, E, gated, None)
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= E:
         raise ValueError(f"moe_mlp: top_k must be an integer in [1, experts={E}], got {top_k!r}")
     return T, E
@@ -300,8 +343,24 @@ def _check_state(recipe, state, E):
     return tuple(ds.check_state_arg(f"moe_mlp: state[{i}]", recipe, s, hint, E) for i, s in enumerate(state))
 
 
+def _check_capacity(name, capacity_factor):
+    if capacity_factor is not None and not (
+        isinstance(capacity_factor, (int, float))
+        and not isinstance(capacity_factor, bool)
+        and capacity_factor > 0
+    ):
+        raise ValueError(f"{name}: capacity_factor must be None or a number > 0, got {capacity_factor!r}")
+
+
+def _platform(mesh):
+    try:
+        return mesh.devices.flat[0].platform
+    except ValueError:  # an abstract mesh (jax.set_mesh inside jit) has no devices
+        return jax.default_backend()
+
+
 def _pick_dispatch(dispatch, mesh):
-    platform = mesh.devices.flat[0].platform
+    platform = _platform(mesh)
     if dispatch == "auto":
         # Measured (2 x H200, jax 0.11.2, T 8192 d 1024 E 8 top-2): the dense all-to-all with a
         # capacity factor of 1.25 took 1.48 ms, ragged_all_to_all of the same rows 3.93 ms.
@@ -373,31 +432,110 @@ def moe_mlp(
     x = as_array(x, "moe_mlp: x")
     router_kernel = as_array(router_kernel, "moe_mlp: router_kernel")
     w1, w2 = as_array(w1, "moe_mlp: w1"), as_array(w2, "moe_mlp: w2")
+    _check_args(x, router_kernel, w1, w2, top_k, parse_activations(activation)[1])
+    _check_capacity("moe_mlp", capacity_factor)
+    if mesh is None:
+        capacity_factor = None  # moe_mlp's contract: no drops on one device
+    y, _ = moe_experts(
+        x, (functools.partial(_softmax_route, top_k=int(top_k)), (router_kernel,)), w1, w2,
+        activation=activation, recipe=recipe, state=state, mesh=mesh, expert_axis=expert_axis,
+        dispatch=dispatch, capacity_factor=capacity_factor, name="moe_mlp",
+    )  # fmt: skip
+    return y
+
+
+def _softmax_route(x, router_kernel, top_k):
+    return (*route(x, router_kernel, top_k), ())
+
+
+def _body(cfg, route_fn, path, x, route_args, w1, w2, state, extras):
+    """Routes this device's tokens, runs the experts; sums the router's extra outputs over the
+    expert axis (the aux loss's per-expert totals)."""
+    weights, experts, extra = route_fn(x, *route_args)
+    y = path(cfg, x, weights, experts, w1, w2, state, extras)
+    if cfg.axis is not None:
+        extra = jax.tree_util.tree_map(lambda a: jax.lax.psum(a, cfg.axis), extra)
+    return y, extra
+
+
+def moe_experts(
+    x: ArrayLike,
+    route: tuple,
+    w1: ArrayLike,
+    w2: ArrayLike,
+    *,
+    activation: Union[str, Sequence[str]] = "gelu",
+    recipe: Optional[Recipe] = None,
+    state: Optional[tuple] = None,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    expert_axis: Optional[str] = None,
+    dispatch: str = "auto",
+    capacity_factor: Optional[float] = None,
+    bias: Optional[tuple] = None,
+    quantized_weights: Optional[tuple] = None,
+    weights_early: bool = False,
+    name: str = "moe_experts",
+) -> tuple:
+    """:func:`moe_mlp` with another router: ``route = (fn, args)``; ``fn(x, *args)`` (x this
+    device's tokens; ``args`` replicated arrays) returns ``(weights (T, k) float, experts (T, k)
+    int, extra)``, ``extra`` a pytree of arrays summed over the devices (e.g. the aux loss's
+    per-expert totals). Returns ``(y, extra)``. The other arguments as moe_mlp's, and:
+    ``capacity_factor`` on one device caps each expert at ``ceil(f * T * k / E)`` pairs (the
+    first in token order; the rest add zero); ``bias``: None or ``(b1 (E, w1's last dim) or
+    None, b2 (E, d_model) or None)``, split like w1;
+    ``weights_early`` (one device): the weights multiply fc2's input rather than its output;
+    ``quantized_weights``: None or ``(quantize_experts(w1), quantize_experts(w2))`` made
+    outside the step (FP8 primary weights: the GEMMs read them instead of casting w1 / w2)."""
+    x = as_array(x, f"{name}: x")
+    w1, w2 = as_array(w1, f"{name}: w1"), as_array(w2, f"{name}: w2")
     gated = parse_activations(activation)[1]
     acts = (activation,) if isinstance(activation, str) else tuple(activation)
-    T, E = _check_args(x, router_kernel, w1, w2, top_k, gated)
+    if x.ndim != 2:
+        raise ValueError(f"{name}: x must be 2-D (tokens, d_model), got shape {tuple(x.shape)}")
+    route_fn, route_args = route
+    T, E = x.shape[0], w1.shape[0]
+    probe = jax.eval_shape(route_fn, x, *route_args)
+    k = probe[1].shape[-1]
+    if probe[1].shape != (T, k) or probe[0].shape != (T, k):
+        raise ValueError(
+            f"{name}: the router must give weights and experts of shape (tokens, topk) = ({T}, k), "
+            f"got {tuple(probe[0].shape)} and {tuple(probe[1].shape)}"
+        )
+    _check_weights(name, x, w1, w2, E, gated, bias)
+    if quantized_weights is not None and recipe is None:
+        raise ValueError(f"{name}: quantized_weights needs an FP8 recipe (recipe=None is BF16)")
+    b1, b2 = (None, None) if bias is None else bias
+    q1, q2 = (None, None) if quantized_weights is None else quantized_weights
+    extras = None if bias is None and quantized_weights is None else (b1, b2, q1, q2)
     if dispatch not in DISPATCHES:
-        raise ValueError(f"moe_mlp: dispatch must be one of {DISPATCHES}, got {dispatch!r}")
-    if capacity_factor is not None and not (
-        isinstance(capacity_factor, (int, float)) and capacity_factor > 0
-    ):
-        raise ValueError(f"moe_mlp: capacity_factor must be None or a number > 0, got {capacity_factor!r}")
+        raise ValueError(f"{name}: dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+    _check_capacity(name, capacity_factor)
     state = _check_state(recipe, state, E)
-    out_dtype = np.dtype(x.dtype)
-    cfg = _MoeConfig(top_k=int(top_k), experts=E, act=acts, recipe=recipe, out_dtype=out_dtype)
+    cfg = _MoeConfig(top_k=k, experts=E, act=acts, recipe=recipe, out_dtype=np.dtype(x.dtype))
     if mesh is None:
         if expert_axis is not None:
-            raise ValueError(f"moe_mlp: expert_axis={expert_axis!r} needs a mesh (mesh=None)")
-        return _local(cfg, x, router_kernel, w1, w2, state)
+            raise ValueError(f"{name}: expert_axis={expert_axis!r} needs a mesh (mesh=None)")
+        cap = 0 if capacity_factor is None else max(1, math.ceil(capacity_factor * T * k / E))
+        cfg = dataclasses.replace(cfg, rows=cap, weights_early=bool(weights_early))
+        return _body(cfg, route_fn, _local, x, route_args, w1, w2, state, extras)
+    if weights_early:
+        raise NotImplementedError(f"{name}: weights_early is only supported on one device (mesh=None)")
 
     n = _check_mesh(mesh, expert_axis, T, E)
     kind = _pick_dispatch(dispatch, mesh)
-    rows = buffer_rows(kind, T // n, cfg.top_k, E, n, capacity_factor)
+    rows = buffer_rows(kind, T // n, k, E, n, capacity_factor)
     cfg = dataclasses.replace(cfg, axis=expert_axis, devices=n, dispatch=kind, rows=rows)
-    body = functools.partial(_ragged if kind == "ragged" else _capacity, cfg)
+    body = functools.partial(_body, cfg, route_fn, _ragged if kind == "ragged" else _capacity)
     tok = P(expert_axis)
     st_spec = None if state is None else jax.tree_util.tree_map(_state_spec(expert_axis), state)
-    return shard_map(body, mesh, (tok, P(), tok, tok, st_spec), tok)(x, router_kernel, w1, w2, state)
+    b_spec = None
+    if extras is not None:
+        b_spec = (
+            *(None if b is None else tok for b in (b1, b2)),
+            *(q and q.spec(expert_axis) for q in (q1, q2)),
+        )
+    args = (x, route_args, w1, w2, state, extras)
+    return shard_map(body, mesh, (tok, P(), tok, tok, st_spec, b_spec), (tok, P()))(*args)
 
 
-__all__ = ["DISPATCHES", "buffer_rows", "moe_mlp", "route"]
+__all__ = ["DISPATCHES", "buffer_rows", "moe_experts", "moe_mlp", "route"]

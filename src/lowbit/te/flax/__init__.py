@@ -12,6 +12,7 @@ from lowbit.te.flax.module import (
     Softmax,
     TransformerEngineBase,
     make_dot_general_cls,
+    make_grouped_dense_cls,
     wrap_function_in_te_state_module,
 )
 from lowbit.te.flax.transformer import (
@@ -22,6 +23,7 @@ from lowbit.te.flax.transformer import (
     TransformerLayerType,
     extend_logical_axis_rules,
 )
+from lowbit.te.grouped_dense import _MoEBlock  # noqa: F401 (TE's name)
 
 __all__ = [
     "DenseGeneral",
@@ -36,6 +38,7 @@ __all__ = [
     "TransformerLayer",
     "TransformerLayerType",
     "make_dot_general_cls",
+    "make_grouped_dense_cls",
     "make_ragged_dot_cls",
     "wrap_function_in_te_state_module",
     "extend_logical_axis_rules",

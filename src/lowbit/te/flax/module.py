@@ -28,6 +28,7 @@ from lowbit.flax import (
 )
 from lowbit.flax.state_module import call_index, state_variable_name
 from lowbit.recipe import DelayedScaling, NVFP4BlockScaling, Recipe
+from lowbit.te.grouped_dense import make_grouped_dense_cls  # noqa: F401 (TE's name)
 from lowbit.te.quantize._impl import NVTE_FP8_COLLECTION_NAME, QuantizerSet, quantizer_set_for_recipe
 
 _ROLES = ("x", "kernel", "grad")
@@ -128,5 +129,6 @@ __all__ = [
     "Softmax",
     "TransformerEngineBase",
     "make_dot_general_cls",
+    "make_grouped_dense_cls",
     "wrap_function_in_te_state_module",
 ]

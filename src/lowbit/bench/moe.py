@@ -1,0 +1,189 @@
+"""The MoE block (lowbit.moe.moe_block: router, dispatch, two grouped GEMMs with a SwiGLU,
+combine), forward+backward, next to an all-XLA block (jax.lax.ragged_dot, the same sort-based
+dispatch) in one process.
+
+Cases: ``xla bf16``; ``lowbit bf16``; ``fp8 current`` / ``fp8 delayed`` / ``fp8 block``
+(every cast inside the step); ``... primary`` (FP8 primary weights: the weights' FP8 copies
+made outside the step, as an optimizer update that writes them would; the step casts tokens
+and gradients only). TFLOP/s counts the expert GEMMs: 2 * T * k * H * 3F per forward (fc1 with
+its two halves, fc2), three times that for forward+backward; ``floor_ms`` is that work at the
+card's dense peak for the case's operand type (H100 SXM: 989 TFLOP/s BF16, 1979 FP8), and
+``weight_GB`` the expert weights' bytes one step moves (BF16: read by fprop and dgrad, dW
+written; FP8 with casts: read once by the cast, both copies written and read, dW written;
+primary: the copies read, dW written): at 128 experts of 128 tokens the step is
+bandwidth-bound on them.
+
+The ``pieces`` rows time the block's non-GEMM steps alone, forward+backward in BF16 (the gate
+and top-k router with the aux loss; the dispatch plan and the permutation of the tokens; the
+weighted combine): what a fused kernel for each could save at most.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import lowbit
+from lowbit.bench.common import time_fn
+from lowbit.moe import quantize_experts
+from lowbit.moe.block import moe_block
+from lowbit.moe.permutation import permute, plan_dispatch, unpermute
+from lowbit.moe.router import topk_routing
+
+# (name, tokens, hidden, experts, ffn, top-k): the issue's layers and its G=128 grouped shape.
+GPU_SHAPES = [
+    ("G8 mixtral", 16384, 4096, 8, 14336, 2),
+    ("G64 deepseek", 16384, 4096, 64, 1536, 6),
+    ("G128", 4096, 4096, 128, 1024, 4),
+]
+CPU_SHAPES = [("G4 small", 128, 128, 4, 128, 2)]
+CASES = (
+    "xla bf16",
+    "lowbit bf16",
+    "fp8 current",
+    "fp8 delayed",
+    "fp8 block",
+    "fp8 delayed primary",
+    "fp8 block primary",
+)
+PEAK = {"bf16": 989e12, "fp8": 1979e12}  # H100 SXM dense
+
+
+def _xla_block(x, gate, wi, wo, k):
+    """The all-XLA baseline: the same router and dispatch, jax.lax.ragged_dot GEMMs."""
+    logits = jnp.dot(x.astype(jnp.float32), gate.astype(jnp.float32))
+    w, ex = topk_routing(logits, k)
+    plan = plan_dispatch(ex, wi.shape[0])
+    xs = permute(x.astype(jnp.bfloat16), plan)
+    h = jax.lax.ragged_dot(xs, wi.astype(jnp.bfloat16), plan.group_sizes)
+    a, b = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+    h = (jax.nn.silu(a) * b).astype(jnp.bfloat16)
+    y = jax.lax.ragged_dot(h, wo.astype(jnp.bfloat16), plan.group_sizes)
+    return unpermute(y, plan, w, x.dtype)
+
+
+def _recipe(case):
+    if "block" in case:
+        return lowbit.Float8BlockScaling()
+    if "delayed" in case:
+        return lowbit.DelayedScaling()
+    return lowbit.Float8CurrentScaling() if "current" in case else None
+
+
+def _step(case, k):
+    """jit(fwd+bwd) of the block for ``case``: (fn, extra args after x, gate, wi, wo)."""
+    recipe = _recipe(case)
+
+    def loss(x, gate, wi, wo, state, qws):
+        if case == "xla bf16":
+            y = _xla_block(x, gate, wi, wo, k)
+        else:
+            y = moe_block(
+                x, gate, wi, wo, num_experts_per_tok=k, recipe=recipe, state=state, quantized_weights=qws
+            )[0]
+        return jnp.sum(y.astype(jnp.float32))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), recipe
+
+
+def _extras(case, recipe, wi, wo):
+    E = wi.shape[0]
+    state = None
+    if isinstance(recipe, lowbit.DelayedScaling):
+        state = (lowbit.init_grouped_delayed_state(recipe, E),) * 2
+    qws = None
+    if "primary" in case:
+        s1, s2 = (None, None) if state is None else state
+        qws = jax.jit(lambda a, b: (quantize_experts(a, recipe, s1), quantize_experts(b, recipe, s2)))(wi, wo)
+    return state, qws
+
+
+def _pieces(x, gate, E, k):
+    """(name, jitted fwd+bwd fn, args) of the router, the dispatch and the combine alone."""
+    from lowbit.moe.block import RouterConfig, route_tokens
+    from lowbit.moe.router import aux_loss
+
+    cfg = RouterConfig(num_experts=E, topk=k, aux_loss=True)
+
+    def router(x, gate):
+        w, ex, (s, c) = route_tokens(cfg, x, gate)
+        return jnp.sum(w) + aux_loss(s[None], c, k, 0.01)
+
+    _, ex, _ = route_tokens(cfg, x, gate)
+    plan = plan_dispatch(ex, E)
+    w = jnp.full(ex.shape, 1.0 / k, jnp.float32)
+    y = permute(x, plan)
+
+    def dispatch(x, ex):
+        return jnp.sum(permute(x, plan_dispatch(ex, E)).astype(jnp.float32))
+
+    def combine(y, w):
+        return jnp.sum(unpermute(y, plan, w).astype(jnp.float32))
+
+    g = lambda f, n: jax.jit(jax.value_and_grad(f, argnums=n))  # noqa: E731
+    return [
+        ("router+aux", g(router, (0, 1)), (x, gate)),
+        ("dispatch", g(dispatch, 0), (x, ex)),
+        ("combine", g(combine, (0, 1)), (y, w)),
+    ]
+
+
+def weight_bytes(case, E, H, F) -> float:
+    n = E * 3 * H * F  # wi (H, 2F) and wo (F, H) per expert
+    if case in ("xla bf16", "lowbit bf16"):
+        return n * (2 + 2 + 2)  # fprop read, dgrad read, dW write (bf16)
+    if "primary" in case:
+        return n * (1 + 1 + 2)  # the two FP8 copies read, dW write
+    return n * (2 + 1 + 1 + 1 + 1 + 2)  # cast: read bf16, write both copies; GEMMs read them; dW
+
+
+def run(small: bool, progress=None) -> list[dict]:
+    rows = []
+    iters = 2 if small else 10
+    for name, T, H, E, F, k in CPU_SHAPES if small else GPU_SHAPES:
+        keys = jax.random.split(jax.random.PRNGKey(0), 4)
+        x = jax.random.normal(keys[0], (T, H), jnp.bfloat16)
+        gate = (jax.random.normal(keys[1], (H, E), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        wi = (jax.random.normal(keys[2], (E, H, 2 * F), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        wo = (jax.random.normal(keys[3], (E, F, H), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        flops = 3 * 2.0 * T * k * H * 3 * F
+        base = None
+        for case in CASES:
+            fn, recipe = _step(case, k)
+            state, qws = _extras(case, recipe, wi, wo)
+            ms = time_fn(fn, x, gate, wi, wo, state, qws, warmup=2, iters=iters, repeats=3)
+            base = ms if case == "xla bf16" else base
+            peak = PEAK["bf16" if recipe is None else "fp8"]
+            rows.append(
+                {
+                    "name": f"{name} {case}",
+                    "shape": f"T={T} H={H} E={E} F={F} k={k}",
+                    "case": case,
+                    "ms": ms,
+                    "TFLOPs": flops / (ms * 1e-3) / 1e12,
+                    "vs_xla": base / ms,
+                    "floor_ms": flops / peak * 1e3,
+                    "weight_GB": weight_bytes(case, E, H, F) / 1e9,
+                }
+            )
+            if progress:
+                progress()
+            del fn, state, qws
+        for piece, fn, args in _pieces(x, gate, E, k):
+            ms = time_fn(fn, *args, warmup=2, iters=iters, repeats=3)
+            shape = f"T={T} H={H} E={E} F={F} k={k}"
+            rows.append(
+                {"name": f"{name} pieces {piece}", "shape": shape, "case": f"pieces {piece}", "ms": ms}
+            )
+            if progress:
+                progress()
+    for r in rows:  # against lowbit's own BF16 block, the issue's goal
+        bf = next(b for b in rows if b["shape"] == r["shape"] and b["case"] == "lowbit bf16")
+        r["vs_bf16"] = None if r["case"].startswith("pieces") else bf["ms"] / r["ms"]
+        for key in ("TFLOPs", "vs_xla", "floor_ms", "weight_GB"):
+            r.setdefault(key, None)
+    return rows
+
+
+def count(small: bool) -> int:
+    return len(CPU_SHAPES if small else GPU_SHAPES) * (len(CASES) + 3)
