@@ -768,7 +768,7 @@ def test_deprecated_fields():
 
 # ---- clear errors ------------------------------------------------------------------------------
 def test_errors_name_the_field():
-    q = randn((8, B, H, D), 1)
+    q = randn((B, 8, H, D), 1)  # batch-first: the default since TE 2.10
     x = randn((B, 8, 32), 1)
 
     def dpa(**kw):

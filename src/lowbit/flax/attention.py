@@ -251,7 +251,7 @@ class DotProductAttention(nn.Module):
         impl = self.implementation
         if impl in ("cudnn", "xla") or (impl is None and len(implementations()) == 1):
             return False
-        mask = None if desc is None else jnp.asarray(desc)
+        mask = jnp.asarray(desc) if hasattr(desc, "shape") else None  # check_mask names a bad type
         spec = make_spec(query, key, value, scale=1.0, bias_type=btype, mask_type=mask_type, window=window,
                          mask=mask, dropout_rate=rate)  # fmt: skip
         return pick_implementation(spec, impl) != "xla"
