@@ -11,6 +11,7 @@
 # LOWBIT_BUILD_DIR=dir uses libraries and check programs built elsewhere (same nvcc) and skips
 # nothing else: name the stages without `build` to save the device the compile.
 # LOWBIT_WHEEL=file.whl runs the Python stages from that wheel, installed with pip --no-deps.
+# LOWBIT_CMAKE_ARGS: more CMake arguments for `build` (e.g. -DLOWBIT_CUDNN_FRONTEND_INCLUDE=dir).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -40,7 +41,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 if has build; then
   step "build"
   cmake -S . -B "$BUILD" -G Ninja -DLOWBIT_CUDA=ON -DPython_EXECUTABLE="$(command -v "$PY")" \
-    -DLOWBIT_CUTLASS_INCLUDE="$CUTLASS_INC" -DLOWBIT_BUILD_CHECKS=ON >"$OUT/build.log" 2>&1 &&
+    -DLOWBIT_CUTLASS_INCLUDE="$CUTLASS_INC" -DLOWBIT_BUILD_CHECKS=ON ${LOWBIT_CMAKE_ARGS:-} >"$OUT/build.log" 2>&1 &&
     ninja -C "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1
   rc=$?; tail -5 "$OUT/build.log"; [ $rc -eq 0 ] || { echo "BUILD FAILED"; grep -m 20 -B2 -A8 "error" "$OUT/build.log"; exit 1; }
 fi

@@ -1,10 +1,10 @@
 // FFI handlers of the fused attention (cuDNN, lowbit/attention.h): attention_fwd and
 // attention_bwd. CUDA only: the CPU library has none (Python runs its reference path there).
 //
-// Optional operands are (0,) buffers. The scratch comes from XLA's scratch allocator (its size
-// is the graph's, known only once cuDNN has built it). Not command-buffer compatible: the first
-// call of a shape builds a cuDNN graph, and as its own thunk the call runs inside lax.scan
-// bodies where XLA's captured cuDNN calls crashed (issue 26).
+// Optional operands are (0,) buffers. The scratch comes from XLA's scratch allocator or a
+// stream-ordered allocation (its size is the graph's, known only once cuDNN has built it). Not
+// command-buffer compatible: the first call of a shape builds a cuDNN graph, and as its own thunk
+// the call runs inside lax.scan bodies where XLA's captured cuDNN calls crashed (issue 26).
 #if LOWBIT_WITH_CUDA
 
 #include <string>
@@ -120,11 +120,26 @@ Status decode_common(Buf q, Buf k, Buf v, Buf bias, Buf seqlens_q, Buf seqlens_k
   return Status::Ok();
 }
 
-// XLA's scratch allocator as the kernel's workspace source.
-WorkspaceFn scratch_fn(ffi::ScratchAllocator& scratch) {
-  return [&scratch](size_t bytes) -> void* {
+// A stream-ordered allocation that lives until the handler returns (freed on the same stream,
+// after the graph that uses it).
+struct StreamWorkspace {
+  cudaStream_t stream;
+  void* ptr = nullptr;
+  ~StreamWorkspace() {
+    if (ptr != nullptr) cudaFreeAsync(ptr, stream);
+  }
+};
+
+// The kernel's workspace: XLA's scratch allocator, else (it refused even 256 bytes under jax
+// 0.11.2's PjRt client) a stream-ordered allocation from the device's default pool.
+WorkspaceFn scratch_fn(ffi::ScratchAllocator& scratch, StreamWorkspace& owned) {
+  return [&scratch, &owned](size_t bytes) -> void* {
     auto m = scratch.Allocate(bytes, 256);
-    return m.has_value() ? *m : nullptr;
+    if (m.has_value()) return *m;
+    void* p = nullptr;
+    if (cudaMallocAsync(&p, bytes, owned.stream) != cudaSuccess) return nullptr;
+    owned.ptr = p;
+    return p;
   };
 }
 
@@ -155,7 +170,8 @@ ffi::Error AttentionFwd(cudaStream_t stream, ffi::ScratchAllocator scratch, Buf 
   p.stats = static_cast<float*>(stats->untyped_data());
   p.amax = amax_or_null(amax, p.fp8, abi::kAttnFp8FwdAmaxes, &st);
   if (!st.ok()) return to_error(st);
-  return to_error(attention_fwd_cuda(p, stream, scratch_fn(scratch)));
+  StreamWorkspace owned{stream};
+  return to_error(attention_fwd_cuda(p, stream, scratch_fn(scratch, owned)));
 }
 
 ffi::Error AttentionBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, Buf q, Buf k, Buf v,
@@ -200,7 +216,8 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::ScratchAllocator scratch, Buf 
   }
   p.amax = amax_or_null(amax, p.fp8, abi::kAttnFp8BwdAmaxes, &st);
   if (!st.ok()) return to_error(st);
-  return to_error(attention_bwd_cuda(p, stream, scratch_fn(scratch)));
+  StreamWorkspace owned{stream};
+  return to_error(attention_bwd_cuda(p, stream, scratch_fn(scratch, owned)));
 }
 
 }  // namespace

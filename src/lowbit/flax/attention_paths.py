@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from lowbit.flax.attention_masks import bias_per_batch
-from lowbit.ops.softmax import softmax as _softmax
+from lowbit.ops.fused_attention import reference_attention
 from lowbit.sharding import batch_shards, plan_heads, shard_map
 
 # Traces whose body XLA runs repeatedly: cuDNN's dropout inside them aborts XLA (jax 0.11.2, H100:
@@ -68,36 +68,15 @@ def default_is_gpu() -> bool:
 
 
 def attention_reference(q, k, v, masked, bias, bias_type, scale, rate, rng, plain_causal=False):
-    """logits (float32) -> ``lowbit.softmax`` -> dropout (``rate``, from ``rng``) -> values.
+    """logits (float32) -> ``lowbit.softmax`` -> dropout (``rate``, from ``rng``) -> values:
+    :func:`lowbit.ops.fused_attention.reference_attention` with a bias given once per batch shard
+    repeated per sequence.
 
     ``q (b, sq, h, d)``, ``k``/``v (b, sk, g, d)``, ``masked`` True = out (broadcastable to
     ``(b, h, sq, sk)``) or None; ``plain_causal``: the mask is exactly the square causal triangle."""
-    b, sq, h, d = q.shape
-    sk, g = k.shape[1], k.shape[2]
-    bias = bias_per_batch(bias, b)
-    qg = q.reshape(b, sq, g, h // g, d)
-    logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k, preferred_element_type=jnp.float32).reshape(b, h, sq, sk)
-    smax_scale = scale
-    if bias is not None:
-        if bias_type == "pre_scale_bias":
-            logits = logits + bias.astype(jnp.float32)
-        else:
-            logits = logits * scale + bias.astype(jnp.float32)
-            smax_scale = 1.0
-    if plain_causal:
-        probs = _softmax(logits, smax_scale, softmax_type="scaled_upper_triang_masked")
-    elif masked is not None:
-        probs = _softmax(logits, smax_scale, mask=masked, softmax_type="scaled_masked")
-    else:
-        probs = _softmax(logits, smax_scale)
-    if rate > 0:
-        keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
-        probs = jnp.where(keep, probs / (1.0 - rate), 0.0)
-    probs = probs.astype(q.dtype)
-    out = jnp.einsum(
-        "bgrqk,bkgd->bqgrd", probs.reshape(b, g, h // g, sq, sk), v, preferred_element_type=jnp.float32
-    )
-    return out.reshape(b, sq, h, d).astype(q.dtype)
+    bias = bias_per_batch(bias, q.shape[0])
+    pre = bias_type == "pre_scale_bias"
+    return reference_attention(q, k, v, bias, masked, scale, rate, rng, None, plain_causal, pre)
 
 
 def per_shard_attention(fn, query, key, value, bias=None, mask=None):

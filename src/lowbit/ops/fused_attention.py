@@ -121,12 +121,13 @@ def _cudnn_fwd(cfg, q, k, v, bias, seqlens_q, seqlens_kv, seed, offset, sink, sc
     out = (o.astype(jnp.float32) / scales.o).astype(q.dtype) if cfg.fp8 else o
     if cfg.padding:
         out = _zero_padded(out, seqlens_q, q.shape[1])
-    return out, (ins, o, stats, bias, seqlens_q, seqlens_kv, seed, offset, sink, scales, q.dtype)
+    return out, (ins, o, stats, bias, seqlens_q, seqlens_kv, seed, offset, sink, scales)
 
 
 def _cudnn_bwd(cfg, res, ct):
-    ins, o, stats, bias, seqlens_q, seqlens_kv, seed, offset, sink, scales, dtype = res
+    ins, o, stats, bias, seqlens_q, seqlens_kv, seed, offset, sink, scales = res
     q, k, v = ins
+    dtype = ct.dtype  # the output's: q's dtype (residuals hold arrays only, for remat)
     if cfg.fp8:
         do, fp8_scales, grad_dtype = _quantize(ct, scales.do, E5M2), _bwd_scales(scales), E5M2
     else:
@@ -149,15 +150,22 @@ def _cudnn_bwd(cfg, res, ct):
 _cudnn.defvjp(_cudnn_fwd, _cudnn_bwd)
 
 
-def reference_attention(q, k, v, bias, masked, scale, rate, rng, sink=None, plain_causal=False):
+def reference_attention(
+    q, k, v, bias, masked, scale, rate, rng, sink=None, plain_causal=False, pre_scale_bias=False
+):
     """The float32 reference (layouts as :func:`fused_attention`; ``masked`` True = out,
-    broadcastable to (b, h, sq, skv), or None): attention_reference's computation, plus sinks."""
+    broadcastable to (b, h, sq, skv), or None): logits (float32) -> ``lowbit.softmax`` (with
+    ``sink``: one more logit per head) -> dropout (``rate``, from ``rng``) -> values. The bias is
+    added after the scale, or before it with ``pre_scale_bias`` (``softmax(scale * (qk + bias))``).
+    The Flax modules' reference path (lowbit.flax.attention_paths) is this function."""
     b, sq, h, d = q.shape
     sk, g = k.shape[1], k.shape[2]
     qg = q.reshape(b, sq, g, h // g, d)
     logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k, preferred_element_type=jnp.float32).reshape(b, h, sq, sk)
     smax_scale = scale
-    if bias is not None:
+    if bias is not None and pre_scale_bias:
+        logits = logits + bias.astype(jnp.float32)
+    elif bias is not None:
         logits, smax_scale = logits * scale + bias.astype(jnp.float32), 1.0
     if sink is not None:
         probs = _sink_softmax(logits * smax_scale, masked, sink)
