@@ -8,10 +8,11 @@ parameters, a GELU MLP with biases, LayerNorm epsilon 1e-5, logits scaled by 1/s
 (query init unscaled), no relative position bias, no hidden or MLP dropout. The plain cases
 have no attention dropout (so attention can take cuDNN's fused kernel); "lowbit delayed,
 attention dropout 0.1" is the seed layer as the seed measures it (attention dropout 0.1) through
-lowbit's modules, on the default path (XLA records cuDNN calls into command buffers, where cuDNN's
-dropout aborts XLA, so lowbit's dropout takes its reference path); the "cuDNN dropout" case is
-the same layer timed in a child process whose XLA_FLAGS keep cuDNN out of command buffers, so the
-dropout runs inside cuDNN's fused attention. ``speedup`` is against plain Flax with bf16 params
+lowbit's modules with default XLA_FLAGS: on a GPU the dropout runs in lowbit's own cuDNN-frontend
+attention (lowbit.ops.fused_attention, not command-buffer compatible, so XLA's command buffers
+cannot capture it); the "cuDNN dropout" case is the same layer timed in a child process whose
+XLA_FLAGS keep custom calls out of command buffers (the workaround jax's own cuDNN dropout needed).
+``speedup`` is against plain Flax with bf16 params
 (which keeps the seed's attention dropout of 0.1).
 """
 
@@ -69,7 +70,7 @@ def _cases():
             ours(0.1),
             jnp.bfloat16,
             lowbit.DelayedScaling(),
-            "the seed layer's attention dropout (default XLA_FLAGS: reference dropout path)",
+            "the seed layer's attention dropout (default XLA_FLAGS: lowbit's cuDNN-frontend attention)",
         ),
         (
             _FAST_ACC_CHILD,
