@@ -47,8 +47,8 @@ setup() {
   "${pip[@]}" install -q --progress-bar off "scikit-build-core>=0.10" ninja "jax>=0.6"
   if want_cuda; then
     export LOWBIT_CUDA=ON
-    say "[1/3] CUDA build: CUTLASS headers (nvidia-cutlass, headers only)"
-    "${pip[@]}" install -q --progress-bar off --no-deps "nvidia-cutlass>=4.0"
+    say "[1/3] CUDA build: CUTLASS and cuDNN frontend headers (nvidia-cutlass, nvidia-cudnn-frontend)"
+    "${pip[@]}" install -q --progress-bar off --no-deps "nvidia-cutlass>=4.0" "nvidia-cudnn-frontend>=1.12"
   else
     export LOWBIT_CUDA=OFF
   fi
