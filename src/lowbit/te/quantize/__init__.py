@@ -7,6 +7,7 @@ quantizing. Differentiating through an op with respect to a delayed set gives th
 as in TransformerEngine.
 """
 
+from lowbit.te.quantize import _impl
 from lowbit.te.quantize._impl import (  # noqa: F401 - the package's names and lowbit's set helpers
     NVTE_FP8_COLLECTION_NAME,
     AmaxComputeAlgo,
@@ -36,27 +37,7 @@ from lowbit.te.quantize.helper import get_quantization_recipe, is_quantize_recip
 from lowbit.te.quantize.scaling_modes import TensorUsage
 
 __all__ = [
-    "AmaxComputeAlgo",
-    "NVTE_FP8_COLLECTION_NAME",
-    "QuantizeLayout",
-    "TensorSource",
-    "Quantizer",
-    "QuantizerSet",
-    "noop_quantizer_set",
-    "QuantizerFactory",
-    "QuantizeConfig",
-    "ScalingMode",
-    "autocast",
-    "fp8_autocast",
-    "get_quantize_config",
-    "get_quantize_config_with_recipe",
-    "get_global_quantize_recipe",
-    "get_delayed_scaling",
-    "update_collections",
-    "is_fp8_available",
-    "is_scaling_mode_supported",
-    "get_supported_scaling_modes",
-    "get_supported_quantization_recipes",
+    *_impl.__all__,  # the package's body (lowbit.te.quantize._impl)
     "TensorUsage",
     "get_quantization_recipe",
     "is_quantize_recipe_supported",
