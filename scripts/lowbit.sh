@@ -48,7 +48,7 @@ setup() {
   if want_cuda; then
     export LOWBIT_CUDA=ON
     say "[1/3] CUDA build: CUTLASS and cuDNN frontend headers (nvidia-cutlass, nvidia-cudnn-frontend)"
-    "${pip[@]}" install -q --progress-bar off --no-deps "nvidia-cutlass>=4.0" "nvidia-cudnn-frontend>=1.12"
+    "${pip[@]}" install -q --progress-bar off --no-deps "nvidia-cutlass>=4.0" "nvidia-cudnn-frontend>=1.32,<1.33"
   else
     export LOWBIT_CUDA=OFF
   fi
