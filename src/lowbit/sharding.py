@@ -385,15 +385,10 @@ def plan_heads(batch: int, *heads: int):
 
 
 def batch_shards(batch: int) -> int:
-    """How many batch shards :func:`plan_heads` splits ``batch`` into (1: none). A tensor shared
-    over the batch (an attention bias) given with this many leading entries, one per shard,
-    keeps its gradient per shard instead of summing it over the batch axes (see
-    :func:`constrain_batch_shards`)."""
-    found = _mesh_axes()
-    if found is None:
-        return 1
-    n = _axis_size(found.mesh, found.batch)
-    return n if n > 1 and batch % n == 0 else 1
+    """How many batch shards :func:`plan_heads` splits ``batch`` into (1: none): the leading size
+    of a bias built once per shard (:func:`bias_layout`)."""
+    layout = bias_layout(batch)
+    return 1 if layout is None else layout[0]
 
 
 def bias_layout(batch: int, *heads: int):
