@@ -3,8 +3,10 @@
 # cases (the seed tutorial's flow, expert parallelism), then the multi_device stages seed, layer,
 # moe, collectives and overlap (scripts/gpu_multi.sh, one time limit each), TransformerEngine's rows where
 # it is installed (source /tmp/te-site/env.sh first: ../shared/tepeer). Logs and JSON under $OUT.
-#   scripts/gpu_multi_suite.sh [pytest] [seed] [layer] [moe] [collectives] [overlap] [mp-seed]
-#   (default: all but mp-seed)
+#   scripts/gpu_multi_suite.sh [pytest] [probe] [seed] [layer] [moe] [collectives] [overlap] [mp-seed]
+#   (default: all but probe and mp-seed)
+# probe: scripts/dp_overlap_probe.py once per XLA flag set in PROBE_FLAGS (';'-separated), each in a
+# fresh process: the DP TransformerLayer step's time and the all-reduce MB its schedule overlaps.
 # LAYER_ARGS: extra layer-stage arguments (default: TransformerLayer, every layout, delayed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +21,18 @@ if has pytest; then
     timeout "${LIMIT_PYTEST:-420}" python3 -m pytest tests/test_seed_multi_device.py tests/test_moe_ep.py -m gpu -q \
     -k "${PYTEST_K:-not outside}" -p no:cacheprovider 2>&1 | tee "$OUT/pytest_multi.log" | tail -8
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if has probe; then
+  IFS=';' read -ra variants <<<"${PROBE_FLAGS:-}"
+  [ ${#variants[@]} -eq 0 ] && variants=("")
+  one=--one
+  for flags in "${variants[@]}"; do
+    echo "=== probe XLA_FLAGS='$flags' ($(date +%T))"
+    XLA_FLAGS="$flags" PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$(realpath -m "$BUILD") \
+      timeout "${LIMIT_PROBE:-150}" python3 scripts/dp_overlap_probe.py $one --label "${flags:-default}" 2>&1 \
+      | grep "^PROBE\|Error" | tee -a "$OUT/probe.log" | cut -c1-700
+    one=
+  done
 fi
 run_stage() {
   LOWBIT_STAGE_TIMEOUT=$1 bash scripts/gpu_multi.sh "${@:2}" 2>&1 | grep -v "^  File\|^    \|Warning\|warn(" | tail -${TAIL:-14}
