@@ -55,6 +55,7 @@ from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
 from lowbit.ops.fused.grouped_prequantized import grouped_gemm_prequantized
 from lowbit.ops.fused.permutation import (
+    combine_pairs,
     exclusive_cumsum,
     permute,
     permute_probs,
@@ -135,22 +136,11 @@ def _bias_rows(b, rows_e):
     return jnp.concatenate([b.astype(jnp.float32), jnp.zeros((1, b.shape[1]), jnp.float32)])[rows_e]
 
 
-def _inverse(perm):
-    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
-
-
 def _sort_pairs(x, experts, cfg: _MoeConfig):
     """Sorts the T * top_k (token, expert) pairs by expert (stable: token order within an
     expert). Returns (plan, xs (P, d) bf16 rows in sorted order)."""
     plan = plan_dispatch(experts, cfg.experts)
     return plan, permute(x.astype(_BF16), plan)
-
-
-def _combine(weights, y_pairs, out_dtype):
-    """sum_k weights[t, k] * y[t, k] in float32 (y in pair order)."""
-    T, k = weights.shape
-    y = y_pairs.reshape(T, k, -1).astype(jnp.float32)
-    return jnp.einsum("tkd,tk->td", y, weights).astype(out_dtype)
 
 
 def _local(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
@@ -228,37 +218,103 @@ def _ragged(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
 
 
 # ---------------------------------------------------------------------------------------------
-# Capacity dispatch: dense all_to_all of (capacity, d) blocks per (source, destination)
+# Capacity dispatch: one dense all_to_all of (capacity, d) blocks each way, counts inside
 # ---------------------------------------------------------------------------------------------
-def _capacity(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
+_DIGIT = 256  # counts travel as base-256 digits: integers below 256 are exact in bf16
+_DIGITS = 3  # counts below 2^24
+
+
+def _meta_rows(experts_local: int, d: int) -> int:
+    """Rows appended to each (source, destination) block to carry its per-expert row counts."""
+    return -(-(_DIGITS * experts_local) // d)
+
+
+def _encode_counts(counts, d, dtype):
+    """(n, El) int32 -> (n, m, d) rows of ``dtype`` holding each count's base-256 digits."""
+    n, El = counts.shape
+    m = _meta_rows(El, d)
+    digits = jnp.stack([(counts // _DIGIT**i) % _DIGIT for i in range(_DIGITS)], axis=-1)
+    flat = jnp.zeros((n, m * d), dtype).at[:, : _DIGITS * El].set(digits.reshape(n, -1).astype(dtype))
+    return flat.reshape(n, m, d)
+
+
+def _decode_counts(rows, El):
+    """The inverse of :func:`_encode_counts`: (n, m, d) -> (n, El) int32."""
+    n = rows.shape[0]
+    digits = rows.reshape(n, -1)[:, : _DIGITS * El].astype(jnp.float32).astype(jnp.int32)
+    return jnp.sum(digits.reshape(n, El, _DIGITS) * _DIGIT ** jnp.arange(_DIGITS), axis=-1)
+
+
+@jax.custom_vjp
+def _move_rows(x, take, give):
+    """``out[i] = x[take[i]]`` (zero where ``take[i] == len(x)``); ``give`` is the inverse map
+    (``give[r] = i`` where ``take[i] == r``, else ``len(out)``). Both directions gather: a
+    scatter-add of token rows (the transpose of a plain gather) is slow on GPUs."""
+    return _take_rows(x, take)
+
+
+def _take_rows(x, idx):
+    return jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)])[idx]
+
+
+def _move_rows_fwd(x, take, give):
+    return _take_rows(x, take), give
+
+
+def _move_rows_bwd(give, g):
+    return _take_rows(g, give), None, None
+
+
+_move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+
+
+def _send_plan(cfg: _MoeConfig, experts):
+    """Sender: pair (t, j) -> slot ``dest * C + rank`` of the (devices, C) send blocks, rank its
+    place among the pairs for that destination in (expert, token) order; ``n * C`` past C
+    (dropped). Returns (plan with those slots as dest/src, kept rows per (destination, local
+    expert))."""
     n, E, C = cfg.devices, cfg.experts, cfg.rows
     El = E // n
-    dplan, xs = _sort_pairs(x, experts, cfg)
-    sizes, inv, flat = dplan.group_sizes, dplan.dest.reshape(-1), experts.reshape(-1)
-    P_ = xs.shape[0]
-    per_dest = jnp.sum(sizes.reshape(n, El), axis=1)
-    dstart = exclusive_cumsum(per_dest)
-    # Slot (j, r) of the send buffer holds sorted pair dstart[j] + r, for r < min(count, C).
+    T, k = experts.shape
+    plan = plan_dispatch(experts, E)  # dropless: dest = the pair's position sorted by expert
+    sizes = plan.group_sizes.reshape(n, El)
+    j = experts.reshape(-1) // El
+    rank = plan.dest.reshape(-1) - exclusive_cumsum(jnp.sum(sizes, axis=1))[j]
+    slot = jnp.where(rank < C, j * C + rank, n * C).astype(jnp.int32)
+    src = jnp.full((n * C,), T * k, jnp.int32).at[slot].set(jnp.arange(T * k, dtype=jnp.int32), mode="drop")
+    kept = jnp.clip(C - exclusive_cumsum(sizes, axis=1), 0, sizes)
+    return dataclasses.replace(plan, dest=slot.reshape(T, k), src=src), kept
+
+
+def _receive_maps(recv, C):
+    """Receiver: row (s, r) of the received (n, C) blocks (grouped by local expert inside each
+    block, ``recv`` (n, El) rows each) -> row of the expert-major buffer (expert, source, rank),
+    and back. Returns (take (n C,), give (n C,), group sizes (El,)); ``n * C`` = none."""
+    n, El = recv.shape
+    tot = jnp.sum(recv, axis=0)
+    start = exclusive_cumsum(tot)[None, :] + exclusive_cumsum(recv, axis=0) - exclusive_cumsum(recv, axis=1)
     r = jnp.arange(C, dtype=jnp.int32)
-    src = jnp.minimum(dstart[:, None] + r[None, :], P_ - 1)
-    valid = r[None, :] < per_dest[:, None]
-    xbuf = jnp.where(valid[..., None], xs[src], jnp.zeros((), xs.dtype)).reshape(n * C, -1)
-    xr = jax.lax.all_to_all(xbuf, cfg.axis, 0, 0, tiled=True)
-    recv = jax.lax.all_to_all(sizes.reshape(n, El), cfg.axis, 0, 0, tiled=True)
-    # Received row (s, r): its local expert from s's counts; rows past s's count sort last.
-    ends = jnp.cumsum(recv, axis=1)
-    local = jnp.sum(r[None, :, None] >= ends[:, None, :], axis=2)
-    local = jnp.where(r[None, :] < ends[:, -1:], local, El).reshape(-1)
-    order = jnp.argsort(local, stable=True)
-    gs = jnp.bincount(local, length=El + 1)[:El].astype(jnp.int32)
-    ys = _experts(cfg, xr[order], w1, w2, gs, state, extras)
-    yback = jax.lax.all_to_all(ys[_inverse(order)], cfg.axis, 0, 0, tiled=True)
-    # Pair q (sorted position inv[q]) went to slot (j, rank) of its destination's block.
-    j = flat // El
-    rank = inv - dstart[j]
-    kept = rank < C
-    y_pairs = jnp.where(kept[:, None], yback[j * C + jnp.minimum(rank, C - 1)], jnp.zeros((), ys.dtype))
-    return _combine(weights, y_pairs, cfg.out_dtype)
+    e = jnp.sum(r[None, :, None] >= jnp.cumsum(recv, axis=1)[:, None, :], axis=2)  # (n, C); El: none
+    at = jnp.take_along_axis(start, jnp.minimum(e, El - 1), axis=1) + r[None, :]
+    give = jnp.where(e < El, at, n * C).reshape(-1).astype(jnp.int32)
+    take = jnp.full((n * C,), n * C, jnp.int32).at[give].set(jnp.arange(n * C, dtype=jnp.int32), mode="drop")
+    return take, give, tot.astype(jnp.int32)
+
+
+def _capacity(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
+    n, E, C = cfg.devices, cfg.experts, cfg.rows
+    El, d = E // n, x.shape[1]
+    plan, kept = _send_plan(cfg, experts)
+    blocks = permute(x.astype(_BF16), plan).reshape(n, C, d)
+    # One all-to-all: each block carries its per-expert counts in m extra rows.
+    meta = _encode_counts(jax.lax.stop_gradient(kept), d, _BF16)
+    got = jax.lax.all_to_all(jnp.concatenate([blocks, meta], axis=1), cfg.axis, 0, 0, tiled=True)
+    recv = _decode_counts(jax.lax.stop_gradient(got[:, C:]), El)
+    take, give, gs = _receive_maps(recv, C)
+    xe = _move_rows(got[:, :C].reshape(n * C, d), take, give)
+    ys = _experts(cfg, xe, w1, w2, gs, state, extras)
+    yback = jax.lax.all_to_all(_move_rows(ys, give, take), cfg.axis, 0, 0, tiled=True)
+    return combine_pairs(yback, weights, plan.dest, plan.src, cfg.out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
