@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import lowbit
-from lowbit.ops.fused import moe
+from lowbit.ops.fused import ep_dispatch, moe
 
 N_DEV = 4
 T, D, FF, E, K = 64, 32, 64, 8, 2
@@ -260,7 +260,14 @@ def test_bad_arguments_name_the_argument():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "case",
-    ("capacity", "exact", "audit", pytest.param("ragged_emulated", marks=pytest.mark.slow), "drops", "errors"),
+    (
+        "capacity",
+        "exact",
+        "audit",
+        pytest.param("ragged_emulated", marks=pytest.mark.slow),
+        "drops",
+        "errors",
+    ),
 )
 def test_expert_parallel_on_host_devices(case):
     from helpers import multi_device_env  # 4 forced host devices, src/ on the path
@@ -278,9 +285,9 @@ def test_block_counts_round_trip(d):
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 2**24, size=(4, 3)).astype(np.int32)
     counts[0] = (0, 255, 2**24 - 1)
-    rows = moe._encode_counts(jnp.asarray(counts), d, jnp.bfloat16)
+    rows = ep_dispatch.encode_counts(jnp.asarray(counts), d, jnp.bfloat16)
     assert rows.dtype == jnp.bfloat16 and rows.shape == (4, -(-9 // d), d)
-    np.testing.assert_array_equal(np.asarray(moe._decode_counts(rows, 3)), counts)
+    np.testing.assert_array_equal(np.asarray(ep_dispatch.decode_counts(rows, 3)), counts)
 
 
 def _gpus():
@@ -442,13 +449,18 @@ def _check_audit(mesh):
         low = step.lower(*args)
         hlo = low.compile().as_text()
         rows = moe.buffer_rows("capacity", t // n, K, E, n, cf)
-        assert check_moe_step(hlo, t // n, D, E, n, rows) == [], (cf, check_moe_step(hlo, t // n, D, E, n, rows))
+        assert check_moe_step(hlo, t // n, D, E, n, rows) == [], (
+            cf,
+            check_moe_step(hlo, t // n, D, E, n, rows),
+        )
         counts = audit_hlo(hlo)["counts"]
         assert counts["all-to-all"] == 4 and counts["all-gather"] == counts["reduce-scatter"] == 0, counts
         # The payload's dtype before XLA:CPU widens bf16 collectives to f32.
         types = re.findall(r"stablehlo.all_to_all.*?-> (tensor<[^>]*>)", low.as_text())
-        m = moe._meta_rows(E // n, D)
-        assert sorted(types) == sorted([f"tensor<{n}x{rows + m}x{D}xbf16>"] * 2 + [f"tensor<{n * rows}x{D}xbf16>"] * 2), types
+        m = ep_dispatch.meta_rows(E // n, D)
+        assert sorted(types) == sorted(
+            [f"tensor<{n}x{rows + m}x{D}xbf16>"] * 2 + [f"tensor<{n * rows}x{D}xbf16>"] * 2
+        ), types
 
 
 def _worker(case: str) -> None:

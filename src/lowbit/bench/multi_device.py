@@ -16,10 +16,13 @@ default ``benchmarks/results/<device>/``):
   dp_tp's kernels, the input split along the sequence, XLA's choices after that).
 * ``moe``: the MoE MLP of ``examples/moe.py`` with its experts sharded over the devices
   (:func:`moe_ep`, :func:`lowbit.ops.fused.moe.moe_mlp`): each (token, expert) pair sent to the
-  expert's owner by ragged_all_to_all (GPU) or a capacity all_to_all (CPU), the grouped GEMMs
-  of each device's experts, the results sent back; BF16 and FP8, exact buffers and a capacity
-  factor of 1.25, and the first version (:func:`moe_allgather`: every token gathered, outputs
-  reduce-scattered) for comparison.
+  expert's owner by the capacity all_to_all (``dispatch="auto"``; one collective each way, the
+  per-expert counts inside the blocks) or ragged_all_to_all (GPU), the grouped GEMMs of each
+  device's experts, the results sent back; BF16 and FP8 with the smallest capacity factor that
+  drops nothing for these tokens, 1.25, exact (worst-case) blocks, and the first version
+  (:func:`moe_allgather`: every token gathered, outputs reduce-scattered) for comparison. The
+  one-device row is the dropless MoE (tokens sorted by expert, no padding): the same function
+  as every EP row whose ``dropped`` is 0. :func:`check_moe_step` audits the capacity rows.
 * ``overlap``: the sequence-parallel MLP and the seed's dense with ``tp_overlap`` off and on
   (lowbit.bench.overlap).
 
@@ -910,21 +913,33 @@ def ragged_bytes(hlo_text: str) -> int:
     return total
 
 
-def moe_dropped(x, params, n, dispatch, capacity_factor) -> int:
-    """(token, expert) pairs the dispatch drops for these tokens (0 when capacity_factor is None),
-    counted on the host from the router's choices as moe_mlp's docstring says."""
+def moe_loads(x, params, n, dispatch):
+    """Routed (token, expert) pairs per receive buffer, counted on the host from the router's
+    choices: per (source, destination) block for ``"capacity"``, per destination for
+    ``"ragged"``."""
     import numpy as np
 
-    from lowbit.ops.fused.moe import buffer_rows, route
+    from lowbit.ops.fused.moe import route
 
     E = params["w1"].shape[0]
     expert = np.asarray(route(x, params["router"], params["top_k"])[1])
     T, k = expert.shape
-    rows = buffer_rows(dispatch, T // n, k, E, n, capacity_factor)
     src = np.repeat(np.arange(T) // (T // n), k)
     dest = expert.reshape(-1) // (E // n)
-    group = dest * n + src if dispatch == "capacity" else dest  # capacity: per (source, destination)
-    return int(np.maximum(np.bincount(group, minlength=n * n) - rows, 0).sum())
+    group = dest * n + src if dispatch == "capacity" else dest
+    return np.bincount(group, minlength=n * n)
+
+
+def moe_dropped(x, params, n, dispatch, capacity_factor) -> int:
+    """(token, expert) pairs the dispatch drops for these tokens (0 when capacity_factor is None),
+    as moe_mlp's docstring says."""
+    import numpy as np
+
+    from lowbit.ops.fused.moe import buffer_rows
+
+    E, (T, k) = params["w1"].shape[0], (x.shape[0], params["top_k"])
+    rows = buffer_rows(dispatch, T // n, k, E, n, capacity_factor)
+    return int(np.maximum(moe_loads(x, params, n, dispatch) - rows, 0).sum())
 
 
 _SCATTER = re.compile(r"=\s*(\w+)\[([\d,]*)\](?:\{[^}]*\})?\s+scatter\(")
@@ -963,6 +978,8 @@ def check_moe_step(hlo_text: str, tokens_local: int, d: int, experts: int, devic
 
 
 def moe_rows(small: bool, quick: bool = False) -> list[dict]:
+    import math
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -984,7 +1001,13 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
     # picks; 1.25: blocks a quarter over a balanced load (nothing dropped for this router: the
     # dropped column counts it, and with 0 the result is the dropless one-device model's).
     # "exact": blocks for the worst case (tokens_local x min(top_k, local experts) rows each).
-    cases = [(f"lowbit {r} capacity cf1.25", r, "capacity", 1.25) for r in recipes]
+    # cf: the smallest tenth (>= 1.1) that drops nothing for these tokens (full shapes: 1.1 at 2
+    # and 4 devices, loads 1.02 and 1.07 of a balanced one); padding rows travel as zeros.
+    balanced = T // n * k / n
+    cf = max(1.1, math.ceil(10 * moe_loads(x, p, n, "capacity").max() / balanced) / 10)
+    cases = [(f"lowbit {r} capacity cf{cf:g}", r, "capacity", cf) for r in recipes]
+    if cf != 1.25:
+        cases.append(("lowbit bf16 capacity cf1.25", "bf16", "capacity", 1.25))
     cases.append(("lowbit bf16 capacity exact", "bf16", "capacity", None))
     if on_gpu():  # XLA:CPU has no ragged-all-to-all
         cases.append(("lowbit bf16 ragged cf1.25", "bf16", "ragged", 1.25))
@@ -1025,10 +1048,11 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
         hlo = ep.as_text()
         got = ep(*args)
         au = audit_hlo(hlo, [(d, ff), (ff, d)])
-        audit = ""
+        audit, block_rows = "", 0
+        if disp in ("capacity", "ragged"):
+            block_rows = buffer_rows(disp, T // n, k, E, n, cf)
         if disp == "capacity":
-            rows_per_block = buffer_rows("capacity", T // n, k, E, n, cf)
-            audit = "; ".join(check_moe_step(hlo, T // n, d, E, n, rows_per_block)) or "ok"
+            audit = "; ".join(check_moe_step(hlo, T // n, d, E, n, block_rows)) or "ok"
         tn = _timed(ep, args, small)
         rows.append(
             dict(
@@ -1043,6 +1067,8 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
                 bound=bound_ratio(ref[1], got[1]),
                 bound_leaf=bound_ratio(ref[1], got[1], where=True)[1],
                 dropped=0 if disp == "allgather" else moe_dropped(x, p, n, disp, cf),
+                rows=block_rows,  # receive buffer rows: per source block (capacity) or in all
+                load=0 if disp == "allgather" else int(moe_loads(x, p, n, disp).max()),
                 all_to_all=au["counts"]["all-to-all"] + len(_RAGGED.findall(hlo)),
                 all_gather=au["counts"]["all-gather"],
                 reduce_scatter=au["counts"]["reduce-scatter"],
@@ -1055,7 +1081,7 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
 
 
 MOE_COLUMNS = ["case", "mesh", "shape", "ms", "ms_one_device", "scaling_eff", "rel_diff_vs_one", "bound"]
-MOE_COLUMNS += ["dropped", "all_to_all", "all_gather", "reduce_scatter", "coll_MB", "audit"]
+MOE_COLUMNS += ["rows", "load", "dropped", "all_to_all", "all_gather", "reduce_scatter", "coll_MB", "audit"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,14 +11,18 @@ primary weights (:mod:`lowbit.ops.fused.grouped_prequantized`); the permutation 
 Expert parallelism (``mesh`` and ``expert_axis``): tokens and experts are split over the axis.
 Each device routes its own tokens, sends each (token, expert) pair only to the device that owns
 the expert, runs the grouped GEMMs of its own experts and sends the results back; the token's
-owner combines them. The devices first swap their per-expert counts (a small all-to-all of
-int32 (devices, local experts) matrices), then the rows travel one of two ways (``dispatch``):
+owner combines them. The rows travel one of two ways (``dispatch``):
 
-* ``"ragged"``: ``jax.lax.ragged_all_to_all`` moves exactly the routed rows. Each device
-  receives into one buffer laid out by (local expert, source device, token), so the rows are
-  already grouped for the GEMMs. GPU only (XLA:CPU has no ragged-all-to-all).
-* ``"capacity"``: a dense ``jax.lax.all_to_all`` of fixed (capacity, d) blocks, one per
-  (source, destination) pair; the receiver sorts its rows by local expert.
+* ``"capacity"`` (what ``"auto"`` picks): one dense ``jax.lax.all_to_all`` of fixed (capacity,
+  d) bf16 blocks, one per (source, destination) pair, each followed by a row holding its
+  per-expert counts (as bf16 base-256 digits), and one all-to-all of the results back: one
+  collective each way, forward and backward. The receiver moves its rows into expert order by
+  index maps computed from the counts (no sort); every row move has a gather-only VJP.
+* ``"ragged"``: the devices first swap their per-expert counts (a small all-to-all of int32
+  (devices, local experts) matrices), then ``jax.lax.ragged_all_to_all`` moves exactly the
+  routed rows. Each device receives into one buffer laid out by (local expert, source device,
+  token), so the rows are already grouped for the GEMMs. GPU only (XLA:CPU has no
+  ragged-all-to-all).
 
 Both are exact by default: the buffers hold the worst case (every pair a device can receive).
 ``capacity_factor`` f shrinks each device's receive buffer to ``ceil(f * T_local * top_k /
@@ -33,8 +37,9 @@ the one-device order, so dropless results equal one device's up to the GEMMs' su
 Tokens travel and enter the GEMMs as bfloat16 (the grouped GEMM rounds its operands to bfloat16
 or quantizes them); fc1's output is bfloat16, the activation runs in float32 and rounds once, the
 weighted sum is float32, the result x's dtype. Gradients: every step is differentiable (the
-grouped GEMM's custom VJP, all_to_all's transpose, and :func:`_ragged_exchange`, whose backward
-is the reverse ragged exchange; the router's gradient is summed over the devices).
+grouped GEMM's custom VJP, all_to_all's transpose, ep_dispatch's gather-only row moves, and
+:func:`_ragged_exchange`, whose backward is the reverse ragged exchange; the router's gradient is
+summed over the devices, the experts' stay local).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from jax.typing import ArrayLike
 from lowbit import delayed_scaling as ds
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
+from lowbit.ops.fused import ep_dispatch as ep
 from lowbit.ops.fused.grouped_prequantized import grouped_gemm_prequantized
 from lowbit.ops.fused.permutation import (
     combine_pairs,
@@ -220,100 +226,22 @@ def _ragged(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
 # ---------------------------------------------------------------------------------------------
 # Capacity dispatch: one dense all_to_all of (capacity, d) blocks each way, counts inside
 # ---------------------------------------------------------------------------------------------
-_DIGIT = 256  # counts travel as base-256 digits: integers below 256 are exact in bf16
-_DIGITS = 3  # counts below 2^24
-
-
-def _meta_rows(experts_local: int, d: int) -> int:
-    """Rows appended to each (source, destination) block to carry its per-expert row counts."""
-    return -(-(_DIGITS * experts_local) // d)
-
-
-def _encode_counts(counts, d, dtype):
-    """(n, El) int32 -> (n, m, d) rows of ``dtype`` holding each count's base-256 digits."""
-    n, El = counts.shape
-    m = _meta_rows(El, d)
-    digits = jnp.stack([(counts // _DIGIT**i) % _DIGIT for i in range(_DIGITS)], axis=-1)
-    flat = jnp.zeros((n, m * d), dtype).at[:, : _DIGITS * El].set(digits.reshape(n, -1).astype(dtype))
-    return flat.reshape(n, m, d)
-
-
-def _decode_counts(rows, El):
-    """The inverse of :func:`_encode_counts`: (n, m, d) -> (n, El) int32."""
-    n = rows.shape[0]
-    digits = rows.reshape(n, -1)[:, : _DIGITS * El].astype(jnp.float32).astype(jnp.int32)
-    return jnp.sum(digits.reshape(n, El, _DIGITS) * _DIGIT ** jnp.arange(_DIGITS), axis=-1)
-
-
-@jax.custom_vjp
-def _move_rows(x, take, give):
-    """``out[i] = x[take[i]]`` (zero where ``take[i] == len(x)``); ``give`` is the inverse map
-    (``give[r] = i`` where ``take[i] == r``, else ``len(out)``). Both directions gather: a
-    scatter-add of token rows (the transpose of a plain gather) is slow on GPUs."""
-    return _take_rows(x, take)
-
-
-def _take_rows(x, idx):
-    return jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)])[idx]
-
-
-def _move_rows_fwd(x, take, give):
-    return _take_rows(x, take), give
-
-
-def _move_rows_bwd(give, g):
-    return _take_rows(g, give), None, None
-
-
-_move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
-
-
-def _send_plan(cfg: _MoeConfig, experts):
-    """Sender: pair (t, j) -> slot ``dest * C + rank`` of the (devices, C) send blocks, rank its
-    place among the pairs for that destination in (expert, token) order; ``n * C`` past C
-    (dropped). Returns (plan with those slots as dest/src, kept rows per (destination, local
-    expert))."""
-    n, E, C = cfg.devices, cfg.experts, cfg.rows
-    El = E // n
-    T, k = experts.shape
-    plan = plan_dispatch(experts, E)  # dropless: dest = the pair's position sorted by expert
-    sizes = plan.group_sizes.reshape(n, El)
-    j = experts.reshape(-1) // El
-    rank = plan.dest.reshape(-1) - exclusive_cumsum(jnp.sum(sizes, axis=1))[j]
-    slot = jnp.where(rank < C, j * C + rank, n * C).astype(jnp.int32)
-    src = jnp.full((n * C,), T * k, jnp.int32).at[slot].set(jnp.arange(T * k, dtype=jnp.int32), mode="drop")
-    kept = jnp.clip(C - exclusive_cumsum(sizes, axis=1), 0, sizes)
-    return dataclasses.replace(plan, dest=slot.reshape(T, k), src=src), kept
-
-
-def _receive_maps(recv, C):
-    """Receiver: row (s, r) of the received (n, C) blocks (grouped by local expert inside each
-    block, ``recv`` (n, El) rows each) -> row of the expert-major buffer (expert, source, rank),
-    and back. Returns (take (n C,), give (n C,), group sizes (El,)); ``n * C`` = none."""
-    n, El = recv.shape
-    tot = jnp.sum(recv, axis=0)
-    start = exclusive_cumsum(tot)[None, :] + exclusive_cumsum(recv, axis=0) - exclusive_cumsum(recv, axis=1)
-    r = jnp.arange(C, dtype=jnp.int32)
-    e = jnp.sum(r[None, :, None] >= jnp.cumsum(recv, axis=1)[:, None, :], axis=2)  # (n, C); El: none
-    at = jnp.take_along_axis(start, jnp.minimum(e, El - 1), axis=1) + r[None, :]
-    give = jnp.where(e < El, at, n * C).reshape(-1).astype(jnp.int32)
-    take = jnp.full((n * C,), n * C, jnp.int32).at[give].set(jnp.arange(n * C, dtype=jnp.int32), mode="drop")
-    return take, give, tot.astype(jnp.int32)
-
-
 def _capacity(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
     n, E, C = cfg.devices, cfg.experts, cfg.rows
     El, d = E // n, x.shape[1]
-    plan, kept = _send_plan(cfg, experts)
+    if C >= ep.DIGIT**ep.DIGITS:
+        raise ValueError(f"moe_mlp: {C} rows per capacity block; the counts' encoding holds < 2^24")
+    plan = plan_dispatch(experts, E)  # dropless: dest = the pair's position sorted by expert
+    plan, kept = ep.send_slots(plan, experts, n, C)
     blocks = permute(x.astype(_BF16), plan).reshape(n, C, d)
-    # One all-to-all: each block carries its per-expert counts in m extra rows.
-    meta = _encode_counts(jax.lax.stop_gradient(kept), d, _BF16)
+    # One all-to-all: each block carries its per-expert counts in extra rows.
+    meta = ep.encode_counts(jax.lax.stop_gradient(kept), d, _BF16)
     got = jax.lax.all_to_all(jnp.concatenate([blocks, meta], axis=1), cfg.axis, 0, 0, tiled=True)
-    recv = _decode_counts(jax.lax.stop_gradient(got[:, C:]), El)
-    take, give, gs = _receive_maps(recv, C)
-    xe = _move_rows(got[:, :C].reshape(n * C, d), take, give)
+    recv = ep.decode_counts(jax.lax.stop_gradient(got[:, C:]), El)
+    take, give, gs = ep.receive_maps(recv, C)
+    xe = ep.move_rows(got[:, :C].reshape(n * C, d), take, give)
     ys = _experts(cfg, xe, w1, w2, gs, state, extras)
-    yback = jax.lax.all_to_all(_move_rows(ys, give, take), cfg.axis, 0, 0, tiled=True)
+    yback = jax.lax.all_to_all(ep.move_rows(ys, give, take), cfg.axis, 0, 0, tiled=True)
     return combine_pairs(yback, weights, plan.dest, plan.src, cfg.out_dtype)
 
 
