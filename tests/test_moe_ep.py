@@ -300,7 +300,8 @@ def _gpus():
 @pytest.mark.gpu
 def test_ragged_dispatch_on_gpus():
     """The real ragged_all_to_all (GPU only) against one device, BF16 and FP8; 'auto' (capacity);
-    a smaller buffer; the documented drops; the capacity dispatch on the GPU too."""
+    a smaller buffer; the documented drops; the capacity dispatch on the GPU too, and its
+    compiled step's audit (four bf16 all-to-alls, no token scatter)."""
     gpus = _gpus()
     if len(gpus) < 2:
         pytest.skip(f"needs >= 2 CUDA devices, found {len(gpus)}")
@@ -313,6 +314,7 @@ def test_ragged_dispatch_on_gpus():
         _compare_ep(mesh, "auto", ("bf16",), hlo_op="all-to-all")
         _check_drops(mesh, "ragged", 0.75)
         _compare_ep(mesh, "capacity", ("current",), hlo_op="all-to-all")
+        _check_audit(mesh)
     print("OK ragged on", n, "GPUs")
 
 
