@@ -961,9 +961,13 @@ def check_moe_step(hlo_text: str, tokens_local: int, d: int, experts: int, devic
     sizes = sorted(sum(c["elements"]) for c in a2a)  # a tuple all-to-all: one result per peer
     if len(a2a) != 4:
         problems.append(f"{len(a2a)} all-to-alls (expected 4: dispatch and combine, fwd and bwd)")
-    for n in sizes:
-        if not block <= n <= block + devices * d * 4:
-            problems.append(f"all-to-all of {n} elements per device (expected {block} plus count rows)")
+    # The dispatch's blocks end in rows holding 3 base-256 digits per local expert's count
+    # (lowbit.ops.fused.ep_dispatch.meta_rows).
+    with_counts = devices * (rows + -(-3 * (experts // devices) // d)) * d
+    if len(a2a) == 4 and sizes != [block, block, with_counts, with_counts]:
+        problems.append(
+            f"all-to-alls of {sizes} elements per device (expected 2 x {block}, 2 x {with_counts})"
+        )
     for op in ("all-gather", "reduce-scatter", "collective-permute"):
         k = sum(c["op"] == op for c in colls)
         if k:
