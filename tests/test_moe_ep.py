@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import lowbit
-from lowbit.ops.fused import moe
+from lowbit.ops.fused import ep_dispatch, moe
 
 N_DEV = 4
 T, D, FF, E, K = 64, 32, 64, 8, 2
@@ -259,7 +259,15 @@ def test_bad_arguments_name_the_argument():
 # Expert parallelism on 4 host devices (subprocess)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "case", ("capacity", pytest.param("ragged_emulated", marks=pytest.mark.slow), "drops", "errors")
+    "case",
+    (
+        "capacity",
+        "exact",
+        "audit",
+        pytest.param("ragged_emulated", marks=pytest.mark.slow),
+        "drops",
+        "errors",
+    ),
 )
 def test_expert_parallel_on_host_devices(case):
     from helpers import multi_device_env  # 4 forced host devices, src/ on the path
@@ -267,6 +275,19 @@ def test_expert_parallel_on_host_devices(case):
     argv = [sys.executable, os.path.abspath(__file__), case]
     r = subprocess.run(argv, env=multi_device_env(N_DEV), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
+
+
+@pytest.mark.parametrize("d", (1, 5, 64))
+def test_block_counts_round_trip(d):
+    """The capacity dispatch's per-expert counts ride in the token blocks as bf16 base-256
+    digits (one all-to-all instead of two): every count below 2^24 comes back exactly, in as
+    many rows as d needs."""
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 2**24, size=(4, 3)).astype(np.int32)
+    counts[0] = (0, 255, 2**24 - 1)
+    rows = ep_dispatch.encode_counts(jnp.asarray(counts), d, jnp.bfloat16)
+    assert rows.dtype == jnp.bfloat16 and rows.shape == (4, -(-9 // d), d)
+    np.testing.assert_array_equal(np.asarray(ep_dispatch.decode_counts(rows, 3)), counts)
 
 
 def _gpus():
@@ -279,7 +300,8 @@ def _gpus():
 @pytest.mark.gpu
 def test_ragged_dispatch_on_gpus():
     """The real ragged_all_to_all (GPU only) against one device, BF16 and FP8; 'auto' (capacity);
-    a smaller buffer; the documented drops; the capacity dispatch on the GPU too."""
+    a smaller buffer; the documented drops; the capacity dispatch on the GPU too, and its
+    compiled step's audit (four bf16 all-to-alls, no token scatter)."""
     gpus = _gpus()
     if len(gpus) < 2:
         pytest.skip(f"needs >= 2 CUDA devices, found {len(gpus)}")
@@ -292,6 +314,7 @@ def test_ragged_dispatch_on_gpus():
         _compare_ep(mesh, "auto", ("bf16",), hlo_op="all-to-all")
         _check_drops(mesh, "ragged", 0.75)
         _compare_ep(mesh, "capacity", ("current",), hlo_op="all-to-all")
+        _check_audit(mesh)
     print("OK ragged on", n, "GPUs")
 
 
@@ -389,6 +412,59 @@ def _check_drops(mesh, dispatch, factor):
     print(f"{dispatch} capacity_factor={factor}: {rows} rows, {dropped} of {T * K} pairs dropped")
 
 
+def _check_exact(mesh):
+    """Dropless EP4 computes the one-device function: y, dx, dw1, dw2 bit for bit (the same
+    rows in the same order reach each expert's GEMMs; padding rows are zero), the router's
+    gradient up to the order of the sum over devices; and both within the float64 bounds."""
+    data = inputs(7)
+    ref_y, ref_g = reference(*data[:4], K, data[4])
+    for name in ("bf16", "current"):
+        one = grad_step(recipe=RECIPES[name])(*data)
+        y, g = grad_step(recipe=RECIPES[name], mesh=mesh, expert_axis="ep", dispatch="capacity")(
+            *_place(mesh, *data)
+        )
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(one[0]))
+        for key, a, b in zip(("x", "router", "w1", "w2"), one[1], g):
+            if key == "router":
+                assert rel(b, np.asarray(a, np.float64)) < 1e-6, name
+            else:
+                np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{name} d{key}")
+        tok_bound, grad_bound = BOUNDS[name]
+        assert rel(y, ref_y) < tok_bound, name
+        errs = {key: rel(got, ref_g[key]) for key, got in zip(("x", "router", "w1", "w2"), g)}
+        assert max(errs.values()) < grad_bound, (name, errs)
+
+
+def _check_audit(mesh):
+    """The compiled EP4 fwd+bwd step moves tokens in exactly four bf16 all-to-alls (dispatch and
+    combine, each way) of one device's capacity blocks, never gathers tokens or weights, never
+    all-reduces an expert's gradient, and scatters no token rows."""
+    import re
+
+    from lowbit.bench.multi_device import audit_hlo, check_moe_step
+
+    n, t = mesh.shape["ep"], 256
+    data = inputs(8, t=t)
+    for cf in (None, 1.25):
+        step = grad_step(mesh=mesh, expert_axis="ep", dispatch="capacity", capacity_factor=cf)
+        args = _place(mesh, *data)
+        low = step.lower(*args)
+        hlo = low.compile().as_text()
+        rows = moe.buffer_rows("capacity", t // n, K, E, n, cf)
+        assert check_moe_step(hlo, t // n, D, E, n, rows) == [], (
+            cf,
+            check_moe_step(hlo, t // n, D, E, n, rows),
+        )
+        counts = audit_hlo(hlo)["counts"]
+        assert counts["all-to-all"] == 4 and counts["all-gather"] == counts["reduce-scatter"] == 0, counts
+        # The payload's dtype before XLA:CPU widens bf16 collectives to f32.
+        types = re.findall(r"stablehlo.all_to_all.*?-> (tensor<[^>]*>)", low.as_text())
+        m = ep_dispatch.meta_rows(E // n, D)
+        assert sorted(types) == sorted(
+            [f"tensor<{n}x{rows + m}x{D}xbf16>"] * 2 + [f"tensor<{n * rows}x{D}xbf16>"] * 2
+        ), types
+
+
 def _worker(case: str) -> None:
     assert len(jax.devices()) == N_DEV, jax.devices()
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
@@ -410,6 +486,10 @@ def _worker(case: str) -> None:
             *_place(mesh, *data), jax.device_put(state, sh)
         )
         assert bound_ratio(one, got) <= 1.0
+    elif case == "exact":
+        _check_exact(mesh)
+    elif case == "audit":
+        _check_audit(mesh)
     elif case == "ragged_emulated":
         jax.lax.ragged_all_to_all = _emulated_ragged_all_to_all
         moe._RAGGED_PLATFORMS += ("cpu",)

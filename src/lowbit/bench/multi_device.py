@@ -16,10 +16,13 @@ default ``benchmarks/results/<device>/``):
   dp_tp's kernels, the input split along the sequence, XLA's choices after that).
 * ``moe``: the MoE MLP of ``examples/moe.py`` with its experts sharded over the devices
   (:func:`moe_ep`, :func:`lowbit.ops.fused.moe.moe_mlp`): each (token, expert) pair sent to the
-  expert's owner by ragged_all_to_all (GPU) or a capacity all_to_all (CPU), the grouped GEMMs
-  of each device's experts, the results sent back; BF16 and FP8, exact buffers and a capacity
-  factor of 1.25, and the first version (:func:`moe_allgather`: every token gathered, outputs
-  reduce-scattered) for comparison.
+  expert's owner by the capacity all_to_all (``dispatch="auto"``; one collective each way, the
+  per-expert counts inside the blocks) or ragged_all_to_all (GPU), the grouped GEMMs of each
+  device's experts, the results sent back; BF16 and FP8 with the smallest capacity factor that
+  drops nothing for these tokens, 1.25, exact (worst-case) blocks, and the first version
+  (:func:`moe_allgather`: every token gathered, outputs reduce-scattered) for comparison. The
+  one-device row is the dropless MoE (tokens sorted by expert, no padding): the same function
+  as every EP row whose ``dropped`` is 0. :func:`check_moe_step` audits the capacity rows.
 * ``overlap``: the sequence-parallel MLP and the seed's dense with ``tp_overlap`` off and on
   (lowbit.bench.overlap).
 
@@ -73,14 +76,15 @@ def collectives(hlo_text: str) -> list[dict]:
     """The collectives of a compiled HLO module's text (``jit(f).lower(...).compile().as_text()``):
     one dict per op with ``op``, ``results`` (one ``(dtype, shape)`` per result operand),
     ``elements``, ``bytes`` and ``groups`` (replica groups as printed). Async pairs count once
-    (the ``-start``; for all-gather and collective-permute its results are the second half)."""
+    (the ``-start``; for all-gather, all-to-all and collective-permute its results are the second
+    half: the first repeats the operands)."""
     out = []
     for line in hlo_text.splitlines():
         m = _LINE.search(line)
         if not m:
             continue
         arrays = [(d, tuple(int(s) for s in dims.split(",") if s)) for d, dims in _ARRAY.findall(m["type"])]
-        if m["start"] and m["op"] in ("all-gather", "collective-permute") and len(arrays) > 1:
+        if m["start"] and m["op"] in ("all-gather", "collective-permute", "all-to-all") and len(arrays) > 1:
             arrays = arrays[len(arrays) // 2 :]
         arrays = [(d, s) for d, s in arrays if d in _BYTES]  # drop u32[] context / token entries
         elements = [int(_prod(s)) for _, s in arrays]
@@ -909,24 +913,77 @@ def ragged_bytes(hlo_text: str) -> int:
     return total
 
 
-def moe_dropped(x, params, n, dispatch, capacity_factor) -> int:
-    """(token, expert) pairs the dispatch drops for these tokens (0 when capacity_factor is None),
-    counted on the host from the router's choices as moe_mlp's docstring says."""
+def moe_loads(x, params, n, dispatch):
+    """Routed (token, expert) pairs per receive buffer, counted on the host from the router's
+    choices: per (source, destination) block for ``"capacity"``, per destination for
+    ``"ragged"``."""
     import numpy as np
 
-    from lowbit.ops.fused.moe import buffer_rows, route
+    from lowbit.ops.fused.moe import route
 
     E = params["w1"].shape[0]
     expert = np.asarray(route(x, params["router"], params["top_k"])[1])
     T, k = expert.shape
-    rows = buffer_rows(dispatch, T // n, k, E, n, capacity_factor)
     src = np.repeat(np.arange(T) // (T // n), k)
     dest = expert.reshape(-1) // (E // n)
-    group = dest * n + src if dispatch == "capacity" else dest  # capacity: per (source, destination)
-    return int(np.maximum(np.bincount(group, minlength=n * n) - rows, 0).sum())
+    group = dest * n + src if dispatch == "capacity" else dest
+    return np.bincount(group, minlength=n * n)
+
+
+def moe_dropped(x, params, n, dispatch, capacity_factor) -> int:
+    """(token, expert) pairs the dispatch drops for these tokens (0 when capacity_factor is None),
+    as moe_mlp's docstring says."""
+    import numpy as np
+
+    from lowbit.ops.fused.moe import buffer_rows
+
+    E, (T, k) = params["w1"].shape[0], (x.shape[0], params["top_k"])
+    rows = buffer_rows(dispatch, T // n, k, E, n, capacity_factor)
+    return int(np.maximum(moe_loads(x, params, n, dispatch) - rows, 0).sum())
+
+
+_SCATTER = re.compile(r"=\s*(\w+)\[([\d,]*)\](?:\{[^}]*\})?\s+scatter\(")
+
+
+def check_moe_step(hlo_text: str, tokens_local: int, d: int, experts: int, devices: int, rows: int) -> list:
+    """The expert-parallel MoE fwd+bwd step with the capacity dispatch (tokens_local per device,
+    ``rows`` per (source, destination) block): returns the list of problems (empty: as
+    expected). Expected: four all-to-alls (dispatch and combine, forward and backward) of one
+    device's blocks (``devices`` x ``rows`` rows of d, plus the count rows of the dispatch), no
+    other all-to-all, no all-gather, reduce-scatter or collective-permute (no token batch and
+    no expert weight ever gathered), all-reduces only of the router's gradient and scalars (the
+    experts are local: their gradients stay put), and no scatter of token rows (its transpose
+    of a gather: a gather-only VJP instead)."""
+    problems = []
+    colls = collectives(hlo_text)
+    a2a = [c for c in colls if c["op"] == "all-to-all"]
+    block = devices * rows * d
+    sizes = sorted(sum(c["elements"]) for c in a2a)  # a tuple all-to-all: one result per peer
+    if len(a2a) != 4:
+        problems.append(f"{len(a2a)} all-to-alls (expected 4: dispatch and combine, fwd and bwd)")
+    # The dispatch's blocks end in rows holding 3 base-256 digits per local expert's count
+    # (lowbit.ops.fused.ep_dispatch.meta_rows).
+    with_counts = devices * (rows + -(-3 * (experts // devices) // d)) * d
+    if len(a2a) == 4 and sizes != [block, block, with_counts, with_counts]:
+        problems.append(
+            f"all-to-alls of {sizes} elements per device (expected 2 x {block}, 2 x {with_counts})"
+        )
+    for op in ("all-gather", "reduce-scatter", "collective-permute"):
+        k = sum(c["op"] == op for c in colls)
+        if k:
+            problems.append(f"{k} unexpected {op}(s)")
+    for c in colls:
+        if c["op"] == "all-reduce" and max(c["elements"], default=0) > d * experts:
+            problems.append(f"all-reduce of {c['results']} (only the router gradient {d}x{experts} expected)")
+    for dt, dims in _SCATTER.findall(hlo_text):
+        if _prod(int(v) for v in dims.split(",") if v) >= tokens_local * d:
+            problems.append(f"scatter of token rows {dt}[{dims}]")
+    return problems
 
 
 def moe_rows(small: bool, quick: bool = False) -> list[dict]:
+    import math
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -935,6 +992,7 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
 
     import lowbit
     from lowbit.bench.common import on_gpu
+    from lowbit.ops.fused.moe import buffer_rows
 
     n = len(jax.devices())
     T, d, ff, E, k = (64 * n, 64, 128, 2 * n, 2) if small else (8192, 1024, 2048, n * max(1, 8 // n), 2)
@@ -942,17 +1000,24 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
     p = moe_params(jax.random.PRNGKey(0), d, ff, E, k)
     x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (T, d)), np.float32)
     dy = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (T, d)), np.float32)
-    dispatch = "ragged" if on_gpu() else "capacity"
     recipes = {"bf16": None, "fp8 current": lowbit.Float8CurrentScaling()}
-    # (case, recipe, dispatch, capacity_factor); 1.25: buffers a quarter over a balanced load
-    # (nothing dropped for this router; the dropped column counts it).
-    cases = [(f"lowbit {r} {dispatch}", r, dispatch, None) for r in recipes]
-    cases += [(f"lowbit {r} {dispatch} cf1.25", r, dispatch, 1.25) for r in recipes]
-    if dispatch == "ragged":
+    # (case, recipe, dispatch, capacity_factor). The capacity dispatch is what dispatch="auto"
+    # picks; 1.25: blocks a quarter over a balanced load (nothing dropped for this router: the
+    # dropped column counts it, and with 0 the result is the dropless one-device model's).
+    # "exact": blocks for the worst case (tokens_local x min(top_k, local experts) rows each).
+    # cf: the smallest tenth (>= 1.1) that drops nothing for these tokens (full shapes: 1.1 at 2
+    # and 4 devices, loads 1.02 and 1.07 of a balanced one); padding rows travel as zeros.
+    balanced = T // n * k / n
+    cf = max(1.1, math.ceil(10 * moe_loads(x, p, n, "capacity").max() / balanced) / 10)
+    cases = [(f"lowbit {r} capacity cf{cf:g}", r, "capacity", cf) for r in recipes]
+    if cf != 1.25:
         cases.append(("lowbit bf16 capacity cf1.25", "bf16", "capacity", 1.25))
+    cases.append(("lowbit bf16 capacity exact", "bf16", "capacity", None))
+    if on_gpu():  # XLA:CPU has no ragged-all-to-all
+        cases.append(("lowbit bf16 ragged cf1.25", "bf16", "ragged", 1.25))
     cases.append(("lowbit bf16 allgather", "bf16", "allgather", None))
     if quick:
-        cases = [c for c in cases if c[3] is None and c[1] == "bf16"]
+        cases = [cases[0], cases[-1]]
     weights = {kk: v for kk, v in p.items() if kk != "top_k"}
     sh = {
         "router": NamedSharding(mesh, P()),
@@ -987,6 +1052,11 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
         hlo = ep.as_text()
         got = ep(*args)
         au = audit_hlo(hlo, [(d, ff), (ff, d)])
+        audit, block_rows = "", 0
+        if disp in ("capacity", "ragged"):
+            block_rows = buffer_rows(disp, T // n, k, E, n, cf)
+        if disp == "capacity":
+            audit = "; ".join(check_moe_step(hlo, T // n, d, E, n, block_rows)) or "ok"
         tn = _timed(ep, args, small)
         rows.append(
             dict(
@@ -1001,10 +1071,13 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
                 bound=bound_ratio(ref[1], got[1]),
                 bound_leaf=bound_ratio(ref[1], got[1], where=True)[1],
                 dropped=0 if disp == "allgather" else moe_dropped(x, p, n, disp, cf),
+                rows=block_rows,  # receive buffer rows: per source block (capacity) or in all
+                load=0 if disp == "allgather" else int(moe_loads(x, p, n, disp).max()),
                 all_to_all=au["counts"]["all-to-all"] + len(_RAGGED.findall(hlo)),
                 all_gather=au["counts"]["all-gather"],
                 reduce_scatter=au["counts"]["reduce-scatter"],
                 coll_MB=(sum(au["bytes"].values()) + ragged_bytes(hlo)) / 1e6,
+                audit=audit,
                 collectives=au["collectives"],
             )
         )
@@ -1012,7 +1085,7 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
 
 
 MOE_COLUMNS = ["case", "mesh", "shape", "ms", "ms_one_device", "scaling_eff", "rel_diff_vs_one", "bound"]
-MOE_COLUMNS += ["dropped", "all_to_all", "all_gather", "reduce_scatter", "coll_MB"]
+MOE_COLUMNS += ["rows", "load", "dropped", "all_to_all", "all_gather", "reduce_scatter", "coll_MB", "audit"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1108,7 +1181,8 @@ def main(argv=None) -> int:
             )
             bad = [r for r in rows if r["rel_diff"] > 2.0**-6]
         else:
-            rows, cols, bad = moe_rows(small, quick=args.quick), MOE_COLUMNS, []
+            rows, cols = moe_rows(small, quick=args.quick), MOE_COLUMNS
+            bad = [r for r in rows if r["audit"] not in ("ok", "")]
         if main_proc:
             suffix = ("small" if small else "full") + (
                 f"-{jax.process_count()}proc" if jax.process_count() > 1 else ""

@@ -11,14 +11,18 @@ primary weights (:mod:`lowbit.ops.fused.grouped_prequantized`); the permutation 
 Expert parallelism (``mesh`` and ``expert_axis``): tokens and experts are split over the axis.
 Each device routes its own tokens, sends each (token, expert) pair only to the device that owns
 the expert, runs the grouped GEMMs of its own experts and sends the results back; the token's
-owner combines them. The devices first swap their per-expert counts (a small all-to-all of
-int32 (devices, local experts) matrices), then the rows travel one of two ways (``dispatch``):
+owner combines them. The rows travel one of two ways (``dispatch``):
 
-* ``"ragged"``: ``jax.lax.ragged_all_to_all`` moves exactly the routed rows. Each device
-  receives into one buffer laid out by (local expert, source device, token), so the rows are
-  already grouped for the GEMMs. GPU only (XLA:CPU has no ragged-all-to-all).
-* ``"capacity"``: a dense ``jax.lax.all_to_all`` of fixed (capacity, d) blocks, one per
-  (source, destination) pair; the receiver sorts its rows by local expert.
+* ``"capacity"`` (what ``"auto"`` picks): one dense ``jax.lax.all_to_all`` of fixed (capacity,
+  d) bf16 blocks, one per (source, destination) pair, each followed by a row holding its
+  per-expert counts (as bf16 base-256 digits), and one all-to-all of the results back: one
+  collective each way, forward and backward. The receiver moves its rows into expert order by
+  index maps computed from the counts (no sort); every row move has a gather-only VJP.
+* ``"ragged"``: the devices first swap their per-expert counts (a small all-to-all of int32
+  (devices, local experts) matrices), then ``jax.lax.ragged_all_to_all`` moves exactly the
+  routed rows. Each device receives into one buffer laid out by (local expert, source device,
+  token), so the rows are already grouped for the GEMMs. GPU only (XLA:CPU has no
+  ragged-all-to-all).
 
 Both are exact by default: the buffers hold the worst case (every pair a device can receive).
 ``capacity_factor`` f shrinks each device's receive buffer to ``ceil(f * T_local * top_k /
@@ -33,8 +37,9 @@ the one-device order, so dropless results equal one device's up to the GEMMs' su
 Tokens travel and enter the GEMMs as bfloat16 (the grouped GEMM rounds its operands to bfloat16
 or quantizes them); fc1's output is bfloat16, the activation runs in float32 and rounds once, the
 weighted sum is float32, the result x's dtype. Gradients: every step is differentiable (the
-grouped GEMM's custom VJP, all_to_all's transpose, and :func:`_ragged_exchange`, whose backward
-is the reverse ragged exchange; the router's gradient is summed over the devices).
+grouped GEMM's custom VJP, all_to_all's transpose, ep_dispatch's gather-only row moves, and
+:func:`_ragged_exchange`, whose backward is the reverse ragged exchange; the router's gradient is
+summed over the devices, the experts' stay local).
 """
 
 from __future__ import annotations
@@ -53,8 +58,10 @@ from jax.typing import ArrayLike
 from lowbit import delayed_scaling as ds
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
+from lowbit.ops.fused import ep_dispatch as ep
 from lowbit.ops.fused.grouped_prequantized import grouped_gemm_prequantized
 from lowbit.ops.fused.permutation import (
+    combine_pairs,
     exclusive_cumsum,
     permute,
     permute_probs,
@@ -135,22 +142,11 @@ def _bias_rows(b, rows_e):
     return jnp.concatenate([b.astype(jnp.float32), jnp.zeros((1, b.shape[1]), jnp.float32)])[rows_e]
 
 
-def _inverse(perm):
-    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
-
-
 def _sort_pairs(x, experts, cfg: _MoeConfig):
     """Sorts the T * top_k (token, expert) pairs by expert (stable: token order within an
     expert). Returns (plan, xs (P, d) bf16 rows in sorted order)."""
     plan = plan_dispatch(experts, cfg.experts)
     return plan, permute(x.astype(_BF16), plan)
-
-
-def _combine(weights, y_pairs, out_dtype):
-    """sum_k weights[t, k] * y[t, k] in float32 (y in pair order)."""
-    T, k = weights.shape
-    y = y_pairs.reshape(T, k, -1).astype(jnp.float32)
-    return jnp.einsum("tkd,tk->td", y, weights).astype(out_dtype)
 
 
 def _local(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
@@ -228,37 +224,25 @@ def _ragged(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
 
 
 # ---------------------------------------------------------------------------------------------
-# Capacity dispatch: dense all_to_all of (capacity, d) blocks per (source, destination)
+# Capacity dispatch: one dense all_to_all of (capacity, d) blocks each way, counts inside
 # ---------------------------------------------------------------------------------------------
 def _capacity(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
     n, E, C = cfg.devices, cfg.experts, cfg.rows
-    El = E // n
-    dplan, xs = _sort_pairs(x, experts, cfg)
-    sizes, inv, flat = dplan.group_sizes, dplan.dest.reshape(-1), experts.reshape(-1)
-    P_ = xs.shape[0]
-    per_dest = jnp.sum(sizes.reshape(n, El), axis=1)
-    dstart = exclusive_cumsum(per_dest)
-    # Slot (j, r) of the send buffer holds sorted pair dstart[j] + r, for r < min(count, C).
-    r = jnp.arange(C, dtype=jnp.int32)
-    src = jnp.minimum(dstart[:, None] + r[None, :], P_ - 1)
-    valid = r[None, :] < per_dest[:, None]
-    xbuf = jnp.where(valid[..., None], xs[src], jnp.zeros((), xs.dtype)).reshape(n * C, -1)
-    xr = jax.lax.all_to_all(xbuf, cfg.axis, 0, 0, tiled=True)
-    recv = jax.lax.all_to_all(sizes.reshape(n, El), cfg.axis, 0, 0, tiled=True)
-    # Received row (s, r): its local expert from s's counts; rows past s's count sort last.
-    ends = jnp.cumsum(recv, axis=1)
-    local = jnp.sum(r[None, :, None] >= ends[:, None, :], axis=2)
-    local = jnp.where(r[None, :] < ends[:, -1:], local, El).reshape(-1)
-    order = jnp.argsort(local, stable=True)
-    gs = jnp.bincount(local, length=El + 1)[:El].astype(jnp.int32)
-    ys = _experts(cfg, xr[order], w1, w2, gs, state, extras)
-    yback = jax.lax.all_to_all(ys[_inverse(order)], cfg.axis, 0, 0, tiled=True)
-    # Pair q (sorted position inv[q]) went to slot (j, rank) of its destination's block.
-    j = flat // El
-    rank = inv - dstart[j]
-    kept = rank < C
-    y_pairs = jnp.where(kept[:, None], yback[j * C + jnp.minimum(rank, C - 1)], jnp.zeros((), ys.dtype))
-    return _combine(weights, y_pairs, cfg.out_dtype)
+    El, d = E // n, x.shape[1]
+    if C >= ep.DIGIT**ep.DIGITS:
+        raise ValueError(f"moe_mlp: {C} rows per capacity block; the counts' encoding holds < 2^24")
+    plan = plan_dispatch(experts, E)  # dropless: dest = the pair's position sorted by expert
+    plan, kept = ep.send_slots(plan, experts, n, C)
+    blocks = permute(x.astype(_BF16), plan).reshape(n, C, d)
+    # One all-to-all: each block carries its per-expert counts in extra rows.
+    meta = ep.encode_counts(jax.lax.stop_gradient(kept), d, _BF16)
+    got = jax.lax.all_to_all(jnp.concatenate([blocks, meta], axis=1), cfg.axis, 0, 0, tiled=True)
+    recv = ep.decode_counts(jax.lax.stop_gradient(got[:, C:]), El)
+    take, give, gs = ep.receive_maps(recv, C)
+    xe = ep.move_rows(got[:, :C].reshape(n * C, d), take, give)
+    ys = _experts(cfg, xe, w1, w2, gs, state, extras)
+    yback = jax.lax.all_to_all(ep.move_rows(ys, give, take), cfg.axis, 0, 0, tiled=True)
+    return combine_pairs(yback, weights, plan.dest, plan.src, cfg.out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
