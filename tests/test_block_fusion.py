@@ -90,7 +90,9 @@ def test_norm_block_fused_near_float64(device, rng):
     """The dequantized rowwise and colwise copies of the fused LayerNorm output are within E4M3
     rounding of a float64 LayerNorm."""
     x, gamma, beta = _norm_args(rng, 256, 384, jnp.float32, "layernorm")
-    qt = run_on(device, lambda *a: layernorm_fwd(*a, quantize=(B1, E4, None, "both"), epsilon=1e-5)[0], x, gamma, beta)
+    qt = run_on(
+        device, lambda *a: layernorm_fwd(*a, quantize=(B1, E4, None, "both"), epsilon=1e-5)[0], x, gamma, beta
+    )
     x64 = np.asarray(x, np.float64)
     mu, var = x64.mean(-1, keepdims=True), x64.var(-1, keepdims=True)
     ref = (x64 - mu) / np.sqrt(var + 1e-5) * np.asarray(gamma, np.float64) + np.asarray(beta, np.float64)
@@ -101,7 +103,14 @@ def test_norm_block_fused_near_float64(device, rng):
         assert np.all(np.abs(d - ref) <= 2.0**-4 * np.abs(ref) + 1e-3)
 
 
-ACTS = [("gelu",), ("silu", "linear"), ("relu",), ("gelu", "linear"), ("quick_gelu",), ("squared_relu", "linear")]
+ACTS = [
+    ("gelu",),
+    ("silu", "linear"),
+    ("relu",),
+    ("gelu", "linear"),
+    ("quick_gelu",),
+    ("squared_relu", "linear"),
+]
 ACT_IDS = ["-".join(a) for a in ACTS]
 
 
@@ -126,7 +135,9 @@ def test_activation_block_fused_equals_quantize(device, rng, acts, spec):
     want = run_on(device, lambda x: lowbit.quantize(act_lu(x, acts), mode, q, **qkw), x)
     _assert_same_tensor(got, want)
 
-    got_q, got_db = run_on(device, lambda dy, x: dact_dbias(dy, x, acts, quantize=spec_t, with_dbias=True), dy, x)
+    got_q, got_db = run_on(
+        device, lambda dy, x: dact_dbias(dy, x, acts, quantize=spec_t, with_dbias=True), dy, x
+    )
 
     def composed(dy, x):
         return lowbit.quantize_dbias(dact_dbias(dy, x, acts)[0], mode, q, **qkw)
@@ -164,7 +175,9 @@ RECIPE = lowbit.Float8BlockScaling()
 
 
 def _mlp_fused(x, gamma, beta, k1, b1, k2, b2, acts):
-    return mlp(x, k1, b1, k2, b2, acts, recipe=RECIPE, norm=NormInput(gamma, beta, "layernorm", False, 1e-5))[0]
+    return mlp(x, k1, b1, k2, b2, acts, recipe=RECIPE, norm=NormInput(gamma, beta, "layernorm", False, 1e-5))[
+        0
+    ]
 
 
 def _mlp_composed(x, gamma, beta, k1, b1, k2, b2, acts):
@@ -279,7 +292,9 @@ def test_layernorm_mlp_block_takes_fused_path(on_cpu, monkeypatch):
     output's gradient: the norm and activation kernels write the others), 6 with
     LOWBIT_BLOCK_FUSION=0 (x, the activation and its gradient quantized separately)."""
     x = jnp.ones((2, 16, 128), jnp.bfloat16)
-    m = lf.LayerNormMLP(intermediate_dim=256, activations=("gelu",), intermediate_dropout_rate=0.0, dtype=jnp.bfloat16)
+    m = lf.LayerNormMLP(
+        intermediate_dim=256, activations=("gelu",), intermediate_dropout_rate=0.0, dtype=jnp.bfloat16
+    )
     with lowbit.autocast(RECIPE):
         v = nn.unbox(m.init(jax.random.PRNGKey(0), x))
     assert _quantize_calls(m, v, x) == 3

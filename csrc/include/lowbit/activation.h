@@ -90,8 +90,8 @@ struct ActBwdParams {
 
 // Re-checks shared by both backends (Python validates first, naming the argument).
 inline Status act_check_common(DType x, int64_t rows, int64_t cols, ActKind act, ScalingMode mode,
-                               DType q, bool fp8, const float* amax, const float* scale,
-                               bool pow2, float eps) {
+                               DType q, bool fp8, const float* amax, const float* scale, bool pow2,
+                               float eps) {
   if (x != DType::kF32 && x != DType::kBF16 && x != DType::kF16)
     return Status::Invalid("activation: x must be float32, bfloat16 or float16");
   if (rows < 0 || cols < 0) return Status::Invalid("activation: negative shape");
@@ -102,7 +102,8 @@ inline Status act_check_common(DType x, int64_t rows, int64_t cols, ActKind act,
   if (!(eps >= 0.0f) || eps > 3.40282347e38f)
     return Status::Invalid("activation: amax_epsilon must be finite and >= 0");
   if (mode == ScalingMode::kNoScaling) {
-    if (fp8) return Status::Invalid("activation: FP8 outputs need a tensor or FP8 block scaling mode");
+    if (fp8)
+      return Status::Invalid("activation: FP8 outputs need a tensor or FP8 block scaling mode");
     return Status::Ok();
   }
   if (!is_tensor_scaling(mode) && !is_fp8_block(mode))

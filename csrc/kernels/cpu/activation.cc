@@ -163,8 +163,8 @@ Status act_bwd_cpu(const ActBwdParams& p) {
     }
   if (fp8)
     return quantize_result(dx, p.x_dtype, R, W, p.mode, p.q_dtype, p.scale, p.power_2_scale,
-                           p.amax_epsilon, p.data, p.colwise_data, p.scale_inv,
-                           p.colwise_scale_inv, p.amax, p.dbias);
+                           p.amax_epsilon, p.data, p.colwise_data, p.scale_inv, p.colwise_scale_inv,
+                           p.amax, p.dbias);
   if (p.dbias) {  // column sums of the rounded dx, float32, rounded once (as quantize_dbias)
     std::vector<float> sums(size_t(W), 0.0f);
     for (int64_t r = 0; r < R; ++r)

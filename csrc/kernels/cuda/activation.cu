@@ -481,8 +481,7 @@ Status run_block_one(Args a, bool two_d, float* amax, void* dbias, cudaStream_t 
 }
 
 template <int IN, bool BWD>
-Status run_block(const Args& a, bool gated, bool two_d, float* amax, void* dbias,
-                 cudaStream_t st) {
+Status run_block(const Args& a, bool gated, bool two_d, float* amax, void* dbias, cudaStream_t st) {
   return gated ? run_block_one<IN, BWD, true>(a, two_d, amax, dbias, st)
                : run_block_one<IN, BWD, false>(a, two_d, amax, dbias, st);
 }

@@ -310,7 +310,8 @@ template <int IN, int FMT, typename Load>
 Status launch_fp8_block_cast(BlockCastArgs a, bool two_d, const Load& load, cudaStream_t st) {
   a.tiles_c = (a.C + kBlk - 1) / kBlk;
   const int64_t tiles = ((a.R + kBlk - 1) / kBlk) * a.tiles_c;
-  if (tiles > INT32_MAX || tiles < 1) return Status::Invalid("block cast: tensor too large or empty");
+  if (tiles > INT32_MAX || tiles < 1)
+    return Status::Invalid("block cast: tensor too large or empty");
   auto kernel = two_d ? fp8_block_cast_kernel<IN, FMT, true, Load>
                       : fp8_block_cast_kernel<IN, FMT, false, Load>;
   const size_t smem = blk_fast_smem<IN>();

@@ -789,8 +789,8 @@ Status norm_fwd_cuda(const NormFwdParams& p, void* stream) {
     if (p.rows > 0 && !cuda::block_cast_fits(p.rows, p.cols, x_ok, p.data, p.colwise_data))
       return Status::Invalid(
           "norm: FP8 block-scaled output needs rows and cols multiples of 16 and aligned buffers");
-    if (auto s = cuda::api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st),
-                                  "norm: memset amax");
+    if (auto s =
+            cuda::api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "norm: memset amax");
         !s.ok())
       return s;
     if (auto s = run(a); !s.ok() || p.rows == 0) return s;

@@ -463,10 +463,10 @@ Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
       if (tiles > INT32_MAX) return Status::Invalid("quantize: tensor too large");
       auto kernel = two_d ? fp8_block_cast_generic_kernel<IN, FMT, true>
                           : fp8_block_cast_generic_kernel<IN, FMT, false>;
-      if (auto s = api_status(cudaFuncSetAttribute(kernel,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   int(kBlkSmem)),
-                              "cudaFuncSetAttribute");
+      if (auto s =
+              api_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              int(kBlkSmem)),
+                         "cudaFuncSetAttribute");
           !s.ok())
         return s;
       kernel<<<unsigned(tiles), kBlkGenericThreads, kBlkSmem, st>>>(a);
