@@ -172,9 +172,11 @@ def test_layernorm_mlp_takes_fused_path(on_cpu, recipe_name):
 
 
 def test_other_recipes_compose(on_cpu, rng):
-    """Block-scaled recipes and unfusable activations take the composition (same values)."""
-    recipe = lowbit.Float8BlockScaling()
+    """MXFP8 (its kernels do not write MX copies) and unfusable activations take the composition
+    (same values); Float8BlockScaling is fused (tests/test_block_fusion.py)."""
+    recipe = lowbit.MXFP8BlockScaling()
     assert not fusable(recipe, ("gelu",)) and not fusable(None, ("gelu",))
+    assert fusable(lowbit.Float8BlockScaling(), ("gelu",))
     assert not fusable(RECIPES["current"], ("relu", "relu"))
     x, k1, b1, k2, b2, _ = _operands(rng, 128, 128, 128, 128, False, True)
     got = mlp(x, k1, b1, k2, b2, ("gelu",), recipe=recipe)

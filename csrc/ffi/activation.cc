@@ -25,7 +25,7 @@ ffi::Error act_dims(const Buf& x, bool gated, int64_t* rows, int64_t* cols, DTyp
 
 ffi::Error ActFwd(LOWBIT_PLATFORM_CTX Buf x, Buf scale, Ret y, Ret data, Ret scale_inv, Ret cw_data,
                   Ret cw_scale_inv, Ret amax, int32_t act, int32_t gated, int32_t mode,
-                  int32_t q_dtype) {
+                  int32_t q_dtype, int32_t power_2_scale, float amax_epsilon) {
   ActFwdParams p;
   p.gated = gated != 0;
   if (auto e = act_dims(x, p.gated, &p.rows, &p.cols, &p.x_dtype); e.failure()) return e;
@@ -33,6 +33,8 @@ ffi::Error ActFwd(LOWBIT_PLATFORM_CTX Buf x, Buf scale, Ret y, Ret data, Ret sca
   p.act = static_cast<ActKind>(act);
   p.mode = static_cast<ScalingMode>(mode);
   p.q_dtype = static_cast<DType>(q_dtype);
+  p.power_2_scale = power_2_scale != 0;
+  p.amax_epsilon = amax_epsilon;
   p.scale = in_or_null<float>(scale);
   p.y = ptr_or_null<void>(y);
   p.data = ptr_or_null<uint8_t>(data);
@@ -46,7 +48,8 @@ ffi::Error ActFwd(LOWBIT_PLATFORM_CTX Buf x, Buf scale, Ret y, Ret data, Ret sca
 
 ffi::Error ActBwd(LOWBIT_PLATFORM_CTX Buf dy, Buf x, Buf scale, Ret dx, Ret data, Ret scale_inv,
                   Ret cw_data, Ret cw_scale_inv, Ret amax, Ret dbias, Ret workspace, int32_t act,
-                  int32_t gated, int32_t mode, int32_t q_dtype) {
+                  int32_t gated, int32_t mode, int32_t q_dtype, int32_t power_2_scale,
+                  float amax_epsilon) {
   ActBwdParams p;
   p.gated = gated != 0;
   if (auto e = act_dims(x, p.gated, &p.rows, &p.cols, &p.x_dtype); e.failure()) return e;
@@ -57,6 +60,8 @@ ffi::Error ActBwd(LOWBIT_PLATFORM_CTX Buf dy, Buf x, Buf scale, Ret dx, Ret data
   p.act = static_cast<ActKind>(act);
   p.mode = static_cast<ScalingMode>(mode);
   p.q_dtype = static_cast<DType>(q_dtype);
+  p.power_2_scale = power_2_scale != 0;
+  p.amax_epsilon = amax_epsilon;
   p.scale = in_or_null<float>(scale);
   p.dx = ptr_or_null<void>(dx);
   p.data = ptr_or_null<uint8_t>(data);
@@ -83,14 +88,16 @@ LOWBIT_HANDLER(lowbit_act_fwd, ActFwd,
                    .Arg<Buf>()  // scale (1,) f32 or (0,)
                    .Ret<Buf>()  // y (R, H) or (0,)
                    .Ret<Buf>()  // rowwise FP8 (R, H) or (0,)
-                   .Ret<Buf>()  // scale_inv (1,) or (0,)
+                   .Ret<Buf>()  // scale_inv (1,), block scales, or (0,)
                    .Ret<Buf>()  // colwise FP8 (H, R) or (0,)
                    .Ret<Buf>()  // colwise scale_inv (1,) or (0,)
                    .Ret<Buf>()  // amax (1,) or (0,)
                    .Attr<int32_t>("act")
                    .Attr<int32_t>("gated")
                    .Attr<int32_t>("mode")
-                   .Attr<int32_t>("q_dtype"));
+                   .Attr<int32_t>("q_dtype")
+                   .Attr<int32_t>("power_2_scale")
+                   .Attr<float>("amax_epsilon"));
 
 LOWBIT_HANDLER(lowbit_act_bwd, ActBwd,
                LOWBIT_BIND()
@@ -99,7 +106,7 @@ LOWBIT_HANDLER(lowbit_act_bwd, ActBwd,
                    .Arg<Buf>()  // scale (1,) f32 or (0,)
                    .Ret<Buf>()  // dx (R, W) or (0,)
                    .Ret<Buf>()  // rowwise FP8 (R, W) or (0,)
-                   .Ret<Buf>()  // scale_inv (1,) or (0,)
+                   .Ret<Buf>()  // scale_inv (1,), block scales, or (0,)
                    .Ret<Buf>()  // colwise FP8 (W, R) or (0,)
                    .Ret<Buf>()  // colwise scale_inv (1,) or (0,)
                    .Ret<Buf>()  // amax (1,) or (0,)
@@ -108,7 +115,9 @@ LOWBIT_HANDLER(lowbit_act_bwd, ActBwd,
                    .Attr<int32_t>("act")
                    .Attr<int32_t>("gated")
                    .Attr<int32_t>("mode")
-                   .Attr<int32_t>("q_dtype"));
+                   .Attr<int32_t>("q_dtype")
+                   .Attr<int32_t>("power_2_scale")
+                   .Attr<float>("amax_epsilon"));
 
 #pragma GCC visibility pop
 

@@ -14,7 +14,7 @@ namespace {
 ffi::Error NormFwd(LOWBIT_PLATFORM_CTX Buf x, Buf gamma, Buf beta, Buf scale, Ret y, Ret data,
                    Ret scale_inv, Ret cw_data, Ret cw_scale_inv, Ret amax, Ret mean, Ret rsigma,
                    int32_t norm_type, int32_t zero_centered, float epsilon, int32_t mode,
-                   int32_t q_dtype) {
+                   int32_t q_dtype, int32_t power_2_scale, float amax_epsilon) {
   NormFwdParams p;
   if (!dims_2d(x, &p.rows, &p.cols)) return to_error(Status::Invalid("norm: x must be 2-D"));
   if (!to_dtype(x.element_type(), &p.x_dtype))
@@ -35,6 +35,8 @@ ffi::Error NormFwd(LOWBIT_PLATFORM_CTX Buf x, Buf gamma, Buf beta, Buf scale, Re
   p.epsilon = epsilon;
   p.mode = static_cast<ScalingMode>(mode);
   p.q_dtype = static_cast<DType>(q_dtype);
+  p.power_2_scale = power_2_scale != 0;
+  p.amax_epsilon = amax_epsilon;
   p.y = ptr_or_null<void>(y);
   p.data = ptr_or_null<uint8_t>(data);
   p.scale_inv = ptr_or_null<float>(scale_inv);
@@ -94,9 +96,9 @@ LOWBIT_HANDLER(lowbit_norm_fwd, NormFwd,
                    .Arg<Buf>()  // scale (1,) f32 or (0,)
                    .Ret<Buf>()  // y (R, C) or (0,)
                    .Ret<Buf>()  // rowwise FP8 (R, C) or (0,)
-                   .Ret<Buf>()  // scale_inv (1,) or (0,)
+                   .Ret<Buf>()  // scale_inv (1,), block scales, or (0,)
                    .Ret<Buf>()  // colwise FP8 (C, R) or (0,)
-                   .Ret<Buf>()  // colwise scale_inv (1,) or (0,)
+                   .Ret<Buf>()  // colwise scale_inv (1,), block scales, or (0,)
                    .Ret<Buf>()  // amax (1,) or (0,)
                    .Ret<Buf>()  // mean (R,) or (0,)
                    .Ret<Buf>()  // rsigma (R,)
@@ -104,7 +106,9 @@ LOWBIT_HANDLER(lowbit_norm_fwd, NormFwd,
                    .Attr<int32_t>("zero_centered_gamma")
                    .Attr<float>("epsilon")
                    .Attr<int32_t>("mode")
-                   .Attr<int32_t>("q_dtype"));
+                   .Attr<int32_t>("q_dtype")
+                   .Attr<int32_t>("power_2_scale")
+                   .Attr<float>("amax_epsilon"));
 
 LOWBIT_HANDLER(lowbit_norm_bwd, NormBwd,
                LOWBIT_BIND()

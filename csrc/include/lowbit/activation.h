@@ -16,6 +16,9 @@
 // lowbit.quantize(y_in_x_dtype) (and the fused dbias is lowbit.quantize_dbias's: column sums of
 // the rounded dx accumulated in float32, rounded once). Current scaling runs a first pass that
 // only computes the amax, then the fused pass (see norm.h).
+// FP8 block scaling (kBlock1d / kBlock2d): the copies are exactly lowbit.quantize(_dbias) of
+// the rounded result with power_2_scale / amax_epsilon, in the lowbit/block_scaling.h layouts;
+// the CUDA kernels run one block cast that computes the values per element (activation.cu).
 // Backward: plain dx = dy * act'(x); gated da = (dy * b) * act'(a), db = dy * act(a), dx = [da,
 // db].
 #pragma once
@@ -46,15 +49,17 @@ struct ActFwdParams {
   ActKind act = ActKind::kGeluTanh;
   bool gated = false;
 
-  ScalingMode mode = ScalingMode::kNoScaling;  // or kDelayedTensor / kCurrentTensor
+  ScalingMode mode = ScalingMode::kNoScaling;  // or a tensor / FP8 block scaling mode
   DType q_dtype = DType::kE4M3;
   const float* scale = nullptr;  // delayed: (1,)
+  bool power_2_scale = false;    // FP8 block scaling (as QuantizeParams)
+  float amax_epsilon = 0.0f;
 
   void* y = nullptr;                   // (rows, H) in x_dtype
   uint8_t* data = nullptr;             // (rows, H) FP8
   uint8_t* colwise_data = nullptr;     // (H, rows) FP8
-  float* scale_inv = nullptr;          // (1,)
-  float* colwise_scale_inv = nullptr;  // (1,)
+  float* scale_inv = nullptr;          // (1,); block: fp8_block_scale layout of (rows, H)
+  float* colwise_scale_inv = nullptr;  // (1,); block: the layout of (H, rows)
   float* amax = nullptr;               // (1,), required with FP8
 };
 
@@ -69,6 +74,8 @@ struct ActBwdParams {
   ScalingMode mode = ScalingMode::kNoScaling;
   DType q_dtype = DType::kE5M2;
   const float* scale = nullptr;
+  bool power_2_scale = false;  // FP8 block scaling (as QuantizeParams)
+  float amax_epsilon = 0.0f;
 
   // Outputs over dx of width W = gated ? 2H : H; null = not wanted.
   void* dx = nullptr;               // (rows, W) in x_dtype
@@ -83,18 +90,25 @@ struct ActBwdParams {
 
 // Re-checks shared by both backends (Python validates first, naming the argument).
 inline Status act_check_common(DType x, int64_t rows, int64_t cols, ActKind act, ScalingMode mode,
-                               DType q, bool fp8, const float* amax, const float* scale) {
+                               DType q, bool fp8, const float* amax, const float* scale, bool pow2,
+                               float eps) {
   if (x != DType::kF32 && x != DType::kBF16 && x != DType::kF16)
     return Status::Invalid("activation: x must be float32, bfloat16 or float16");
   if (rows < 0 || cols < 0) return Status::Invalid("activation: negative shape");
   if (int32_t(act) < 0 || int32_t(act) > int32_t(ActKind::kSquaredRelu))
     return Status::Invalid("activation: unknown activation");
+  if (!is_fp8_block(mode) && (pow2 || eps != 0.0f))
+    return Status::Invalid("activation: power_2_scale and amax_epsilon are FP8 block scaling only");
+  if (!(eps >= 0.0f) || eps > 3.40282347e38f)
+    return Status::Invalid("activation: amax_epsilon must be finite and >= 0");
   if (mode == ScalingMode::kNoScaling) {
-    if (fp8) return Status::Invalid("activation: FP8 outputs need a tensor scaling mode");
+    if (fp8)
+      return Status::Invalid("activation: FP8 outputs need a tensor or FP8 block scaling mode");
     return Status::Ok();
   }
-  if (!is_tensor_scaling(mode))
-    return Status::Invalid("activation: fused quantization supports tensor scaling only");
+  if (!is_tensor_scaling(mode) && !is_fp8_block(mode))
+    return Status::Invalid(
+        "activation: fused quantization supports tensor and FP8 block scaling only");
   if (q != DType::kE4M3 && q != DType::kE5M2)
     return Status::Invalid("activation: q_dtype must be float8_e4m3fn or float8_e5m2");
   if (!amax) return Status::Invalid("activation: FP8 output needs the amax output");
@@ -105,12 +119,14 @@ inline Status act_check_common(DType x, int64_t rows, int64_t cols, ActKind act,
 
 inline Status validate(const ActFwdParams& p) {
   return act_check_common(p.x_dtype, p.rows, p.cols, p.act, p.mode, p.q_dtype,
-                          p.data || p.colwise_data, p.amax, p.scale);
+                          p.data || p.colwise_data, p.amax, p.scale, p.power_2_scale,
+                          p.amax_epsilon);
 }
 
 inline Status validate(const ActBwdParams& p) {
   return act_check_common(p.x_dtype, p.rows, p.cols, p.act, p.mode, p.q_dtype,
-                          p.data || p.colwise_data, p.amax, p.scale);
+                          p.data || p.colwise_data, p.amax, p.scale, p.power_2_scale,
+                          p.amax_epsilon);
 }
 
 Status act_fwd_cpu(const ActFwdParams& p);

@@ -15,6 +15,11 @@
 // amax without storing the FP8 copies (it writes mean/rsigma and the optional y), the second
 // recomputes y (bit-identically: same code, same order) and stores the copies. Delayed scaling
 // is one pass. The colwise copy is the transpose of the rowwise one (tensor scaling).
+// FP8 block scaling (kBlock1d / kBlock2d, Float8BlockScaling): the copies are exactly
+// lowbit.quantize(y_rounded, mode, q_dtype, power_2_scale=, amax_epsilon=) (scales in the
+// lowbit/block_scaling.h layouts; the colwise copy's 1x128 blocks run along the rows); no
+// tensor amax is needed first, so the CUDA forward is a statistics pass and one block cast that
+// recomputes y per element (norm.cu).
 //
 // Backward (dy in x's dtype, saved mean/rsigma):
 //   dyg = dy * g,  c1 = sum(dyg * xhat) / C,  c2 = sum(dyg) / C  (layernorm; 0 for rmsnorm)
@@ -45,17 +50,20 @@ struct NormFwdParams {
   bool zero_centered_gamma = false;
   float epsilon = 1e-6f;
 
-  // kNoScaling: no FP8 output; kDelayedTensor / kCurrentTensor: FP8 copies requested below.
+  // kNoScaling: no FP8 output; kDelayedTensor / kCurrentTensor / kBlock1d / kBlock2d: FP8
+  // copies requested below.
   ScalingMode mode = ScalingMode::kNoScaling;
   DType q_dtype = DType::kE4M3;
   const float* scale = nullptr;  // delayed: (1,)
+  bool power_2_scale = false;    // FP8 block scaling: scales rounded down to powers of two
+  float amax_epsilon = 0.0f;     // FP8 block scaling: amax floor of each block
 
   // Outputs; null = not wanted.
   void* y = nullptr;                   // (rows, cols) in x_dtype
   uint8_t* data = nullptr;             // (rows, cols) FP8
   uint8_t* colwise_data = nullptr;     // (cols, rows) FP8
-  float* scale_inv = nullptr;          // (1,)
-  float* colwise_scale_inv = nullptr;  // (1,)
+  float* scale_inv = nullptr;          // (1,); block: fp8_block_scale layout of (rows, cols)
+  float* colwise_scale_inv = nullptr;  // (1,); block: the layout of (cols, rows)
   float* amax = nullptr;               // (1,) amax of the rounded y; required with FP8
   float* mean = nullptr;               // (rows,) layernorm
   float* rsigma = nullptr;             // (rows,)
@@ -95,16 +103,20 @@ inline Status validate(const NormFwdParams& p) {
     return Status::Invalid("norm: layernorm needs mean");
   if (!(p.epsilon >= 0.0f)) return Status::Invalid("norm: epsilon must be >= 0");
   const bool fp8 = p.data || p.colwise_data;
+  if (!is_fp8_block(p.mode) && (p.power_2_scale || p.amax_epsilon != 0.0f))
+    return Status::Invalid("norm: power_2_scale and amax_epsilon are FP8 block scaling only");
+  if (!(p.amax_epsilon >= 0.0f) || p.amax_epsilon > 3.40282347e38f)
+    return Status::Invalid("norm: amax_epsilon must be finite and >= 0");
   if (p.mode == ScalingMode::kNoScaling) {
-    if (fp8) return Status::Invalid("norm: FP8 outputs need a tensor scaling mode");
-  } else if (is_tensor_scaling(p.mode)) {
+    if (fp8) return Status::Invalid("norm: FP8 outputs need a tensor or FP8 block scaling mode");
+  } else if (is_tensor_scaling(p.mode) || is_fp8_block(p.mode)) {
     if (p.q_dtype != DType::kE4M3 && p.q_dtype != DType::kE5M2)
       return Status::Invalid("norm: q_dtype must be float8_e4m3fn or float8_e5m2");
     if (!p.amax) return Status::Invalid("norm: FP8 output needs the amax output");
     if (p.mode == ScalingMode::kDelayedTensor && !p.scale)
       return Status::Invalid("norm: delayed scaling needs scale");
   } else {
-    return Status::Invalid("norm: fused quantization supports tensor scaling only");
+    return Status::Invalid("norm: fused quantization supports tensor and FP8 block scaling only");
   }
   return Status::Ok();
 }

@@ -70,9 +70,10 @@ float act_grad(ActKind k, float x) {
 
 // Quantizes the rounded result `v` (rows, cols) into the FP8 outputs of the fused op.
 Status quantize_result(const void* v, DType dt, int64_t rows, int64_t cols, ScalingMode mode,
-                       DType q_dtype, const float* scale, uint8_t* data, uint8_t* cw, float* si,
-                       float* csi, float* amax, void* dbias) {
-  if (rows * cols == 0) {
+                       DType q_dtype, const float* scale, bool pow2, float eps, uint8_t* data,
+                       uint8_t* cw, float* si, float* csi, float* amax, void* dbias) {
+  const bool block = is_fp8_block(mode);
+  if (rows * cols == 0 && !block) {
     *amax = 0.0f;
     const float inv = 1.0f / (mode == ScalingMode::kDelayedTensor ? *scale : 1.0f);
     if (si) *si = inv;
@@ -90,6 +91,8 @@ Status quantize_result(const void* v, DType dt, int64_t rows, int64_t cols, Scal
   q.rowwise = data != nullptr;
   q.colwise = cw != nullptr;
   q.scale = scale;
+  q.power_2_scale = pow2;
+  q.amax_epsilon = eps;
   q.data = data;
   q.colwise_data = cw;
   float tmp_row = 0.0f, tmp_col = 0.0f;
@@ -97,6 +100,11 @@ Status quantize_result(const void* v, DType dt, int64_t rows, int64_t cols, Scal
   q.colwise_scale_inv = csi ? csi : &tmp_col;
   q.amax = amax;
   q.dbias = dbias;
+  if (block) {  // per-block scales: each copy's own array (null: not wanted)
+    q.scale_inv = si;
+    q.colwise_scale_inv = csi;
+    return quantize_cpu(q);
+  }
   auto s = quantize_cpu(q);
   const float inv =
       q.rowwise ? *static_cast<float*>(q.scale_inv) : *static_cast<float*>(q.colwise_scale_inv);
@@ -111,7 +119,7 @@ Status act_fwd_cpu(const ActFwdParams& p) {
   if (auto s = validate(p); !s.ok()) return s;
   FpuExactGuard guard;
   const int64_t R = p.rows, H = p.cols, W = p.gated ? 2 * H : H;
-  const bool fp8 = is_tensor_scaling(p.mode);
+  const bool fp8 = is_tensor_scaling(p.mode) || is_fp8_block(p.mode);
   std::vector<uint8_t> tmp;
   void* y = p.y;
   if (y == nullptr) {
@@ -125,15 +133,16 @@ Status act_fwd_cpu(const ActFwdParams& p) {
       store_value(y, p.x_dtype, r * H + c, v);
     }
   if (!fp8) return Status::Ok();
-  return quantize_result(y, p.x_dtype, R, H, p.mode, p.q_dtype, p.scale, p.data, p.colwise_data,
-                         p.scale_inv, p.colwise_scale_inv, p.amax, nullptr);
+  return quantize_result(y, p.x_dtype, R, H, p.mode, p.q_dtype, p.scale, p.power_2_scale,
+                         p.amax_epsilon, p.data, p.colwise_data, p.scale_inv, p.colwise_scale_inv,
+                         p.amax, nullptr);
 }
 
 Status act_bwd_cpu(const ActBwdParams& p) {
   if (auto s = validate(p); !s.ok()) return s;
   FpuExactGuard guard;
   const int64_t R = p.rows, H = p.cols, W = p.gated ? 2 * H : H;
-  const bool fp8 = is_tensor_scaling(p.mode);
+  const bool fp8 = is_tensor_scaling(p.mode) || is_fp8_block(p.mode);
   std::vector<uint8_t> tmp;
   void* dx = p.dx;
   if (dx == nullptr) {
@@ -153,8 +162,9 @@ Status act_bwd_cpu(const ActBwdParams& p) {
       }
     }
   if (fp8)
-    return quantize_result(dx, p.x_dtype, R, W, p.mode, p.q_dtype, p.scale, p.data, p.colwise_data,
-                           p.scale_inv, p.colwise_scale_inv, p.amax, p.dbias);
+    return quantize_result(dx, p.x_dtype, R, W, p.mode, p.q_dtype, p.scale, p.power_2_scale,
+                           p.amax_epsilon, p.data, p.colwise_data, p.scale_inv, p.colwise_scale_inv,
+                           p.amax, p.dbias);
   if (p.dbias) {  // column sums of the rounded dx, float32, rounded once (as quantize_dbias)
     std::vector<float> sums(size_t(W), 0.0f);
     for (int64_t r = 0; r < R; ++r)

@@ -15,7 +15,7 @@ Status norm_fwd_cpu(const NormFwdParams& p) {
   FpuExactGuard guard;
   const int64_t R = p.rows, C = p.cols;
   const bool rms = p.type == NormType::kRmsNorm;
-  const bool fp8 = is_tensor_scaling(p.mode);
+  const bool fp8 = is_tensor_scaling(p.mode) || is_fp8_block(p.mode);
   // The rounded output is needed whole before quantizing (current scaling needs its amax).
   std::vector<uint8_t> tmp;
   void* y = p.y;
@@ -53,7 +53,7 @@ Status norm_fwd_cpu(const NormFwdParams& p) {
     }
   }
   if (!fp8) return Status::Ok();
-  if (R == 0) {  // nothing to quantize: amax 0, and the scale current scaling gives it
+  if (R == 0 && is_tensor_scaling(p.mode)) {  // amax 0, and the scale current scaling gives it
     *p.amax = 0.0f;
     const float inv = 1.0f / (p.mode == ScalingMode::kDelayedTensor ? *p.scale : 1.0f);
     if (p.scale_inv) *p.scale_inv = inv;
@@ -70,12 +70,19 @@ Status norm_fwd_cpu(const NormFwdParams& p) {
   q.rowwise = p.data != nullptr;
   q.colwise = p.colwise_data != nullptr;
   q.scale = p.scale;
+  q.power_2_scale = p.power_2_scale;
+  q.amax_epsilon = p.amax_epsilon;
   q.data = p.data;
   q.colwise_data = p.colwise_data;
   float si_row = 0.0f, si_col = 0.0f;
   q.scale_inv = p.scale_inv ? p.scale_inv : &si_row;
   q.colwise_scale_inv = p.colwise_scale_inv ? p.colwise_scale_inv : &si_col;
   q.amax = p.amax;
+  if (is_fp8_block(p.mode)) {  // per-block scales: each copy's own array (null: not wanted)
+    q.scale_inv = p.scale_inv;
+    q.colwise_scale_inv = p.colwise_scale_inv;
+    return quantize_cpu(q);
+  }
   auto s = quantize_cpu(q);
   // quantize_cpu writes scale_inv only for the copies it made; keep both outputs defined.
   const float inv = *static_cast<float*>(q.rowwise ? q.scale_inv : q.colwise_scale_inv);

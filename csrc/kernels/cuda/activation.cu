@@ -17,6 +17,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "block_cast.cuh"
 #include "fused_kernel_helpers.cuh"
 #include "lowbit/activation.h"
 
@@ -98,6 +99,8 @@ struct Args {
   float* csi;
   float* amax_out;
   float* dbias_part;  // [tiles_r][W]
+  bool pow2;          // FP8 block scaling: power-of-two scales, amax floor
+  float eps;
 };
 
 // The NO (1 or 2) output values at one position; forward: y; backward: dx (gated: da, db).
@@ -373,10 +376,122 @@ Status launch(const Args& a, bool gated, bool tile, cudaStream_t st) {
   return gated ? launch_one<IN, BWD, true>(a, tile, st) : launch_one<IN, BWD, false>(a, tile, st);
 }
 
+// The block cast's Load (block_cast.cuh) for the block-scaled copies of the forward's y (R, H)
+// or the backward's dx (R, W): each output chunk from its chunks of x (and the gate, and dy),
+// through values_at and round_vec as in the tile kernel, so the values are the same bits.
+template <bool BWD, bool GATED>
+struct ActBlockLoad {
+  static constexpr int kLoads = 1 + (GATED ? 1 : 0) + (BWD ? 1 : 0);
+  static constexpr int kMinBlocks = BWD && GATED ? 1 : 2;  // 3 (or 2) source chunks per chunk
+  struct Shared {};
+  const void* x;
+  const void* dy;
+  int64_t H;
+  int act;
+
+  // Backward, gated: output columns [H, 2H) are db, computed at column gc - H of the inputs.
+  __device__ __forceinline__ int half(int64_t gc) const { return BWD && GATED && gc >= H ? 1 : 0; }
+
+  template <int IN>
+  __device__ __forceinline__ void fetch(int64_t gr, int64_t gc, uint4 (&src)[kLoads]) const {
+    using T = typename In<IN>::T;
+    const int64_t c = gc - half(gc) * H, xw = GATED ? 2 * H : H;
+    const T* xr = static_cast<const T*>(x) + gr * xw + c;
+    src[0] = __ldg(reinterpret_cast<const uint4*>(xr));
+    if constexpr (GATED) src[1] = __ldg(reinterpret_cast<const uint4*>(xr + H));
+    if constexpr (BWD)
+      src[kLoads - 1] =
+          __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(dy) + gr * H + c));
+  }
+  __device__ __forceinline__ void stage(Shared&, int64_t, int64_t, int64_t, int64_t, int) const {}
+
+  template <int IN, int ACT>
+  __device__ __forceinline__ uint4 chunk(const uint4 (&src)[kLoads], int o) const {
+    constexpr int E = 16 / int(sizeof(typename In<IN>::T));
+    float fx[E], fg[E], fd[E], v[E], yr[E];
+    unpack16<IN>(src[0], fx);
+    if constexpr (GATED) unpack16<IN>(src[1], fg);
+    if constexpr (BWD) unpack16<IN>(src[kLoads - 1], fd);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      float o2[2];
+      values_at<ACT, BWD, GATED>(fx[e], GATED ? fg[e] : 0.0f, BWD ? fd[e] : 0.0f, o2);
+      v[e] = o2[o];
+    }
+    return round_vec<IN, E>(v, yr);
+  }
+  template <int IN>
+  __device__ __forceinline__ uint4 apply(const Shared&, const uint4 (&src)[kLoads], int64_t gc, int,
+                                         int) const {
+    const int o = half(gc);
+    switch (ActKind(act)) {  // uniform over the launch
+      case ActKind::kLinear: return chunk<IN, 0>(src, o);
+      case ActKind::kGeluTanh: return chunk<IN, 1>(src, o);
+      case ActKind::kGeluExact: return chunk<IN, 2>(src, o);
+      case ActKind::kRelu: return chunk<IN, 3>(src, o);
+      case ActKind::kSilu: return chunk<IN, 4>(src, o);
+      case ActKind::kQuickGelu: return chunk<IN, 5>(src, o);
+      default: return chunk<IN, 6>(src, o);
+    }
+  }
+};
+
+// FP8 block scaling: the block cast writes the copies and amax (one read of the inputs); y / dx
+// in x's dtype, when asked for too, and dbias come from the elementwise kernels (dbias: one
+// thread per column, rows in order: the same sums as lowbit.quantize_dbias's block path).
+// Python sends only whole 16x16 tiles (lowbit.ops.fused_quantize).
+template <int IN, bool BWD, bool GATED>
+Status run_block_one(Args a, bool two_d, float* amax, void* dbias, cudaStream_t st) {
+  const int64_t R = a.R, W = GATED ? 2 * a.H : a.H, OC = BWD ? W : a.H;
+  const bool fits = aligned16(a.x) && (!BWD || aligned16(a.dy)) &&
+                    block_cast_fits(R, OC, true, a.q_row, a.q_col) && a.H % 16 == 0;
+  if (R > 0 && OC > 0 && !fits)
+    return Status::Invalid(
+        "activation: FP8 block-scaled output needs rows and columns multiples of 16 and aligned "
+        "buffers");
+  if (auto s = api_status(cudaMemsetAsync(amax, 0, sizeof(float), st), "activation: memset amax");
+      !s.ok())
+    return s;
+  if (R > 0 && OC > 0) {
+    BlockCastArgs c{};
+    c.R = R;
+    c.C = OC;
+    c.q_row = a.q_row;
+    c.s_row = a.q_row ? a.si : nullptr;
+    c.q_col = a.q_col;
+    c.s_col = a.q_col ? a.csi : nullptr;
+    c.eps = a.eps;
+    c.pow2 = a.pow2;
+    c.amax_out = amax;
+    const ActBlockLoad<BWD, GATED> load{a.x, a.dy, a.H, a.act};
+    const Status s = a.e5 ? launch_fp8_block_cast<IN, kFmtE5M2>(c, two_d, load, st)
+                          : launch_fp8_block_cast<IN, kFmtE4M3>(c, two_d, load, st);
+    if (!s.ok()) return s;
+  }
+  if (a.hp) {  // the unquantized output as well: the elementwise kernels, nothing quantized
+    Args hp = a;
+    hp.q_row = hp.q_col = nullptr;
+    hp.fp8 = false;
+    hp.amax_out = nullptr;
+    if (auto s = launch_one<IN, BWD, GATED>(hp, tile_path<IN>(hp), st); !s.ok()) return s;
+  }
+  if (!dbias || W == 0) return Status::Ok();
+  dbias_generic_kernel<IN, GATED><<<grid_for(W, 256), 256, 0, st>>>(a, dbias);
+  return launch_status("dbias_generic_kernel");
+}
+
+template <int IN, bool BWD>
+Status run_block(const Args& a, bool gated, bool two_d, float* amax, void* dbias, cudaStream_t st) {
+  return gated ? run_block_one<IN, BWD, true>(a, two_d, amax, dbias, st)
+               : run_block_one<IN, BWD, false>(a, two_d, amax, dbias, st);
+}
+
 // Runs the (two-pass for current scaling) sequence for one direction; `dbias` optional (bwd).
 template <int IN, bool BWD>
 Status run(Args a, bool gated, ScalingMode mode, float* amax, void* dbias, void* workspace,
            cudaStream_t st) {
+  if (is_fp8_block(mode))
+    return run_block<IN, BWD>(a, gated, mode == ScalingMode::kBlock2d, amax, dbias, st);
   const bool tile = tile_path<IN>(a);
   const int64_t W = gated ? 2 * a.H : a.H, tiles_r = (a.R + kRows - 1) / kRows;
   const bool dbias_tiles = dbias && tile && a.R > 0 && a.H > 0;
@@ -446,6 +561,8 @@ Status act_fwd_cuda(const ActFwdParams& p, void* stream) {
   a.scale = p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr;
   a.si = p.scale_inv;
   a.csi = p.colwise_scale_inv;
+  a.pow2 = p.power_2_scale;
+  a.eps = p.amax_epsilon;
   return cuda::dispatch<false>(p.x_dtype, a, p.gated, p.mode, p.amax, nullptr, nullptr,
                                static_cast<cudaStream_t>(stream));
 }
@@ -465,6 +582,8 @@ Status act_bwd_cuda(const ActBwdParams& p, void* stream) {
   a.scale = p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr;
   a.si = p.scale_inv;
   a.csi = p.colwise_scale_inv;
+  a.pow2 = p.power_2_scale;
+  a.eps = p.amax_epsilon;
   return cuda::dispatch<true>(p.x_dtype, a, p.gated, p.mode, p.amax, p.dbias, p.workspace,
                               static_cast<cudaStream_t>(stream));
 }

@@ -24,6 +24,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "block_cast.cuh"
 #include "cast_kernels.cuh"
 #include "fused_kernel_helpers.cuh"
 #include "lowbit/norm.h"
@@ -125,7 +126,8 @@ __device__ __forceinline__ uint4 affine_vec(uint4 raw, float rs, float nm, const
 // The launch's scale_inv outputs are written once. Why: the norm kernel's own colwise store
 // writes 16-byte pieces per column and band (36% of copy bandwidth); the tile cast writes
 // 128-byte runs.
-struct NormLoad {
+template <int TC, int TR>  // the cast's tile: TC columns x TR rows
+struct NormLoadT {
   const float* mean;  // null for rmsnorm
   const float* rsigma;
   const float* gamma;
@@ -135,19 +137,19 @@ struct NormLoad {
   float* csi;
 
   struct Shared {
-    float4 gamma[kTileC / 4], beta[kTileC / 4];  // beta zeros without a bias
-    float rs[kTileR], nm[kTileR];                // rsigma, -mean * rsigma of the tile's rows
+    float4 gamma[TC / 4], beta[TC / 4];  // beta zeros without a bias
+    float rs[TR], nm[TR];                // rsigma, -mean * rsigma of the tile's rows
   };
   __device__ __forceinline__ void stage(Shared& s, int64_t r0, int64_t c0, int64_t R, int64_t C,
                                         int t) const {
     float* g = reinterpret_cast<float*>(s.gamma);
     float* b = reinterpret_cast<float*>(s.beta);
-    if (t < kTileC) {
+    if (t < TC) {
       const bool in = c0 + t < C;
       g[t] = in ? __ldg(gamma + c0 + t) : 0.0f;
       b[t] = in && beta ? __ldg(beta + c0 + t) : 0.0f;
-    } else if (t < kTileC + kTileR) {
-      const int i = t - kTileC;
+    } else if (t < TC + TR) {
+      const int i = t - TC;
       const bool in = r0 + i < R;
       const float rs = in ? __ldg(rsigma + r0 + i) : 0.0f;
       const float m = in && mean ? __ldg(mean + r0 + i) : 0.0f;
@@ -166,6 +168,33 @@ struct NormLoad {
     const float inv = 1.0f / scale;
     if (si) *si = inv;
     if (csi) *csi = inv;
+  }
+};
+using NormLoad = NormLoadT<kTileC, kTileR>;
+
+// The block cast's Load (block_cast.cuh) for the block-scaled copies of the norm output: x's
+// chunk, then y from the row statistics the first pass wrote (the same affine_vec as above).
+struct NormBlockLoad {
+  static constexpr int kLoads = 1;
+  static constexpr int kMinBlocks = 2;  // the staged statistics and the affine map's registers
+  using Shared = NormLoadT<kBlk, kBlk>::Shared;
+  NormLoadT<kBlk, kBlk> norm;
+  const void* x;
+  int64_t C;
+
+  template <int IN>
+  __device__ __forceinline__ void fetch(int64_t gr, int64_t gc, uint4 (&src)[kLoads]) const {
+    using T = typename In<IN>::T;
+    src[0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(x) + gr * C + gc));
+  }
+  __device__ __forceinline__ void stage(Shared& s, int64_t r0, int64_t c0, int64_t R, int64_t C_,
+                                        int t) const {
+    norm.stage(s, r0, c0, R, C_, t);
+  }
+  template <int IN>
+  __device__ __forceinline__ uint4 apply(const Shared& s, const uint4 (&src)[kLoads], int64_t,
+                                         int lr, int lc) const {
+    return norm.template apply<IN>(s, src[0], lr, lc);
   }
 };
 
@@ -457,6 +486,40 @@ Status tile_cast(const NormFwdParams& p, cudaStream_t st) {
                                    : launch_tile_cast<IN, kFmtE4M3>(p, st);
 }
 
+// The block-scaled copies of y through the block cast (NormBlockLoad), after a first pass has
+// written the statistics. Python sends only whole 16x16 tiles (lowbit.ops.fused_quantize).
+template <int IN, int FMT>
+Status launch_block_cast(const NormFwdParams& p, cudaStream_t st) {
+  BlockCastArgs c{};
+  c.x = p.x;
+  c.R = p.rows;
+  c.C = p.cols;
+  c.q_row = p.data;
+  c.s_row = p.data ? p.scale_inv : nullptr;
+  c.q_col = p.colwise_data;
+  c.s_col = p.colwise_data ? p.colwise_scale_inv : nullptr;
+  c.eps = p.amax_epsilon;
+  c.pow2 = p.power_2_scale;
+  c.amax_out = p.amax;
+  NormBlockLoad load{};
+  load.norm = NormLoadT<kBlk, kBlk>{p.type == NormType::kRmsNorm ? nullptr : p.mean,
+                                    p.rsigma,
+                                    p.gamma,
+                                    p.beta,
+                                    p.zero_centered_gamma ? 1.0f : 0.0f,
+                                    nullptr,
+                                    nullptr};
+  load.x = p.x;
+  load.C = p.cols;
+  return launch_fp8_block_cast<IN, FMT>(c, p.mode == ScalingMode::kBlock2d, load, st);
+}
+
+template <int IN>
+Status block_cast(const NormFwdParams& p, cudaStream_t st) {
+  return p.q_dtype == DType::kE5M2 ? launch_block_cast<IN, kFmtE5M2>(p, st)
+                                   : launch_block_cast<IN, kFmtE4M3>(p, st);
+}
+
 // ---------------------------------------------------------------------------------------------
 // backward
 
@@ -719,6 +782,24 @@ Status norm_fwd_cuda(const NormFwdParams& p, void* stream) {
       default: return cuda::launch_fwd<2>(args, st);
     }
   };
+  if (is_fp8_block(p.mode)) {
+    // Pass 1: statistics (and y when asked); pass 2: the block cast recomputes y per element.
+    const bool x_ok =
+        cuda::aligned16(p.x) && cuda::aligned16(p.gamma) && (!p.beta || cuda::aligned16(p.beta));
+    if (p.rows > 0 && !cuda::block_cast_fits(p.rows, p.cols, x_ok, p.data, p.colwise_data))
+      return Status::Invalid(
+          "norm: FP8 block-scaled output needs rows and cols multiples of 16 and aligned buffers");
+    if (auto s =
+            cuda::api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "norm: memset amax");
+        !s.ok())
+      return s;
+    if (auto s = run(a); !s.ok() || p.rows == 0) return s;
+    switch (p.x_dtype) {
+      case DType::kF32: return cuda::block_cast<0>(p, st);
+      case DType::kBF16: return cuda::block_cast<1>(p, st);
+      default: return cuda::block_cast<2>(p, st);
+    }
+  }
   if (!fp8) return run(a);
   if (auto s = cuda::api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "norm: memset amax");
       !s.ok())

@@ -64,6 +64,13 @@ def _cases():
         ("lowbit delayed", ours(0.0), jnp.bfloat16, lowbit.DelayedScaling(), "no attention dropout"),
         ("lowbit current", ours(0.0), jnp.bfloat16, lowbit.Float8CurrentScaling(), "no attention dropout"),
         ("lowbit fp8 block", ours(0.0), jnp.bfloat16, lowbit.Float8BlockScaling(), "1x128 / 128x128 FP8"),
+        (
+            _BLOCK_UNFUSED_CHILD,
+            ours(0.0),
+            jnp.bfloat16,
+            lowbit.Float8BlockScaling(),
+            "LOWBIT_BLOCK_FUSION=0: norm/activation write BF16, then quantize (before issue 28's fusion)",
+        ),
         ("lowbit mxfp8", ours(0.0), jnp.bfloat16, lowbit.MXFP8BlockScaling(), "Hopper: exact BF16 path"),
         (
             "lowbit delayed, attention dropout 0.1",
@@ -100,6 +107,9 @@ _DROPOUT_CHILD = "lowbit delayed, attention dropout 0.1, cuDNN dropout"
 # The gradients' FP8 GEMMs with fast accumulation (TransformerEngine's environment switches).
 _FAST_ACC_CHILD = "lowbit delayed, fast accumulation in dgrad/wgrad"
 _CHILD_ENV[_FAST_ACC_CHILD] = {"NVTE_JAX_FP8_2X_ACC_DGRAD": "0", "NVTE_JAX_FP8_2X_ACC_WGRAD": "0"}
+# Float8BlockScaling without the norm/activation kernels' block-scaled outputs (before/after).
+_BLOCK_UNFUSED_CHILD = "lowbit fp8 block, unfused norm/activation"
+_CHILD_ENV[_BLOCK_UNFUSED_CHILD] = {"LOWBIT_BLOCK_FUSION": "0"}
 
 
 def build_case(name: str, cfg: dict, key, drop):

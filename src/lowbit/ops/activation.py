@@ -9,8 +9,9 @@ entry is ``"linear"`` is gated: ``x``'s last axis holds ``(a, b)`` halves and th
 
 Numerics (csrc/include/lowbit/activation.h): float32 math, the result rounded once to ``x``'s
 dtype; fused FP8 outputs equal ``lowbit.quantize`` of that rounded result bit for bit (and the
-fused dbias equals ``lowbit.quantize_dbias``'s). Tensor scaling is fused into the kernel; other
-modes run the activation, then ``lowbit.quantize``.
+fused dbias equals ``lowbit.quantize_dbias``'s). Tensor scaling and FP8 block scaling (whole
+16x16 tiles) are fused into the kernel; other modes run the activation, then
+``lowbit.quantize``.
 
 Building blocks for fused modules: :func:`act_lu` (forward) and :func:`dact_dbias` (backward
 with optional dbias and quantization of the gradient).
@@ -123,10 +124,11 @@ def act_forward(x, act: int, gated: bool, spec, return_hp: bool):
     H = W // 2 if gated else W
     R = prod(shape[:-1])
     out_shape = shape[:-1] + (H,)
-    want_y = not is_fused(spec) or return_hp
-    y, *fp8 = ffi.act_fwd(x.reshape(R, W), act=act, gated=gated, want_y=want_y, **kernel_quant(spec))
+    fused = is_fused(spec, R, H)
+    want_y = not fused or return_hp
+    y, *fp8 = ffi.act_fwd(x.reshape(R, W), act=act, gated=gated, want_y=want_y, **kernel_quant(spec, fused))
     y = y.reshape(out_shape) if want_y else None
-    out = finish_output(spec, y, tuple(fp8), out_shape, x.dtype)
+    out = finish_output(spec, fused, y, tuple(fp8), out_shape, x.dtype)
     return (out, y) if return_hp else out
 
 
@@ -157,10 +159,15 @@ def act_backward(dy, x, act: int, gated: bool, spec, with_dbias: bool):
     W = shape[-1]
     H = W // 2 if gated else W
     R = prod(shape[:-1])
-    fused = is_fused(spec)
+    fused = is_fused(spec, R, W)
     kernel_dbias = with_dbias and (spec is None or fused)
     dx, *fp8, db = ffi.act_bwd(
-        dy.reshape(R, H), x.reshape(R, W), act=act, gated=gated, want_dbias=kernel_dbias, **kernel_quant(spec)
+        dy.reshape(R, H),
+        x.reshape(R, W),
+        act=act,
+        gated=gated,
+        want_dbias=kernel_dbias,
+        **kernel_quant(spec, fused),
     )
     if spec is None:
         return dx.reshape(shape), (db if with_dbias else None)

@@ -26,7 +26,7 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
 from lowbit.ops import collective_dense, dense_sharded
-from lowbit.ops.fused_quantize import QuantizeSpec, parse_quantize_spec
+from lowbit.ops.fused_quantize import QuantizeSpec, block_fusion_enabled, parse_quantize_spec
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
 from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import quantize, quantize_dbias, quantize_parts
@@ -123,9 +123,17 @@ def quantize_kwargs(cfg: _Config, role: str, state, **kw):
 
 
 def fused_spec(cfg: _Config, state, role: str, dtype) -> QuantizeSpec:
-    """A fused kernel's quantize spec (norm, activation): what ``dense`` quantizes ``role`` with."""
+    """A fused kernel's quantize spec (norm, activation): what ``dense`` quantizes ``role`` with
+    (FP8 block scaling: with the role's power-of-two and amax-floor options)."""
     kw = quantize_kwargs(cfg, role, state)
-    return parse_quantize_spec((kw["scaling_mode"], kw["q_dtype"], kw["scale"], kw["layout"]), dtype)
+    block = (kw.get("power_2_scale", False), kw.get("amax_epsilon", 0.0))
+    return parse_quantize_spec((kw["scaling_mode"], kw["q_dtype"], kw["scale"], kw["layout"], *block), dtype)
+
+
+def kernel_fused(recipe) -> bool:
+    """Whether the norm and activation kernels write ``recipe``'s FP8 operands themselves: tensor
+    scaling, or FP8 block scaling (Float8BlockScaling) unless LOWBIT_BLOCK_FUSION=0."""
+    return tensor_scaled(recipe) or (isinstance(recipe, Float8BlockScaling) and block_fusion_enabled())
 
 
 def quantize_input(cfg: _Config, x, state):
@@ -165,6 +173,8 @@ def quantize_grad(cfg: _Config, dy, state, rng):
     may be a tuple of the parts of its last axis (tensor scaling): they are quantized where they
     lie (``quantize_parts``), not concatenated first."""
     with_bias = cfg.bias_dtype is not None
+    if isinstance(dy, tuple) and cfg.fp8_block:  # parts are read in place under tensor scaling only
+        dy = jnp.concatenate(dy, axis=-1)
     if isinstance(dy, tuple):
         qdy, dbias = quantize_parts(dy, **quantize_kwargs(cfg, "grad", state), dbias=with_bias)
         return poison_nonfinite(qdy), None if dbias is None else dbias.astype(cfg.bias_dtype)

@@ -5,6 +5,7 @@ straight-through gradient of such an output."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -23,7 +24,7 @@ class QuantizeSpec(NamedTuple):
     ``scale`` is the float32 encode scale for DELAYED_TENSOR_SCALING and None otherwise;
     ``layout`` is "rowwise", "colwise" or "both" (default: both, the copies a GEMM's forward and
     backward need); ``power_2_scale`` / ``amax_epsilon``: FP8 block scaling's options (the kernel
-    writes its output unquantized and lowbit.quantize quantizes it: not fused yet)."""
+    quantizes with them itself, as lowbit.quantize would)."""
 
     scaling_mode: Any
     q_dtype: Any = None
@@ -60,18 +61,43 @@ def parse_quantize_spec(
     return QuantizeSpec(mode, q, scale, spec.layout, bool(spec.power_2_scale), float(spec.amax_epsilon))
 
 
-def is_fused(spec: Optional[QuantizeSpec]) -> bool:
-    """Whether the kernel quantizes itself: tensor scaling; other modes quantize its output."""
-    return spec is not None and spec.scaling_mode.is_tensor_scaling
+def block_fusion_enabled() -> bool:
+    """Whether the norm and activation kernels quantize FP8 block scaling (Float8BlockScaling)
+    themselves: on unless the environment sets ``LOWBIT_BLOCK_FUSION=0`` (read at trace time;
+    the unfused path, kernel then lowbit.quantize, for before/after measurements)."""
+    v = os.environ.get("LOWBIT_BLOCK_FUSION", "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LOWBIT_BLOCK_FUSION must be 0 or 1, got {v!r}")
+    return v != "0"
 
 
-def kernel_quant(spec: Optional[QuantizeSpec]) -> dict:
+def is_fused(spec: Optional[QuantizeSpec], rows: int, cols: int) -> bool:
+    """Whether the kernel quantizes its (rows, cols) output itself: tensor scaling always; FP8
+    block scaling for whole 16x16 tiles (the CUDA block cast's condition; the CPU kernel takes
+    the same), unless turned off (:func:`block_fusion_enabled`). Other modes quantize its output."""
+    if spec is None:
+        return False
+    mode = spec.scaling_mode
+    if mode.is_tensor_scaling:
+        return True
+    return mode.is_fp8_block and rows % 16 == 0 and cols % 16 == 0 and block_fusion_enabled()
+
+
+def kernel_quant(spec: Optional[QuantizeSpec], fused: bool) -> dict:
     """What a fused kernel's FFI call (lowbit.ops._ffi.norm / activation) writes: the encode
-    ``scale`` (None for current scaling), ``mode``, ``q`` (the FP8 dtype; None when not fused)
-    and the layout ``flags``."""
-    if not is_fused(spec):
+    ``scale`` (None for current scaling), ``mode``, ``q`` (the FP8 dtype; None when not
+    ``fused``: see :func:`is_fused`), the layout ``flags`` and the block scales' ``pow2`` /
+    ``eps``."""
+    if not fused:
         return dict(scale=None, mode=ScalingMode.NO_SCALING, q=None, flags=0)
-    return dict(scale=spec.scale, mode=spec.scaling_mode, q=spec.q_dtype, flags=LAYOUT_FLAGS[spec.layout])
+    return dict(
+        scale=spec.scale,
+        mode=spec.scaling_mode,
+        q=spec.q_dtype,
+        flags=LAYOUT_FLAGS[spec.layout],
+        pow2=spec.power_2_scale,
+        eps=spec.amax_epsilon,
+    )
 
 
 def quantize_output(spec: QuantizeSpec, y: jax.Array, dbias: bool = False):
@@ -83,12 +109,12 @@ def quantize_output(spec: QuantizeSpec, y: jax.Array, dbias: bool = False):
     return fn(y, spec.scaling_mode, spec.q_dtype, scale=spec.scale, layout=spec.layout, **kw)
 
 
-def finish_output(spec: Optional[QuantizeSpec], y, fp8: tuple, shape, dq_dtype):
+def finish_output(spec: Optional[QuantizeSpec], fused: bool, y, fp8: tuple, shape, dq_dtype):
     """A fused op's output: ``y`` unquantized, the kernel's own FP8 copies (``fp8``: data,
-    scale_inv, colwise data, colwise scale_inv, amax) when fused, else y quantized."""
+    scale_inv, colwise data, colwise scale_inv, amax) when ``fused``, else y quantized."""
     if spec is None:
         return y
-    if is_fused(spec):
+    if fused:
         return fused_scaled_tensor(spec, shape, dq_dtype, *fp8)
     return quantize_output(spec, y)
 
@@ -159,6 +185,7 @@ def scales_only(qt: ScaledTensor) -> ScaledTensor:
 __all__ = [
     "QuantizeArg",
     "QuantizeSpec",
+    "block_fusion_enabled",
     "finish_output",
     "fused_scaled_tensor",
     "is_fused",

@@ -1,11 +1,12 @@
 """LayerNorm / RMSNorm over the last axis, optionally writing the output straight to FP8.
 
 Numerics (csrc/include/lowbit/norm.h): statistics and the affine map in float32, the output
-rounded once to ``x``'s dtype. With ``quantize`` under tensor scaling the kernel writes the FP8
-copies itself, and they equal ``lowbit.quantize(layernorm(x, ...), mode, q_dtype, scale=...,
-layout=...)`` bit for bit: the quantized values are the norm output *after* its rounding to
-``x``'s dtype. Other scaling modes (MXFP8, NVFP4, NO_SCALING) run the norm, then
-``lowbit.quantize`` on its output.
+rounded once to ``x``'s dtype. With ``quantize`` under tensor scaling, and under FP8 block
+scaling (1x128 / 128x128, whole 16x16 tiles), the kernel writes the FP8 copies itself, and they
+equal ``lowbit.quantize(layernorm(x, ...), mode, q_dtype, scale=..., layout=...,
+power_2_scale=..., amax_epsilon=...)`` bit for bit: the quantized values are the norm output
+*after* its rounding to ``x``'s dtype. Other scaling modes (MXFP8, NVFP4, NO_SCALING) run the
+norm, then ``lowbit.quantize`` on its output.
 
 Building blocks for fused modules: :func:`layernorm_fwd` (also returns the statistics the
 backward needs) and :func:`layernorm_bwd` (dx, dgamma, dbeta).
@@ -100,7 +101,8 @@ def norm_forward(x, gamma, beta, spec, norm_type, zc, eps, return_norm_output):
     shape = tuple(x.shape)
     C = shape[-1]
     x2 = x.reshape(prod(shape[:-1]), C)
-    want_y = not is_fused(spec) or return_norm_output
+    fused = is_fused(spec, x2.shape[0], C)
+    want_y = not fused or return_norm_output
     y, *fp8, mean, rsigma = ffi.norm_fwd(
         x2,
         gamma,
@@ -109,12 +111,12 @@ def norm_forward(x, gamma, beta, spec, norm_type, zc, eps, return_norm_output):
         zero_centered=zc,
         epsilon=eps,
         want_y=want_y,
-        **kernel_quant(spec),
+        **kernel_quant(spec, fused),
     )
     y = y.reshape(shape) if want_y else None
     mean = mean.reshape(shape[:-1]) if norm_type == "layernorm" else None
     rsigma = rsigma.reshape(shape[:-1])
-    out = finish_output(spec, y, tuple(fp8), shape, x.dtype)
+    out = finish_output(spec, fused, y, tuple(fp8), shape, x.dtype)
     return out, (y if return_norm_output else None), mean, rsigma
 
 

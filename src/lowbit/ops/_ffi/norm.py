@@ -15,17 +15,31 @@ LAYERNORM, RMSNORM = abi.NORM_LAYERNORM, abi.NORM_RMSNORM  # the `norm_type` att
 
 
 def norm_fwd(
-    x, gamma, beta, scale, *, norm_type: int, zero_centered: bool, epsilon, want_y: bool, mode, q, flags
+    x,
+    gamma,
+    beta,
+    scale,
+    *,
+    norm_type: int,
+    zero_centered: bool,
+    epsilon,
+    want_y: bool,
+    mode,
+    q,
+    flags,
+    pow2: bool = False,
+    eps: float = 0.0,
 ):
     """x (R, C), gamma (C,), beta (C,) or None; ``q`` None or the FP8 dtype the kernel writes
     (``mode``, layout ``flags``, encode ``scale`` (1,) or None). Returns ``(y, data, scale_inv,
     colwise data, colwise scale_inv, amax, mean, rsigma)``: y (0,) unless ``want_y``, mean (0,)
-    for RMSNorm."""
+    for RMSNorm. FP8 block scaling: ``pow2`` / ``eps`` are lowbit.quantize's power_2_scale and
+    amax_epsilon."""
     R, C = x.shape
     ln = norm_type == LAYERNORM
     out_types = (
         jax.ShapeDtypeStruct((R, C), x.dtype) if want_y else NO_RESULT_U8,
-        *fused_results(q, flags, R, C),
+        *fused_results(q, flags, R, C, mode),
         jax.ShapeDtypeStruct((R,), jnp.float32) if ln else NO_RESULT_F32,
         jax.ShapeDtypeStruct((R,), jnp.float32),
     )
@@ -39,7 +53,7 @@ def norm_fwd(
         norm_type=np.int32(norm_type),
         zero_centered_gamma=np.int32(bool(zero_centered)),
         epsilon=np.float32(epsilon),
-        **fused_attrs(mode, q),
+        **fused_attrs(mode, q, pow2, eps),
     )
 
 

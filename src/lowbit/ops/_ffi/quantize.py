@@ -132,23 +132,30 @@ def grouped_quantize(x, group_sizes, scale, *, mode: ScalingMode, q, flags: int,
     )
 
 
-def fused_results(q, flags: int, rows: int, cols: int) -> tuple:
+def fused_results(q, flags: int, rows: int, cols: int, mode: ScalingMode = None) -> tuple:
     """Result types of a fused kernel's FP8 outputs of an (rows, cols) tensor: data, scale_inv,
-    colwise data, colwise scale_inv, amax; ``q`` None (not fused): all zero-length."""
+    colwise data, colwise scale_inv, amax; ``q`` None (not fused): all zero-length. FP8 block
+    scaling (``mode``): each wanted copy's block scales as lowbit.quantize lays them out."""
     if q is None:
         return (NO_RESULT_U8, NO_RESULT_F32, NO_RESULT_U8, NO_RESULT_F32, NO_RESULT_F32)
     one = jax.ShapeDtypeStruct((1,), _F32)
+    row_s = col_s = one
+    if mode is not None and mode.is_fp8_block:
+        row_s = _copy_types(mode, q, None, rows, cols, bool(flags & ROWWISE))[1]
+        col_s = _copy_types(mode, q, None, cols, rows, bool(flags & COLWISE))[1]
     return (
         jax.ShapeDtypeStruct((rows, cols), q) if flags & ROWWISE else NO_RESULT_U8,
-        one,
+        row_s,
         jax.ShapeDtypeStruct((cols, rows), q) if flags & COLWISE else NO_RESULT_U8,
-        one,
+        col_s,
         one,
     )
 
 
-def fused_attrs(mode: ScalingMode, q) -> dict:
-    """The ``mode`` / ``q_dtype`` attributes of a fused kernel (NO_SCALING when ``q`` is None)."""
+def fused_attrs(mode: ScalingMode, q, pow2: bool = False, eps: float = 0.0) -> dict:
+    """The ``mode`` / ``q_dtype`` / FP8 block scaling attributes of a fused kernel (NO_SCALING
+    when ``q`` is None)."""
+    block = dict(power_2_scale=np.int32(bool(pow2)), amax_epsilon=np.float32(eps))
     if q is None:
-        return dict(mode=np.int32(int(ScalingMode.NO_SCALING)), q_dtype=np.int32(0))
-    return dict(mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)))
+        return dict(mode=np.int32(int(ScalingMode.NO_SCALING)), q_dtype=np.int32(0), **block)
+    return dict(mode=np.int32(int(mode)), q_dtype=np.int32(dtype_code(q)), **block)

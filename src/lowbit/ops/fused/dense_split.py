@@ -99,9 +99,9 @@ def split_dense(
     M = prod(lead)
     probe = [jax.ShapeDtypeStruct((M, F), out_dtype or x.dtype)] * n
     fused = (
-        dense_mod.tensor_scaled(recipe)
+        dense_mod.kernel_fused(recipe)
         and plan_dense(recipe, M, K, n * F, tp_layout) is None
-        and parts_fusable(probe, recipe.scaling_mode("grad"))
+        and (not dense_mod.tensor_scaled(recipe) or parts_fusable(probe, recipe.scaling_mode("grad")))
     )
     if not fused:
         y_norm = dense_norm.apply_norm(ncfg, x, gamma, beta)

@@ -4,8 +4,11 @@ Under tensor scaling (DelayedScaling, Float8CurrentScaling) the activation kerne
 second GEMM's FP8 input itself, and in the backward the activation-gradient kernel writes the
 first GEMM's FP8 gradient (with its bias gradient): the 2 x (M, F) BF16 round trips and the two
 quantize passes of ``dense(activation(dense(x)))`` go away. The results equal that composition
-bit for bit (the fused FP8 copies equal ``lowbit.quantize`` of the rounded activation). Other
-recipes, activations the kernel lacks, and sharded GEMMs take the composition.
+bit for bit (the fused FP8 copies equal ``lowbit.quantize`` of the rounded activation).
+Float8BlockScaling runs the same VJP: the kernels write the 1x128 (or 128x128) block-scaled
+copies and their scales where the tensor is whole 16x16 tiles (``LOWBIT_BLOCK_FUSION=0``: the
+composition). Other recipes, activations the kernel lacks, and sharded GEMMs take the
+composition.
 """
 
 from __future__ import annotations
@@ -83,9 +86,9 @@ _mlp_2d.defvjp(_mlp_2d_fwd, _mlp_2d_bwd)
 
 
 def fusable(recipe: Optional[Recipe], activations) -> bool:
-    """Whether :func:`mlp` runs fused for this recipe and activation (tensor-scaled FP8 input and
-    gradient, an activation lowbit's kernel computes)."""
-    if not dense_mod.tensor_scaled(recipe):
+    """Whether :func:`mlp` runs fused for this recipe and activation (tensor-scaled or FP8
+    block-scaled input and gradient, an activation lowbit's kernel computes)."""
+    if not dense_mod.kernel_fused(recipe):
         return False
     try:
         parse_activations(activations)
