@@ -35,7 +35,8 @@ _IMPL = contextvars.ContextVar("lowbit_moe_impl", default="xla")
 @contextlib.contextmanager
 def kernels(impl: str):
     """Traces the MoE router / dispatch / combine inside the block with ``impl`` ("xla" or
-    "fused") where a call does not name one."""
+    "fused") where a call does not name one. Read at trace time: enter it inside the function
+    that jax.jit traces (jit's cache does not see it), or around the first call of a new jit."""
     token = _IMPL.set(check_impl("kernels", impl))
     try:
         yield
@@ -53,7 +54,7 @@ def check_impl(name, impl):
 def plan_fused(experts, num_experts, rows, align, capacity):
     """(dest, src, sizes, offsets, counts) of the plan, one kernel sequence, no host sync."""
     return ffi.plan(
-        experts.astype(jnp.int32), num_experts=num_experts, rows=rows, align=align, capacity=capacity
+        jax.lax.stop_gradient(experts).astype(jnp.int32), num_experts=num_experts, rows=rows, align=align, capacity=capacity
     )
 
 
