@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_on, to_cpu
 
 import lowbit
-from conftest import run_on, to_cpu
 from lowbit.moe import kernels, permute, permute_quantize, plan_dispatch, topk_routing, unpermute
 from lowbit.ops.fused.permutation import buffer_rows
 from lowbit.quantization.scaling_modes import ScalingMode
@@ -78,7 +78,9 @@ def _kw(cfg):
     return kw
 
 
-@pytest.mark.parametrize("cfg", ROUTERS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "softmax")
+@pytest.mark.parametrize(
+    "cfg", ROUTERS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "softmax"
+)
 def test_router_fused_matches_float64(device, cfg):
     kw = _kw(cfg)
     z = _logits(1)
@@ -94,7 +96,9 @@ def test_router_fused_matches_float64(device, cfg):
     np.testing.assert_allclose(w, xw, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("cfg", ROUTERS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "softmax")
+@pytest.mark.parametrize(
+    "cfg", ROUTERS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "softmax"
+)
 def test_router_fused_gradient(device, cfg):
     """The logits' gradient through the weights: against the XLA path's autodiff, and against a
     float64 central difference of the float64 reference (the choice held fixed)."""
@@ -132,8 +136,12 @@ def _routing(seed, t=T, k=K, e=E):
 @pytest.mark.parametrize("align,capacity", [(0, None), (8, None), (0, 9), (16, 7)])
 def test_plan_fused_bit_equal(device, align, capacity):
     ex = _routing(4)
-    f = to_cpu(run_on(device, lambda e: plan_dispatch(e, E, align_size=align, capacity=capacity, impl="fused"), ex))
-    x = to_cpu(run_on(device, lambda e: plan_dispatch(e, E, align_size=align, capacity=capacity, impl="xla"), ex))
+    f = to_cpu(
+        run_on(device, lambda e: plan_dispatch(e, E, align_size=align, capacity=capacity, impl="fused"), ex)
+    )
+    x = to_cpu(
+        run_on(device, lambda e: plan_dispatch(e, E, align_size=align, capacity=capacity, impl="xla"), ex)
+    )
     for name in ("dest", "src", "group_sizes", "offsets", "tokens_per_expert"):
         np.testing.assert_array_equal(getattr(f, name), getattr(x, name), err_msg=name)
 
@@ -191,10 +199,13 @@ def test_combine_fused_matches_float64(device, out_dtype):
             dy_ref[dest[t, j]] += w64[t, j] * g64[t]
     np.testing.assert_allclose(np.asarray(dy, np.float64), dy_ref[:-1], rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(dw, np.einsum("tkd,td->tk", y0[dest], g64), rtol=1e-5, atol=1e-4)
+
     # against the XLA path: dy bit-equal (one product, one rounding)
-    xla = to_cpu(run_on(device, lambda y, w, g, ex: jax.vjp(
-        lambda y, w: unpermute(y, plan_dispatch(ex, E, align_size=4, capacity=11), w, out_dtype, impl="xla"), y, w
-    )[1](g), y, w, g, ex))  # fmt: skip
+    def xla_vjp(y, w, g, ex):
+        plan = plan_dispatch(ex, E, align_size=4, capacity=11)
+        return jax.vjp(lambda y, w: unpermute(y, plan, w, out_dtype, impl="xla"), y, w)[1](g)
+
+    xla = to_cpu(run_on(device, xla_vjp, y, w, g, ex))
     np.testing.assert_array_equal(dy, xla[0])
 
 

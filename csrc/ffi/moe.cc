@@ -123,8 +123,7 @@ ffi::Error CombineFwd(LOWBIT_PLATFORM_CTX Buf y, Buf w, Buf dest, Ret out) {
   return to_error(LOWBIT_RUN(moe_combine_fwd, p));
 }
 
-ffi::Error CombineBwd(LOWBIT_PLATFORM_CTX Buf g, Buf y, Buf w, Buf dest, Buf src, Ret dy,
-                      Ret dw) {
+ffi::Error CombineBwd(LOWBIT_PLATFORM_CTX Buf g, Buf y, Buf w, Buf dest, Buf src, Ret dy, Ret dw) {
   MoeCombineBwdParams p;
   if (!dims_2d(y, &p.rows, &p.d) || !dims_2d(dest, &p.T, &p.k) ||
       w.element_count() != dest.element_count() || int64_t(src.element_count()) != p.rows ||
@@ -200,19 +199,19 @@ LOWBIT_HANDLER(lowbit_moe_permute, Permute,
 
 LOWBIT_HANDLER(lowbit_moe_combine_fwd, CombineFwd,
                LOWBIT_BIND()
-                   .Arg<Buf>()   // y (rows, d)
-                   .Arg<Buf>()   // w (T, k) float32
-                   .Arg<Buf>()   // dest (T, k) int32
+                   .Arg<Buf>()    // y (rows, d)
+                   .Arg<Buf>()    // w (T, k) float32
+                   .Arg<Buf>()    // dest (T, k) int32
                    .Ret<Buf>());  // out (T, d)
 
 LOWBIT_HANDLER(lowbit_moe_combine_bwd, CombineBwd,
                LOWBIT_BIND()
-                   .Arg<Buf>()   // g (T, d)
-                   .Arg<Buf>()   // y (rows, d)
-                   .Arg<Buf>()   // w (T, k) float32
-                   .Arg<Buf>()   // dest (T, k) int32
-                   .Arg<Buf>()   // src (rows,) int32
-                   .Ret<Buf>()   // dy (rows, d), y's dtype
+                   .Arg<Buf>()    // g (T, d)
+                   .Arg<Buf>()    // y (rows, d)
+                   .Arg<Buf>()    // w (T, k) float32
+                   .Arg<Buf>()    // dest (T, k) int32
+                   .Arg<Buf>()    // src (rows,) int32
+                   .Ret<Buf>()    // dy (rows, d), y's dtype
                    .Ret<Buf>());  // dw (T, k) float32
 
 #pragma GCC visibility pop

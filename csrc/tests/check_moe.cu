@@ -25,13 +25,13 @@ namespace {
 
 int g_fail = 0, g_pass = 0;
 
-#define CUDA_OK(x)                                                                \
-  do {                                                                            \
-    cudaError_t e_ = (x);                                                         \
-    if (e_ != cudaSuccess) {                                                      \
+#define CUDA_OK(x)                                                                         \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
       std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(2);                                                               \
-    }                                                                             \
+      std::exit(2);                                                                        \
+    }                                                                                      \
   } while (0)
 
 void report(bool ok, const char* what, const char* detail) {
@@ -76,7 +76,8 @@ void check_router(std::mt19937& rng, int64_t T, int64_t E, int k, MoeScore fn, b
   p.group_topk = gk, p.scaling = 1.5f;
   std::vector<float> w(T * k);
   std::vector<int32_t> ex(T * k);
-  p.logits = z.data(), p.bias = bias ? b.data() : nullptr, p.weights = w.data(), p.experts = ex.data();
+  p.logits = z.data(), p.bias = bias ? b.data() : nullptr, p.weights = w.data(),
+  p.experts = ex.data();
   report(moe_router_fwd_cpu(p).ok(), "router cpu", "status");
   MoeRouterParams q = p;
   q.logits = dev(z), q.bias = bias ? dev(b) : nullptr, q.weights = zeros<float>(T * k);
@@ -84,7 +85,8 @@ void check_router(std::mt19937& rng, int64_t T, int64_t E, int k, MoeScore fn, b
   report(moe_router_fwd_cuda(q, nullptr).ok(), "router cuda", "status");
   CUDA_OK(cudaDeviceSynchronize());
   char msg[160];
-  std::snprintf(msg, sizeof msg, "T=%ld E=%ld k=%d fn=%d pre=%d G=%d", long(T), long(E), k, int(fn), pre, G);
+  std::snprintf(msg, sizeof msg, "T=%ld E=%ld k=%d fn=%d pre=%d G=%d", long(T), long(E), k, int(fn),
+                pre, G);
   report(host(q.experts, T * k) == ex, "router experts", msg);
   report(max_rel(host(q.weights, T * k), w) < 1e-5f, "router weights", msg);
   MoeRouterBwdParams bp;
@@ -93,7 +95,8 @@ void check_router(std::mt19937& rng, int64_t T, int64_t E, int k, MoeScore fn, b
   bp.logits = z.data(), bp.experts = ex.data(), bp.dweights = dw.data(), bp.dlogits = dz.data();
   report(moe_router_bwd_cpu(bp).ok(), "router bwd cpu", "status");
   MoeRouterBwdParams bq = bp;
-  bq.logits = q.logits, bq.experts = dev(ex), bq.dweights = dev(dw), bq.dlogits = zeros<float>(T * E);
+  bq.logits = q.logits, bq.experts = dev(ex), bq.dweights = dev(dw),
+  bq.dlogits = zeros<float>(T * E);
   report(moe_router_bwd_cuda(bq, nullptr).ok(), "router bwd cuda", "status");
   CUDA_OK(cudaDeviceSynchronize());
   auto g = host(bq.dlogits, T * E);
@@ -105,8 +108,8 @@ void check_router(std::mt19937& rng, int64_t T, int64_t E, int k, MoeScore fn, b
   report(err <= 1e-5f * scale, "router dlogits", msg);
 }
 
-void check_dispatch(std::mt19937& rng, int64_t T, int64_t k, int64_t E, int64_t align,
-                    int64_t cap, int64_t d) {
+void check_dispatch(std::mt19937& rng, int64_t T, int64_t k, int64_t E, int64_t align, int64_t cap,
+                    int64_t d) {
   std::vector<int32_t> ex(T * k);
   for (int64_t t = 0; t < T; ++t) {  // k distinct experts per token
     std::vector<int32_t> all(E);
@@ -164,12 +167,15 @@ void check_dispatch(std::mt19937& rng, int64_t T, int64_t k, int64_t E, int64_t 
     report(moe_permute_cuda(pq, nullptr).ok(), "permute cuda", "status");
     CUDA_OK(cudaDeviceSynchronize());
     bool ok = host(static_cast<uint8_t*>(pq.out), out.size()) == out;
-    if (mode) ok = ok && host(pq.out_col, col.size()) == col && host(pq.scale_inv, E) == si &&
-                   host(pq.amax, E) == am;
-    report(ok, mode == 0 ? "permute" : (mode == 1 ? "permute fp8 current" : "permute fp8 delayed"), msg);
+    if (mode)
+      ok = ok && host(pq.out_col, col.size()) == col && host(pq.scale_inv, E) == si &&
+           host(pq.amax, E) == am;
+    report(ok, mode == 0 ? "permute" : (mode == 1 ? "permute fp8 current" : "permute fp8 delayed"),
+           msg);
   }
   MoeCombineParams cp;
-  cp.T = T, cp.k = k, cp.d = d, cp.rows = rows, cp.y_dtype = DType::kBF16, cp.out_dtype = DType::kF32;
+  cp.T = T, cp.k = k, cp.d = d, cp.rows = rows, cp.y_dtype = DType::kBF16,
+  cp.out_dtype = DType::kF32;
   std::vector<float> out(T * d);
   cp.y = y.data(), cp.w = w.data(), cp.dest = dest.data(), cp.out = out.data();
   report(moe_combine_fwd_cpu(cp).ok(), "combine cpu", "status");
@@ -179,7 +185,8 @@ void check_dispatch(std::mt19937& rng, int64_t T, int64_t k, int64_t E, int64_t 
   CUDA_OK(cudaDeviceSynchronize());
   report(host(static_cast<float*>(cq.out), T * d) == out, "combine (same order: exact)", msg);
   MoeCombineBwdParams bp;
-  bp.T = T, bp.k = k, bp.d = d, bp.rows = rows, bp.y_dtype = DType::kBF16, bp.g_dtype = DType::kBF16;
+  bp.T = T, bp.k = k, bp.d = d, bp.rows = rows, bp.y_dtype = DType::kBF16,
+  bp.g_dtype = DType::kBF16;
   std::vector<uint16_t> dy(rows * d);
   std::vector<float> dw(P);
   bp.g = g.data(), bp.y = y.data(), bp.w = w.data(), bp.dest = dest.data(), bp.src = src.data();
@@ -193,7 +200,8 @@ void check_dispatch(std::mt19937& rng, int64_t T, int64_t k, int64_t E, int64_t 
   report(host(static_cast<uint16_t*>(bq.dy), rows * d) == dy, "combine dy", msg);
   auto dwg = host(bq.dw, P);
   float err = 0.0f;
-  for (int64_t i = 0; i < P; ++i) err = std::max(err, std::fabs(dwg[i] - dw[i]) / (1.0f + std::fabs(dw[i])));
+  for (int64_t i = 0; i < P; ++i)
+    err = std::max(err, std::fabs(dwg[i] - dw[i]) / (1.0f + std::fabs(dw[i])));
   report(err < 1e-4f, "combine dw", msg);
 }
 

@@ -55,9 +55,9 @@ struct MoeRouterParams {
 };
 
 struct MoeRouterBwdParams {
-  const float* logits = nullptr;      // (T, E)
-  const int32_t* experts = nullptr;   // (T, k)
-  const float* dweights = nullptr;    // (T, k)
+  const float* logits = nullptr;     // (T, E)
+  const int32_t* experts = nullptr;  // (T, k)
+  const float* dweights = nullptr;   // (T, k)
   int64_t T = 0, E = 0;
   int32_t topk = 1;
   MoeScore score = MoeScore::kSoftmax;
@@ -96,11 +96,11 @@ struct MoePermuteParams {
   ScalingMode mode = ScalingMode::kNoScaling;
   DType q = DType::kE4M3;
   const float* delayed = nullptr;
-  void* out = nullptr;          // (rows, d): x's dtype, or FP8 bytes
-  uint8_t* out_col = nullptr;   // (d, rows) FP8 or null
-  float* scale_inv = nullptr;   // (E,)
-  float* amax = nullptr;        // (E,)
-  float* row_amax = nullptr;    // (T,) scratch (FP8)
+  void* out = nullptr;         // (rows, d): x's dtype, or FP8 bytes
+  uint8_t* out_col = nullptr;  // (d, rows) FP8 or null
+  float* scale_inv = nullptr;  // (E,)
+  float* amax = nullptr;       // (E,)
+  float* row_amax = nullptr;   // (T,) scratch (FP8)
 };
 
 struct MoeCombineParams {

@@ -182,7 +182,8 @@ Status moe_permute_cpu(const MoePermuteParams& p) {
   }
   for (int64_t t = 0; t < p.T; ++t) {
     float m = 0.0f;
-    for (int64_t c = 0; c < d; ++c) m = std::max(m, abs_ignore_nan(load_value(p.x, p.dtype, t * d + c)));
+    for (int64_t c = 0; c < d; ++c)
+      m = std::max(m, abs_ignore_nan(load_value(p.x, p.dtype, t * d + c)));
     p.row_amax[t] = m;
   }
   std::fill(p.amax, p.amax + p.E, 0.0f);
@@ -195,7 +196,8 @@ Status moe_permute_cpu(const MoePermuteParams& p) {
   const float fmax = e4 ? kE4M3Max : kE5M2Max;
   std::vector<float> scale(p.E);
   for (int64_t e = 0; e < p.E; ++e) {
-    scale[e] = p.mode == ScalingMode::kDelayedTensor ? p.delayed[e] : scale_from_amax(p.amax[e], fmax);
+    scale[e] =
+        p.mode == ScalingMode::kDelayedTensor ? p.delayed[e] : scale_from_amax(p.amax[e], fmax);
     p.scale_inv[e] = 1.0f / scale[e];
   }
   uint8_t* out = static_cast<uint8_t*>(p.out);

@@ -275,12 +275,18 @@ Status launch_router(const P& p, cudaStream_t st, const char* what) {
   if (p.T == 0) return Status::Ok();
   const int v = int((p.E + 31) / 32);
   const unsigned grid = unsigned((p.T + 7) / 8);
-  if (v <= 1) K<1>::run(p, grid, st);
-  else if (v <= 2) K<2>::run(p, grid, st);
-  else if (v <= 4) K<4>::run(p, grid, st);
-  else if (v <= 8) K<8>::run(p, grid, st);
-  else if (v <= 16) K<16>::run(p, grid, st);
-  else K<32>::run(p, grid, st);
+  if (v <= 1)
+    K<1>::run(p, grid, st);
+  else if (v <= 2)
+    K<2>::run(p, grid, st);
+  else if (v <= 4)
+    K<4>::run(p, grid, st);
+  else if (v <= 8)
+    K<8>::run(p, grid, st);
+  else if (v <= 16)
+    K<16>::run(p, grid, st);
+  else
+    K<32>::run(p, grid, st);
   return launch_status(what);
 }
 template <int V>
@@ -489,7 +495,8 @@ __global__ void __launch_bounds__(256) permute_fp8_kernel(const MoePermuteParams
   if (gc < p.d && p.rows % 16 == 0 && r0 + rr + 16 <= p.rows) {
     uint32_t w[4] = {0, 0, 0, 0};
     for (int i = 0; i < 16; ++i) w[i / 4] |= uint32_t(tile[rr + i][cc]) << ((i % 4) * 8);
-    *reinterpret_cast<uint4*>(p.out_col + gc * p.rows + r0 + rr) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(p.out_col + gc * p.rows + r0 + rr) =
+        make_uint4(w[0], w[1], w[2], w[3]);
   } else if (gc < p.d)
     for (int i = 0; i < 16; ++i) {
       const int64_t gr = r0 + rr + i;
@@ -508,7 +515,8 @@ __global__ void combine_fwd_kernel(const MoeCombineParams p) {
       float acc = 0.0f;
       for (int64_t j = 0; j < p.k; ++j) {
         const int64_t r = p.dest[t * p.k + j];
-        if (r < p.rows) acc = __fadd_rn(acc, __fmul_rn(p.w[t * p.k + j], In<IN>::f(y[r * p.d + c])));
+        if (r < p.rows)
+          acc = __fadd_rn(acc, __fmul_rn(p.w[t * p.k + j], In<IN>::f(y[r * p.d + c])));
       }
       store_out<OUT>(p.out, t * p.d + c, acc);
     }
@@ -549,9 +557,12 @@ __global__ void combine_dw_kernel(const MoeCombineBwdParams p) {
 // Dispatch on a float dtype (0 f32, 1 bf16, 2 f16: DType's values).
 template <typename F>
 void with_in(DType t, F&& f) {
-  if (t == DType::kF32) f(std::integral_constant<int, 0>{});
-  else if (t == DType::kBF16) f(std::integral_constant<int, 1>{});
-  else f(std::integral_constant<int, 2>{});
+  if (t == DType::kF32)
+    f(std::integral_constant<int, 0>{});
+  else if (t == DType::kBF16)
+    f(std::integral_constant<int, 1>{});
+  else
+    f(std::integral_constant<int, 2>{});
 }
 
 }  // namespace
@@ -628,8 +639,10 @@ Status moe_permute_cuda(const MoePermuteParams& p, void* stream) {
   }
   const bool e4 = p.q == DType::kE4M3;
   if (s.ok()) {
-    if (e4) scale_inv_kernel<kFmtE4M3><<<1, 1024, 0, st>>>(p);
-    else scale_inv_kernel<kFmtE5M2><<<1, 1024, 0, st>>>(p);
+    if (e4)
+      scale_inv_kernel<kFmtE4M3><<<1, 1024, 0, st>>>(p);
+    else
+      scale_inv_kernel<kFmtE5M2><<<1, 1024, 0, st>>>(p);
     s = launch_status("moe_permute scale_inv");
   }
   if (s.ok() && p.rows > 0 && p.d > 0) {
@@ -637,8 +650,10 @@ Status moe_permute_cuda(const MoePermuteParams& p, void* stream) {
     if (tiles > INT32_MAX) return Status::Invalid("moe_permute: too many tiles");
     with_in(p.dtype, [&](auto in) {
       constexpr int IN = decltype(in)::value;
-      if (e4) permute_fp8_kernel<IN, kFmtE4M3><<<unsigned(tiles), 256, 0, st>>>(p);
-      else permute_fp8_kernel<IN, kFmtE5M2><<<unsigned(tiles), 256, 0, st>>>(p);
+      if (e4)
+        permute_fp8_kernel<IN, kFmtE4M3><<<unsigned(tiles), 256, 0, st>>>(p);
+      else
+        permute_fp8_kernel<IN, kFmtE5M2><<<unsigned(tiles), 256, 0, st>>>(p);
     });
     s = launch_status("moe_permute fp8");
   }

@@ -6,12 +6,12 @@ expert-parallel. Layer: above ``lowbit.ops.fused`` (whose ``moe`` engine it driv
 from lowbit.moe.block import moe_block
 from lowbit.moe.permutation import DispatchPlan, permute, plan_dispatch, sort_chunks, unpermute
 from lowbit.moe.router import aux_loss, aux_scores, to_dense, topk_routing
-from lowbit.ops.fused.permutation_fused import kernels, permute_quantize
 from lowbit.ops.fused.grouped_prequantized import (
     QuantizedExperts,
     grouped_gemm_prequantized,
     quantize_experts,
 )
+from lowbit.ops.fused.permutation_fused import kernels, permute_quantize
 
 __all__ = [
     "DispatchPlan",

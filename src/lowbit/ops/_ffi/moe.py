@@ -98,9 +98,7 @@ def permute_fp8(x, src, experts, delayed, *, num_experts, mode, q_dtype, rowwise
 
 def combine_fwd(y, w, dest, out_dtype):
     T = dest.shape[0]
-    return _native.ffi_call(
-        "moe_combine_fwd", jax.ShapeDtypeStruct((T, y.shape[1]), out_dtype), y, w, dest
-    )
+    return _native.ffi_call("moe_combine_fwd", jax.ShapeDtypeStruct((T, y.shape[1]), out_dtype), y, w, dest)
 
 
 def combine_bwd(g, y, w, dest, src):

@@ -84,7 +84,9 @@ def plan_dispatch(
     P = T * k
     rows = buffer_rows(P, num_experts, align_size, capacity)
     if impl == "fused":
-        dest, src, sizes, offsets, counts = _fused.plan_fused(experts, num_experts, rows, align_size, capacity)
+        dest, src, sizes, offsets, counts = _fused.plan_fused(
+            experts, num_experts, rows, align_size, capacity
+        )
         return DispatchPlan(dest, src, sizes, offsets, counts)
     flat = experts.reshape(-1).astype(jnp.int32)
     # Stable sort by expert: token order inside each group. rank = position inside the group.

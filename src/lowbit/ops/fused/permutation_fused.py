@@ -54,7 +54,11 @@ def check_impl(name, impl):
 def plan_fused(experts, num_experts, rows, align, capacity):
     """(dest, src, sizes, offsets, counts) of the plan, one kernel sequence, no host sync."""
     return ffi.plan(
-        jax.lax.stop_gradient(experts).astype(jnp.int32), num_experts=num_experts, rows=rows, align=align, capacity=capacity
+        jax.lax.stop_gradient(experts).astype(jnp.int32),
+        num_experts=num_experts,
+        rows=rows,
+        align=align,
+        capacity=capacity,
     )
 
 
@@ -117,15 +121,20 @@ def permute_quantize(x, plan, experts, scaling_mode, q_dtype=jnp.float8_e4m3fn, 
     mode = ScalingMode(scaling_mode)
     if mode not in (ScalingMode.DELAYED_TENSOR_SCALING, ScalingMode.CURRENT_TENSOR_SCALING):
         raise ValueError(
-            f"permute_quantize: scaling_mode must be DELAYED_TENSOR_SCALING or CURRENT_TENSOR_SCALING, got {mode.name}"
+            "permute_quantize: scaling_mode must be DELAYED_TENSOR_SCALING or "
+            f"CURRENT_TENSOR_SCALING, got {mode.name}"
         )
     if layout not in ("rowwise", "colwise", "both"):
         raise ValueError(f"permute_quantize: layout must be 'rowwise', 'colwise' or 'both', got {layout!r}")
     T, k = plan.dest.shape
     if jnp.ndim(x) != 2 or x.shape[0] != T:
-        raise ValueError(f"permute_quantize: x must be (tokens, hidden) with tokens = {T}, got {tuple(jnp.shape(x))}")
+        raise ValueError(
+            f"permute_quantize: x must be (tokens, hidden) with tokens = {T}, got {tuple(jnp.shape(x))}"
+        )
     if tuple(jnp.shape(experts)) != (T, k):
-        raise ValueError(f"permute_quantize: experts must have shape ({T}, {k}), got {tuple(jnp.shape(experts))}")
+        raise ValueError(
+            f"permute_quantize: experts must have shape ({T}, {k}), got {tuple(jnp.shape(experts))}"
+        )
     E = plan.group_sizes.shape[0]
     if mode == ScalingMode.DELAYED_TENSOR_SCALING:
         if scale is None or tuple(jnp.shape(scale)) != (E,):
