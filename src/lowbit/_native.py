@@ -34,6 +34,12 @@ OPS: tuple[str, ...] = (
     "softmax_bwd",
     "attention_fwd",
     "attention_bwd",
+    "moe_router_fwd",
+    "moe_router_bwd",
+    "moe_plan",
+    "moe_permute",
+    "moe_combine_fwd",
+    "moe_combine_bwd",
 )
 
 # Stand-ins for optional operands and results the handlers take as zero-length buffers.

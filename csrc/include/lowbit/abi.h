@@ -96,4 +96,12 @@ constexpr int32_t kAttnFp8BwdScales = 12;
 constexpr int32_t kAttnFp8FwdAmaxes = 2;
 constexpr int32_t kAttnFp8BwdAmaxes = 4;
 
+// MoE (ffi/moe.cc): the router's `score` attribute (MoeScore, moe.h) and the permute's `flags`
+// bits (rowwise / colwise FP8 copies).
+constexpr int32_t kMoeScoreSoftmax = 0;
+constexpr int32_t kMoeScoreSigmoid = 1;
+constexpr int32_t kMoeScoreSqrtsoftplus = 2;
+constexpr int32_t kMoePermuteRowwise = 1;
+constexpr int32_t kMoePermuteColwise = 2;
+
 }  // namespace lowbit::abi

@@ -15,7 +15,9 @@ bandwidth-bound on them.
 
 The ``pieces`` rows time the block's non-GEMM steps alone, forward+backward in BF16 (the gate
 and top-k router with the aux loss; the dispatch plan and the permutation of the tokens; the
-weighted combine): what a fused kernel for each could save at most.
+weighted combine), each twice: ``xla`` (plain JAX) and ``fused`` (lowbit's kernels,
+``impl="fused"``). The ``... fused`` block cases run the whole block with the fused router,
+plan, permutation and combine (``lowbit.moe.kernels("fused")``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 
 import lowbit
 from lowbit.bench.common import time_fn
-from lowbit.moe import quantize_experts
+from lowbit.moe import kernels, quantize_experts
 from lowbit.moe.block import moe_block
 from lowbit.moe.permutation import permute, plan_dispatch, unpermute
 from lowbit.moe.router import topk_routing
@@ -40,12 +42,15 @@ CPU_SHAPES = [("G4 small", 128, 128, 4, 128, 2)]
 CASES = (
     "xla bf16",
     "lowbit bf16",
+    "lowbit bf16 fused",
     "fp8 current",
     "fp8 delayed",
     "fp8 block",
     "fp8 delayed primary",
     "fp8 block primary",
+    "fp8 delayed primary fused",
 )
+PIECE_IMPLS = ("xla", "fused")
 PEAK = {"bf16": 989e12, "fp8": 1979e12}  # H100 SXM dense
 
 
@@ -78,9 +83,10 @@ def _step(case, k):
         if case == "xla bf16":
             y = _xla_block(x, gate, wi, wo, k)
         else:
-            y = moe_block(
-                x, gate, wi, wo, num_experts_per_tok=k, recipe=recipe, state=state, quantized_weights=qws
-            )[0]
+            with kernels("fused" if case.endswith("fused") else "xla"):  # entered while tracing
+                y = moe_block(
+                    x, gate, wi, wo, num_experts_per_tok=k, recipe=recipe, state=state, quantized_weights=qws
+                )[0]
         return jnp.sum(y.astype(jnp.float32))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), recipe
@@ -98,15 +104,17 @@ def _extras(case, recipe, wi, wo):
     return state, qws
 
 
-def _pieces(x, gate, E, k):
-    """(name, jitted fwd+bwd fn, args) of the router, the dispatch and the combine alone."""
+def _pieces(x, gate, E, k, impl):
+    """(name, jitted fwd+bwd fn, args) of the router, the dispatch and the combine alone, with
+    ``impl``'s kernels."""
     from lowbit.moe.block import RouterConfig, route_tokens
     from lowbit.moe.router import aux_loss
 
     cfg = RouterConfig(num_experts=E, topk=k, aux_loss=True)
 
     def router(x, gate):
-        w, ex, (s, c) = route_tokens(cfg, x, gate)
+        with kernels(impl):
+            w, ex, (s, c) = route_tokens(cfg, x, gate)
         return jnp.sum(w) + aux_loss(s[None], c, k, 0.01)
 
     _, ex, _ = route_tokens(cfg, x, gate)
@@ -115,10 +123,10 @@ def _pieces(x, gate, E, k):
     y = permute(x, plan)
 
     def dispatch(x, ex):
-        return jnp.sum(permute(x, plan_dispatch(ex, E)).astype(jnp.float32))
+        return jnp.sum(permute(x, plan_dispatch(ex, E, impl=impl), impl=impl).astype(jnp.float32))
 
     def combine(y, w):
-        return jnp.sum(unpermute(y, plan, w).astype(jnp.float32))
+        return jnp.sum(unpermute(y, plan, w, impl=impl).astype(jnp.float32))
 
     g = lambda f, n: jax.jit(jax.value_and_grad(f, argnums=n))  # noqa: E731
     return [
@@ -130,7 +138,7 @@ def _pieces(x, gate, E, k):
 
 def weight_bytes(case, E, H, F) -> float:
     n = E * 3 * H * F  # wi (H, 2F) and wo (F, H) per expert
-    if case in ("xla bf16", "lowbit bf16"):
+    if case.startswith(("xla bf16", "lowbit bf16")):
         return n * (2 + 2 + 2)  # fprop read, dgrad read, dW write (bf16)
     if "primary" in case:
         return n * (1 + 1 + 2)  # the two FP8 copies read, dW write
@@ -174,14 +182,13 @@ def run(small: bool, progress=None) -> list[dict]:
             if progress:
                 progress()
             del fn, state, qws
-        for piece, fn, args in _pieces(x, gate, E, k):
-            ms = time_fn(fn, *args, warmup=2, iters=iters, repeats=3)
-            shape = f"T={T} H={H} E={E} F={F} k={k}"
-            rows.append(
-                {"name": f"{name} pieces {piece}", "shape": shape, "case": f"pieces {piece}", "ms": ms}
-            )
-            if progress:
-                progress()
+        for impl in PIECE_IMPLS:
+            for piece, fn, args in _pieces(x, gate, E, k, impl):
+                ms = time_fn(fn, *args, warmup=2, iters=iters, repeats=3)
+                shape, case = f"T={T} H={H} E={E} F={F} k={k}", f"pieces {piece} {impl}"
+                rows.append({"name": f"{name} {case}", "shape": shape, "case": case, "ms": ms})
+                if progress:
+                    progress()
     for r in rows:  # against lowbit's own BF16 block, the issue's goal
         bf = next(b for b in rows if b["shape"] == r["shape"] and b["case"] == "lowbit bf16")
         r["vs_bf16"] = None if r["case"].startswith("pieces") else bf["ms"] / r["ms"]
@@ -191,4 +198,4 @@ def run(small: bool, progress=None) -> list[dict]:
 
 
 def count(small: bool) -> int:
-    return len(CPU_SHAPES if small else GPU_SHAPES) * (len(CASES) + 3)
+    return len(CPU_SHAPES if small else GPU_SHAPES) * (len(CASES) + 3 * len(PIECE_IMPLS))

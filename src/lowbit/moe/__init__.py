@@ -11,11 +11,14 @@ from lowbit.ops.fused.grouped_prequantized import (
     grouped_gemm_prequantized,
     quantize_experts,
 )
+from lowbit.ops.fused.permutation_fused import kernels, permute_quantize
 
 __all__ = [
     "DispatchPlan",
     "QuantizedExperts",
     "grouped_gemm_prequantized",
+    "kernels",
+    "permute_quantize",
     "quantize_experts",
     "aux_loss",
     "aux_scores",

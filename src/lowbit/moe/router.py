@@ -25,6 +25,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from lowbit.moe.router_fused import FusedRouter, route_fused
+from lowbit.ops.fused.permutation_fused import check_impl
+
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
@@ -118,15 +121,28 @@ def topk_routing(
     group_topk: Optional[int] = None,
     scaling_factor: float = 1.0,
     expert_bias: Optional[jax.Array] = None,
+    impl: Optional[str] = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Routes (T, E) ``logits``: returns ``(weights (T, topk) float32, experts (T, topk) int32)``,
-    each row's experts in descending order of their (biased) score. See the module docstring."""
+    each row's experts in descending order of their (biased) score. See the module docstring.
+    ``impl``: "xla" (plain JAX), "fused" (one kernel, :mod:`lowbit.moe.router_fused`) or None
+    (the default ``lowbit.moe.kernels`` sets; initially "xla")."""
     _check_logits("topk_routing", logits)
+    impl = check_impl("topk_routing", impl)
     fn = score_function_name(score_function)
     groups, gtopk = check_routing_args(
         "topk_routing", logits.shape[1], topk, num_groups, group_topk, fn, expert_bias
     )
     z = logits.astype(jnp.float32)
+    if impl == "fused":
+        if topk > 64 or logits.shape[1] > 1024 or (groups or 0) > 64:
+            raise ValueError(
+                f"topk_routing: impl='fused' handles topk <= 64, num_experts <= 1024 and num_groups <= 64, "
+                f"got topk={topk}, num_experts={logits.shape[1]}, num_groups={groups}"
+            )
+        cfg = FusedRouter(topk, fn, bool(use_pre_softmax), groups, gtopk, float(scaling_factor))
+        bias = None if expert_bias is None else jax.lax.stop_gradient(expert_bias).astype(jnp.float32)
+        return route_fused(cfg, z, bias)
     if fn == "softmax" and not use_pre_softmax:
         idx = _select(z, topk, groups, gtopk)
         weights = jax.nn.softmax(jnp.take_along_axis(z, idx, axis=1), axis=-1)

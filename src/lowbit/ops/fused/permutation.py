@@ -12,6 +12,10 @@ a gather as well); :func:`unpermute` gives ``sum_j w[t, j] * y[dest[t, j]]`` in 
 backward: a gather of the weighted gradient into the buffer, and ``<g[t], y[dest[t, j]]>`` for
 the weights). Both custom VJPs read the plan's two index maps (``dest`` and ``src``, the pair in
 each row), so neither direction scatters.
+
+``impl``: "xla" (this module's JAX) or "fused" (lowbit's kernels,
+:mod:`lowbit.ops.fused.permutation_fused`); None takes the trace-time default that
+``lowbit.moe.kernels(impl)`` sets (initially "xla").
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
+from lowbit.ops.fused import permutation_fused as _fused
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +60,12 @@ def buffer_rows(pairs: int, num_experts: int, align_size: int = 0, capacity: Opt
 
 
 def plan_dispatch(
-    experts: jax.Array, num_experts: int, *, align_size: int = 0, capacity: Optional[int] = None
+    experts: jax.Array,
+    num_experts: int,
+    *,
+    align_size: int = 0,
+    capacity: Optional[int] = None,
+    impl: Optional[str] = None,
 ) -> DispatchPlan:
     """The plan for (T, k) int ``experts`` (see the module docstring). ``align_size`` > 0 rounds
     each expert's group up to a multiple of it; ``capacity`` caps each expert's pairs (the first
@@ -68,9 +79,15 @@ def plan_dispatch(
         raise ValueError(f"plan_dispatch: align_size must be an integer >= 0, got {align_size!r}")
     if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
         raise ValueError(f"plan_dispatch: capacity must be None or an integer >= 1, got {capacity!r}")
+    impl = _fused.check_impl("plan_dispatch", impl)
     T, k = experts.shape
     P = T * k
     rows = buffer_rows(P, num_experts, align_size, capacity)
+    if impl == "fused":
+        dest, src, sizes, offsets, counts = _fused.plan_fused(
+            experts, num_experts, rows, align_size, capacity
+        )
+        return DispatchPlan(dest, src, sizes, offsets, counts)
     flat = experts.reshape(-1).astype(jnp.int32)
     # Stable sort by expert: token order inside each group. rank = position inside the group.
     order = jnp.argsort(flat, stable=True)
@@ -116,13 +133,16 @@ def _permute_bwd(k, res, g):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-def permute(x: jax.Array, plan: DispatchPlan) -> jax.Array:
+def permute(x: jax.Array, plan: DispatchPlan, impl: Optional[str] = None) -> jax.Array:
     """(T, d) tokens -> (rows, d) rows grouped by expert (zero padding rows)."""
+    impl = _fused.check_impl("permute", impl)
     T, k = plan.dest.shape
     if jnp.ndim(x) != 2 or x.shape[0] != T:
         raise ValueError(
             f"permute: x must be (tokens, hidden) with tokens = {T} (the plan's), got {tuple(jnp.shape(x))}"
         )
+    if impl == "fused":
+        return _fused.permute_fused(k, x, plan.dest, plan.src)
     return _permute(k, x, plan.dest, plan.src)
 
 
@@ -163,7 +183,11 @@ _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
 def unpermute(
-    y: jax.Array, plan: DispatchPlan, weights: Optional[jax.Array] = None, out_dtype=None
+    y: jax.Array,
+    plan: DispatchPlan,
+    weights: Optional[jax.Array] = None,
+    out_dtype=None,
+    impl: Optional[str] = None,
 ) -> jax.Array:
     """(rows, d) expert outputs -> (T, d): each token's rows summed with ``weights`` (T, k)
     (None: plain sum), in float32, rounded to ``out_dtype`` (default y's)."""
@@ -179,13 +203,15 @@ def unpermute(
         raise ValueError(
             f"unpermute: weights must have shape (tokens, topk) = ({T}, {k}), got {tuple(jnp.shape(weights))}"
         )
-    return combine_pairs(y, weights, plan.dest, plan.src, out_dtype)
+    return combine_pairs(y, weights, plan.dest, plan.src, out_dtype, impl)
 
 
-def combine_pairs(y, weights, dest, src, out_dtype=None) -> jax.Array:
+def combine_pairs(y, weights, dest, src, out_dtype=None, impl=None) -> jax.Array:
     """:func:`unpermute` from bare index maps: ``dest`` (T, k) rows (``len(y)`` = none),
     ``src`` (rows,) pairs (``T * k`` = none)."""
     out_dtype = jnp.dtype(out_dtype if out_dtype is not None else y.dtype)
+    if _fused.check_impl("unpermute", impl) == "fused":
+        return _fused.combine_fused(out_dtype, y, weights, dest, src)
     return _unpermute(out_dtype, y, weights, dest, src)
 
 

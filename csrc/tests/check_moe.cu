@@ -1,0 +1,280 @@
+// Standalone checks of the MoE CUDA kernels against the CPU reference kernels (no JAX). Exit
+// status 1 on any failure.
+//   lowbit_check_moe          full set
+//   lowbit_check_moe --bench  microseconds per kernel at the benchmark's MoE shapes
+//
+// Compared: router experts exactly and weights / dlogits within float32 rounding (exp and the
+// sums round differently); the dispatch plan exactly (also past one 1024-pair chunk, with
+// alignment and capacity); the plain and the FP8 permutation (rowwise, colwise, scale_inv,
+// amax) exactly; combine output within one bf16 ulp, dy exactly, dw within float32 rounding.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "lowbit/formats.h"
+#include "lowbit/moe.h"
+
+using namespace lowbit;
+
+namespace {
+
+int g_fail = 0, g_pass = 0;
+
+#define CUDA_OK(x)                                                                         \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(2);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+void report(bool ok, const char* what, const char* detail) {
+  (ok ? g_pass : g_fail)++;
+  if (!ok) std::printf("FAIL %s: %s\n", what, detail);
+}
+
+template <typename T>
+T* dev(const std::vector<T>& h) {
+  T* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)));
+  if (!h.empty()) CUDA_OK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+template <typename T>
+std::vector<T> host(const T* d, size_t n) {
+  std::vector<T> h(n);
+  if (n) CUDA_OK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+template <typename T>
+T* zeros(size_t n) {
+  return dev(std::vector<T>(n, T(0)));
+}
+
+float max_rel(const std::vector<float>& a, const std::vector<float>& b) {
+  float m = 0.0f;
+  for (size_t i = 0; i < a.size(); ++i)
+    m = std::max(m, std::fabs(a[i] - b[i]) / std::max(1e-6f, std::fabs(b[i])));
+  return m;
+}
+
+void check_router(std::mt19937& rng, int64_t T, int64_t E, int k, MoeScore fn, bool pre, int G,
+                  int gk, bool bias) {
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  std::vector<float> z(T * E), b(E), dw(T * k);
+  for (auto& v : z) v = nd(rng);
+  for (auto& v : b) v = 0.1f * nd(rng);
+  for (auto& v : dw) v = nd(rng);
+  MoeRouterParams p;
+  p.T = T, p.E = E, p.topk = k, p.score = fn, p.pre_softmax = pre, p.num_groups = G;
+  p.group_topk = gk, p.scaling = 1.5f;
+  std::vector<float> w(T * k);
+  std::vector<int32_t> ex(T * k);
+  p.logits = z.data(), p.bias = bias ? b.data() : nullptr, p.weights = w.data(),
+  p.experts = ex.data();
+  report(moe_router_fwd_cpu(p).ok(), "router cpu", "status");
+  MoeRouterParams q = p;
+  q.logits = dev(z), q.bias = bias ? dev(b) : nullptr, q.weights = zeros<float>(T * k);
+  q.experts = zeros<int32_t>(T * k);
+  report(moe_router_fwd_cuda(q, nullptr).ok(), "router cuda", "status");
+  CUDA_OK(cudaDeviceSynchronize());
+  char msg[160];
+  std::snprintf(msg, sizeof msg, "T=%ld E=%ld k=%d fn=%d pre=%d G=%d", long(T), long(E), k, int(fn),
+                pre, G);
+  report(host(q.experts, T * k) == ex, "router experts", msg);
+  report(max_rel(host(q.weights, T * k), w) < 1e-5f, "router weights", msg);
+  MoeRouterBwdParams bp;
+  bp.T = T, bp.E = E, bp.topk = k, bp.score = fn, bp.pre_softmax = pre, bp.scaling = 1.5f;
+  std::vector<float> dz(T * E);
+  bp.logits = z.data(), bp.experts = ex.data(), bp.dweights = dw.data(), bp.dlogits = dz.data();
+  report(moe_router_bwd_cpu(bp).ok(), "router bwd cpu", "status");
+  MoeRouterBwdParams bq = bp;
+  bq.logits = q.logits, bq.experts = dev(ex), bq.dweights = dev(dw),
+  bq.dlogits = zeros<float>(T * E);
+  report(moe_router_bwd_cuda(bq, nullptr).ok(), "router bwd cuda", "status");
+  CUDA_OK(cudaDeviceSynchronize());
+  auto g = host(bq.dlogits, T * E);
+  float err = 0.0f, scale = 1e-6f;
+  for (size_t i = 0; i < g.size(); ++i) {
+    err = std::max(err, std::fabs(g[i] - dz[i]));
+    scale = std::max(scale, std::fabs(dz[i]));
+  }
+  report(err <= 1e-5f * scale, "router dlogits", msg);
+}
+
+void check_dispatch(std::mt19937& rng, int64_t T, int64_t k, int64_t E, int64_t align, int64_t cap,
+                    int64_t d) {
+  std::vector<int32_t> ex(T * k);
+  for (int64_t t = 0; t < T; ++t) {  // k distinct experts per token
+    std::vector<int32_t> all(E);
+    for (int e = 0; e < E; ++e) all[e] = e;
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int64_t j = 0; j < k; ++j) ex[t * k + j] = all[j];
+  }
+  const int64_t P = T * k, a = std::max<int64_t>(align, 1);
+  int64_t rows = P + E * (a - 1);
+  if (cap >= 0) rows = std::min(rows, E * ((cap + a - 1) / a * a));
+  MoePlanParams p;
+  p.T = T, p.k = k, p.E = E, p.rows = rows, p.align = align, p.capacity = cap;
+  std::vector<int32_t> dest(P), src(rows), sz(E), off(E), cnt(E);
+  p.experts = ex.data(), p.dest = dest.data(), p.src = src.data(), p.sizes = sz.data();
+  p.offsets = off.data(), p.counts = cnt.data();
+  report(moe_plan_cpu(p).ok(), "plan cpu", "status");
+  MoePlanParams q = p;
+  q.experts = dev(ex), q.dest = zeros<int32_t>(P), q.src = zeros<int32_t>(rows);
+  q.sizes = zeros<int32_t>(E), q.offsets = zeros<int32_t>(E), q.counts = zeros<int32_t>(E);
+  q.scratch_len = moe_plan_scratch_len(T, k, E);
+  q.scratch = zeros<int32_t>(q.scratch_len);
+  report(moe_plan_cuda(q, nullptr).ok(), "plan cuda", "status");
+  CUDA_OK(cudaDeviceSynchronize());
+  char msg[160];
+  std::snprintf(msg, sizeof msg, "T=%ld k=%ld E=%ld align=%ld cap=%ld", long(T), long(k), long(E),
+                long(align), long(cap));
+  report(host(q.dest, P) == dest && host(q.src, rows) == src && host(q.sizes, E) == sz &&
+             host(q.offsets, E) == off && host(q.counts, E) == cnt,
+         "plan", msg);
+  // permute, FP8 (current and delayed, E4M3) and combine on bf16 tokens
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  std::vector<uint16_t> x(T * d), y(rows * d), g(T * d);
+  for (auto& v : x) v = float_to_bf16(nd(rng));
+  for (auto& v : y) v = float_to_bf16(nd(rng));
+  for (auto& v : g) v = float_to_bf16(nd(rng));
+  std::vector<float> delayed(E), w(P);
+  for (auto& v : delayed) v = 20.0f + std::fabs(nd(rng));
+  for (auto& v : w) v = std::fabs(nd(rng));
+  for (int mode = 0; mode < 3; ++mode) {
+    MoePermuteParams pp;
+    pp.T = T, pp.k = k, pp.d = d, pp.rows = rows, pp.E = E, pp.dtype = DType::kBF16;
+    pp.mode = mode == 0 ? ScalingMode::kNoScaling
+                        : (mode == 1 ? ScalingMode::kCurrentTensor : ScalingMode::kDelayedTensor);
+    const size_t ob = mode == 0 ? 2 : 1;
+    std::vector<uint8_t> out(rows * d * ob), col(mode ? rows * d : 0);
+    std::vector<float> si(E), am(E), ra(T);
+    pp.x = x.data(), pp.src = src.data(), pp.experts = ex.data(), pp.delayed = delayed.data();
+    pp.out = out.data(), pp.out_col = mode ? col.data() : nullptr, pp.scale_inv = si.data();
+    pp.amax = am.data(), pp.row_amax = ra.data();
+    report(moe_permute_cpu(pp).ok(), "permute cpu", "status");
+    MoePermuteParams pq = pp;
+    pq.x = dev(x), pq.src = q.src, pq.experts = q.experts, pq.delayed = dev(delayed);
+    pq.out = zeros<uint8_t>(out.size()), pq.out_col = mode ? zeros<uint8_t>(col.size()) : nullptr;
+    pq.scale_inv = zeros<float>(E), pq.amax = zeros<float>(E), pq.row_amax = zeros<float>(T);
+    report(moe_permute_cuda(pq, nullptr).ok(), "permute cuda", "status");
+    CUDA_OK(cudaDeviceSynchronize());
+    bool ok = host(static_cast<uint8_t*>(pq.out), out.size()) == out;
+    if (mode)
+      ok = ok && host(pq.out_col, col.size()) == col && host(pq.scale_inv, E) == si &&
+           host(pq.amax, E) == am;
+    report(ok, mode == 0 ? "permute" : (mode == 1 ? "permute fp8 current" : "permute fp8 delayed"),
+           msg);
+  }
+  MoeCombineParams cp;
+  cp.T = T, cp.k = k, cp.d = d, cp.rows = rows, cp.y_dtype = DType::kBF16,
+  cp.out_dtype = DType::kF32;
+  std::vector<float> out(T * d);
+  cp.y = y.data(), cp.w = w.data(), cp.dest = dest.data(), cp.out = out.data();
+  report(moe_combine_fwd_cpu(cp).ok(), "combine cpu", "status");
+  MoeCombineParams cq = cp;
+  cq.y = dev(y), cq.w = dev(w), cq.dest = q.dest, cq.out = zeros<float>(T * d);
+  report(moe_combine_fwd_cuda(cq, nullptr).ok(), "combine cuda", "status");
+  CUDA_OK(cudaDeviceSynchronize());
+  report(host(static_cast<float*>(cq.out), T * d) == out, "combine (same order: exact)", msg);
+  MoeCombineBwdParams bp;
+  bp.T = T, bp.k = k, bp.d = d, bp.rows = rows, bp.y_dtype = DType::kBF16,
+  bp.g_dtype = DType::kBF16;
+  std::vector<uint16_t> dy(rows * d);
+  std::vector<float> dw(P);
+  bp.g = g.data(), bp.y = y.data(), bp.w = w.data(), bp.dest = dest.data(), bp.src = src.data();
+  bp.dy = dy.data(), bp.dw = dw.data();
+  report(moe_combine_bwd_cpu(bp).ok(), "combine bwd cpu", "status");
+  MoeCombineBwdParams bq = bp;
+  bq.g = dev(g), bq.y = cq.y, bq.w = cq.w, bq.dest = q.dest, bq.src = q.src;
+  bq.dy = zeros<uint16_t>(rows * d), bq.dw = zeros<float>(P);
+  report(moe_combine_bwd_cuda(bq, nullptr).ok(), "combine bwd cuda", "status");
+  CUDA_OK(cudaDeviceSynchronize());
+  report(host(static_cast<uint16_t*>(bq.dy), rows * d) == dy, "combine dy", msg);
+  auto dwg = host(bq.dw, P);
+  float err = 0.0f;
+  for (int64_t i = 0; i < P; ++i)
+    err = std::max(err, std::fabs(dwg[i] - dw[i]) / (1.0f + std::fabs(dw[i])));
+  report(err < 1e-4f, "combine dw", msg);
+}
+
+float time_us(cudaEvent_t a, cudaEvent_t b) {
+  float ms = 0.0f;
+  CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+  return ms * 1000.0f;
+}
+
+// Microseconds per call of each kernel at T tokens, E experts, top-k, hidden d (bf16).
+void bench(int64_t T, int64_t E, int k, int64_t d) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  std::vector<float> z(T * E);
+  for (auto& v : z) v = nd(rng);
+  MoeRouterParams rp;
+  rp.T = T, rp.E = E, rp.topk = k, rp.logits = dev(z), rp.weights = zeros<float>(T * k);
+  rp.experts = zeros<int32_t>(T * k);
+  MoePlanParams pp;
+  pp.T = T, pp.k = k, pp.E = E, pp.rows = T * k, pp.experts = rp.experts;
+  pp.dest = zeros<int32_t>(T * k), pp.src = zeros<int32_t>(T * k), pp.sizes = zeros<int32_t>(E);
+  pp.offsets = zeros<int32_t>(E), pp.counts = zeros<int32_t>(E);
+  pp.scratch_len = moe_plan_scratch_len(T, k, E), pp.scratch = zeros<int32_t>(pp.scratch_len);
+  MoePermuteParams mp;
+  mp.T = T, mp.k = k, mp.d = d, mp.rows = T * k, mp.E = E, mp.x = zeros<uint16_t>(T * d);
+  mp.src = pp.src, mp.experts = rp.experts, mp.out = zeros<uint8_t>(T * k * d * 2);
+  MoePermuteParams fp = mp;
+  fp.mode = ScalingMode::kCurrentTensor, fp.out_col = zeros<uint8_t>(T * k * d);
+  fp.scale_inv = zeros<float>(E), fp.amax = zeros<float>(E), fp.row_amax = zeros<float>(T);
+  MoeCombineParams cp;
+  cp.T = T, cp.k = k, cp.d = d, cp.rows = T * k, cp.y = mp.out, cp.w = rp.weights;
+  cp.dest = pp.dest, cp.out = zeros<uint16_t>(T * d);
+  cudaEvent_t a, b;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  auto run = [&](const char* name, auto fn) {
+    fn();
+    CUDA_OK(cudaEventRecord(a));
+    for (int i = 0; i < 20; ++i) fn();
+    CUDA_OK(cudaEventRecord(b));
+    CUDA_OK(cudaEventSynchronize(b));
+    std::printf("T=%ld E=%ld k=%d d=%ld %-22s %9.1f us\n", long(T), long(E), k, long(d), name,
+                time_us(a, b) / 20);
+  };
+  run("router fwd", [&] { (void)moe_router_fwd_cuda(rp, nullptr); });
+  run("plan", [&] { (void)moe_plan_cuda(pp, nullptr); });
+  run("permute bf16", [&] { (void)moe_permute_cuda(mp, nullptr); });
+  run("permute fp8 row+col", [&] { (void)moe_permute_cuda(fp, nullptr); });
+  run("combine fwd", [&] { (void)moe_combine_fwd_cuda(cp, nullptr); });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && !std::strcmp(argv[1], "--bench")) {
+    bench(16384, 8, 2, 4096);
+    bench(16384, 64, 6, 4096);
+    bench(4096, 128, 4, 4096);
+    return 0;
+  }
+  std::mt19937 rng(1234);
+  const MoeScore fns[] = {MoeScore::kSoftmax, MoeScore::kSigmoid, MoeScore::kSqrtSoftplus};
+  for (MoeScore fn : fns)
+    for (int pre = 0; pre < 2; ++pre) {
+      check_router(rng, 300, 8, 2, fn, pre, 0, 0, false);
+      check_router(rng, 200, 64, 6, fn, pre, 0, 0, fn != MoeScore::kSoftmax);
+      check_router(rng, 100, 128, 8, fn, pre, 8, 4, fn != MoeScore::kSoftmax);
+      check_router(rng, 50, 1000, 40, fn, pre, 0, 0, false);
+    }
+  check_dispatch(rng, 100, 2, 8, 0, -1, 64);
+  check_dispatch(rng, 900, 3, 40, 16, -1, 96);  // > one chunk
+  check_dispatch(rng, 500, 4, 16, 8, 90, 40);   // capacity, ragged tiles
+  check_dispatch(rng, 1, 1, 1, 0, -1, 16);
+  std::printf("%d passed, %d failed\n", g_pass, g_fail);
+  return g_fail ? 1 : 0;
+}
