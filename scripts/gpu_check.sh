@@ -32,6 +32,8 @@ fi
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 step() { echo; echo "=== $1 ($(date +%T))"; }
+# CHECKS="moe block_fusion": only those check programs (lowbit_check_<name>) in check/sanitize.
+picked() { [ -z "${CHECKS:-}" ] || [[ " $CHECKS " == *" ${1##*lowbit_check_} "* ]]; }
 
 step "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -49,7 +51,7 @@ fi
 if has check; then
   step "kernel checks"
   for exe in "$BUILD"/lowbit_check_*; do
-    [ -x "$exe" ] || continue
+    [ -x "$exe" ] && picked "$exe" || continue
     echo "--- $exe"; "$exe" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
   done
 fi
@@ -65,7 +67,7 @@ fi
 if has sanitize; then
   step "compute-sanitizer memcheck"
   for exe in "$BUILD"/lowbit_check_*; do
-    [ -x "$exe" ] || continue
+    [ -x "$exe" ] && picked "$exe" || continue
     compute-sanitizer --tool memcheck --error-exitcode 9 "$exe" --quick >>"$OUT/check.log" 2>&1
     rc=$?; echo "memcheck $exe: rc=$rc"; [ $rc -eq 0 ] || status=1
   done

@@ -5,7 +5,7 @@
 # it is installed (source /tmp/te-site/env.sh first: ../shared/tepeer). Logs and JSON under $OUT.
 #   scripts/gpu_multi_suite.sh [pytest] [probe] [seed] [layer] [moe] [collectives] [overlap] [mp-seed]
 #   (default: all but probe and mp-seed)
-# probe: scripts/dp_overlap_probe.py once per XLA flag set in PROBE_FLAGS (';'-separated), each in a
+# probe: scripts/dp_overlap_probe.py once per variant in PROBE_FLAGS (';'-separated "XLA flags|probe args"), each in a
 # fresh process: the DP TransformerLayer step's time and the all-reduce MB its schedule overlaps.
 # LAYER_ARGS: extra layer-stage arguments (default: TransformerLayer, every layout, delayed).
 set -uo pipefail
@@ -26,10 +26,12 @@ if has probe; then
   IFS=';' read -ra variants <<<"${PROBE_FLAGS:-}"
   [ ${#variants[@]} -eq 0 ] && variants=("")
   one=--one
-  for flags in "${variants[@]}"; do
-    echo "=== probe XLA_FLAGS='$flags' ($(date +%T))"
+  for v in "${variants[@]}"; do  # "XLA flags|probe arguments", e.g. "|--pgle 3"
+    flags=${v%%|*} extra=
+    [[ $v == *"|"* ]] && extra=${v#*|}
+    echo "=== probe XLA_FLAGS='$flags' $extra ($(date +%T))"
     XLA_FLAGS="$flags" PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$(realpath -m "$BUILD") \
-      timeout "${LIMIT_PROBE:-150}" python3 scripts/dp_overlap_probe.py $one --label "${flags:-default}" 2>&1 \
+      timeout "${LIMIT_PROBE:-150}" python3 scripts/dp_overlap_probe.py $one $extra --label "${flags:-default}" 2>&1 \
       | grep "^PROBE\|Error" | tee -a "$OUT/probe.log" | cut -c1-700
     one=
   done

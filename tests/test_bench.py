@@ -234,3 +234,18 @@ def test_cpu_tables_and_charts_say_lowbit_ran_its_reference_kernels(tmp_path, mo
         assert said == [platform == "cpu"] * 3, (platform, out, chart)
         if platform == "cpu":  # the footnote names what ran where
             assert "C++ reference kernels" in chart and "XLA" in chart and "GPU" in chart
+
+
+def test_fp8_err_ratio_measures_error_added_beyond_fp8():
+    """1 where the sharded step equals one device's; the added error over FP8's own otherwise;
+    leaves where FP8 is exact (no error to compare against) do not count."""
+    import numpy as np
+
+    from lowbit.bench.multi_device import fp8_err_ratio
+
+    rng = np.random.default_rng(0)
+    ref = [rng.standard_normal(256), np.ones(8)]
+    one = [ref[0] + 0.1 * rng.standard_normal(256), np.ones(8)]  # FP8's own error; exact leaf
+    assert fp8_err_ratio(ref, one, one) == pytest.approx(1.0)
+    far = [ref[0] + 2.0 * (one[0] - ref[0]), np.ones(8) + 5.0]
+    assert fp8_err_ratio(ref, one, far) == pytest.approx(2.0)

@@ -29,7 +29,9 @@ default ``benchmarks/results/<device>/``):
 Columns: ``ms`` the sharded fwd+bwd step, ``ms_one_device`` the same global batch on one device,
 ``scaling_eff`` = ms_one_device / (devices x ms) (strong scaling; 1 is ideal), ``rel_diff_vs_one``
 the largest relative norm difference of the gradients against one device, ``bound`` the largest
-element difference in units of tests/test_sharding.py's tolerance (<= 1: within it), then the
+element difference in units of tests/test_sharding.py's tolerance (<= 1: within it), in the layer
+stage ``fp8_err_ratio`` (:func:`fp8_err_ratio`: the sharded FP8 gradients' error against the
+unquantized one-device model over one device's FP8 error; about 1 where sharding adds none), then the
 compiled step's collectives (counts, MB moved per device).
 
 Without a GPU the stages run on forced host devices (``--cpu-devices``, default 4) with small
@@ -309,6 +311,26 @@ def max_rel_diff(ref, got) -> float:
 #: MeshResource (bf16 partial sums, case partial_sums_bf16): a relative 2^-7 plus 2^-7 of the
 #: largest value (a bf16 rounding of each partial, which can be larger than the sum).
 RTOL, ATOL_FRAC = 2.0**-7, 2.0**-7
+
+
+def fp8_err_ratio(bf16_ref, one, got) -> float:
+    """Under an FP8 recipe, how much error sharding adds beyond FP8's own: the largest, over the
+    gradient leaves, of ||got - bf16_ref|| / ||one - bf16_ref||, with ``bf16_ref`` the one-device
+    step without a recipe, ``one`` the one-device FP8 step and ``got`` the sharded one (about 1:
+    sharding adds nothing; a bf16 rounding of a partial sum may flip an FP8 rounding downstream,
+    which moves single elements by a whole FP8 step and fails the element ``bound`` while leaving
+    the error against the unquantized model as large as one device's)."""
+    import jax
+    import numpy as np
+
+    worst = 0.0
+    leaves = [jax.tree_util.tree_leaves(to_host(t)) for t in (bf16_ref, one, got)]
+    for r, o, g in zip(*leaves):
+        r, o, g = (np.asarray(a, np.float64) for a in (r, o, g))
+        base = np.linalg.norm(o - r)
+        if base > 1e-6 * np.linalg.norm(r):
+            worst = max(worst, float(np.linalg.norm(g - r) / base))
+    return worst
 
 
 def bound_ratio(ref, got, where: bool = False):
@@ -685,6 +707,8 @@ def layer_rows(
         one_lb = _Ctx(None, None, rec).wrap(lb_step)
         one_fx = _Ctx().wrap(fx_step)
         ref_lb = one_lb(lb_v, *args1)
+        # The same step without a recipe: the unquantized model the FP8 error is measured against.
+        ref_bf16 = _Ctx().wrap(lb_step)(lb_v, *args1) if rec is not None else None
         t1_lb = _timed(one_lb, (lb_v, *args1), small)
         t1_fx = _timed(one_fx, (fx_v, *args1), small)
         kernels = [tuple(a.shape) for a in jax.tree_util.tree_leaves(lb_v["params"]) if a.ndim >= 2]
@@ -717,6 +741,7 @@ def layer_rows(
             got = lb_fn(*lb_args)
             diff = max_rel_diff(ref_lb[1], got[1])
             bound, bound_leaf = bound_ratio(ref_lb[1], got[1], where=True)
+            err_ratio = fp8_err_ratio(ref_bf16[1], ref_lb[1], got[1]) if ref_bf16 is not None else None
             t_lb = _timed(lb_fn, lb_args, small)
             t_fx = _timed(fx_fn, fx_args, small)
             au, fau = audit_hlo(hlo, kernels), audit_hlo(fx_hlo)
@@ -736,6 +761,7 @@ def layer_rows(
                     speedup_vs_flax=t_fx / t_lb,
                     rel_diff_vs_one=diff,
                     bound=bound,
+                    fp8_err_ratio=err_ratio,
                     bound_leaf=bound_leaf,
                     gathers=au["counts"]["all-gather"],
                     full_kernel_gathers=au["full_kernel_gathers"],
@@ -822,6 +848,7 @@ LAYER_COLUMNS += [
     "speedup_vs_flax",
     "rel_diff_vs_one",
     "bound",
+    "fp8_err_ratio",
     "gathers",
     "full_kernel_gathers",
     "reduces",
