@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--one", action="store_true", help="also time the one-device step")
     ap.add_argument("--per-device", type=int, default=4, help="sequences per device")
     ap.add_argument("--small", action="store_true", help="CPU-sized shapes (a smoke run)")
+    ap.add_argument("--dump", default="", help="write the compiled (scheduled) HLO text here")
     ap.add_argument(
         "--pgle", type=int, default=0, help="JAX's automatic profile-guided latency estimator: profiling runs"
     )
@@ -107,6 +108,9 @@ def main() -> int:
         row["ms"] = md._timed(fn, args_, args.small)
     if "ms_one_device" in row:
         row["scaling_eff"] = row["ms_one_device"] / (n * row["ms"])
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.write(fn.as_text())
     ov = overlap(fn.as_text())
     row.update({k: ov[k] for k in ("async_ops", "MB", "overlapped_MB")})
     row["ops"] = [f"{o['op']}:{o['MB']:.1f}MB/{o['compute_between']}" for o in ov["ops"]]

@@ -163,7 +163,7 @@ def run(small: bool, progress=None) -> list[dict]:
     cfg = SMALL if small else FULL
     label = f"layer b{cfg['batch']} s{cfg['seq']} h{cfg['hidden']} ffn{cfg['ffn']} heads{cfg['heads']}"
     rows = []
-    for name, _, _, _, note in _cases():
+    for name, _, _, _, note in _picked():
         clocks = {}
         ms = _time_in_child(name, small, clocks) if name in _CHILD_ENV else time_case(name, small, clocks)
         rows.append(dict(model=label, name=name, ms=ms, note=note, **clocks))
@@ -180,8 +180,19 @@ def run(small: bool, progress=None) -> list[dict]:
     return rows
 
 
+def _picked():
+    """The cases named in LOWBIT_LAYER_CASES (";"-separated; the two Flax baselines always run:
+    the speed-ups are against them), or all."""
+    names = [n.strip() for n in os.environ.get("LOWBIT_LAYER_CASES", "").split(";") if n.strip()]
+    if not names:
+        return _cases()
+    for n in names:
+        case_named(_cases(), n, "layer")  # an unknown name raises, listing the cases
+    return [c for c in _cases() if c[0] in names or c[0].startswith("flax ")]
+
+
 def count(small: bool) -> int:
-    return len(_cases())
+    return len(_picked())
 
 
 if __name__ == "__main__":  # one case, for a child process: prints {"ms": ..., clocks}
