@@ -103,6 +103,72 @@ def collectives(hlo_text: str) -> list[dict]:
     return out
 
 
+_COMP = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s+\(.*->.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_NOT_DATA = re.compile(r"(?:metadata|control-predecessors)=\{[^}]*\}")
+
+
+def _hlo_graph(hlo_text: str):
+    """(entry name, {computation: {instruction: operand names}}, {computation: (caller's
+    computation, calling instruction)}, [(computation, instruction) of each all-to-all]) of a
+    compiled HLO module's text (``%name`` form)."""
+    comps, entry, cur, a2a = {}, None, None, []
+    for line in hlo_text.splitlines():
+        h = _COMP.match(line)
+        if h:
+            h_name, cur = h[2], comps.setdefault(h[2], {})
+            entry = h[2] if h[1] else entry
+            continue
+        m = _INSTR.match(line) if cur is not None else None
+        if m:
+            cur[m[1]] = re.findall(r"%([\w.\-]+)", _NOT_DATA.sub("", m[2]))
+            op = _LINE.search(line)
+            if op and op["op"] == "all-to-all":
+                a2a.append((h_name, m[1]))
+    callers = {}
+    for cname, instrs in comps.items():
+        for iname, refs in instrs.items():
+            for r in refs:
+                if r in comps and r != cname:
+                    callers.setdefault(r, (cname, iname))
+    return entry, comps, callers, a2a
+
+
+def all_to_all_groups(hlo_text: str) -> list:
+    """The all-to-alls of a compiled HLO module, grouped by data dependence: two are in one
+    group when one's operands depend (through any chain of instructions, in the entry
+    computation; an op inside a called computation counts as its caller) on the other's result.
+    Returns the groups' sizes, largest first. Independent token chunks give one group each."""
+    entry, comps, callers, a2a = _hlo_graph(hlo_text)
+    anchors = []
+    for c, i in a2a:
+        while c != entry and c in callers:
+            c, i = callers[c]
+        anchors.append(i)
+    deps = comps.get(entry, {})
+    parent = {a: a for a in anchors}  # union-find over the anchors
+
+    def find(a):
+        while parent[a] != a:
+            a = parent[a]
+        return a
+
+    for a in anchors:
+        seen, todo = set(), list(deps.get(a, ()))
+        while todo:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in parent and v != a:
+                parent[find(v)] = find(a)
+            todo.extend(deps.get(v, ()))
+    sizes = {}
+    for a in parent:
+        sizes[find(a)] = sizes.get(find(a), 0) + 1
+    return sorted(sizes.values(), reverse=True)
+
+
 def _prod(shape) -> int:
     p = 1
     for s in shape:
@@ -863,17 +929,18 @@ LAYER_COLUMNS += [
 # ---------------------------------------------------------------------------------------------
 # Stage moe: expert parallelism
 # ---------------------------------------------------------------------------------------------
-def moe_ep(params, x, recipe=None, mesh=None, axis="ep", dispatch="auto", capacity_factor=None):
+def moe_ep(params, x, recipe=None, mesh=None, axis="ep", dispatch="auto", capacity_factor=None, ep_chunks=1):
     """The MoE MLP of ``examples/moe.py`` through :func:`lowbit.ops.fused.moe.moe_mlp`: router,
     top-k, grouped fc1, GELU, grouped fc2. With ``mesh``, tokens and experts split over mesh
     axis ``axis``: each (token, expert) pair travels only to the expert's owner and back
-    (``dispatch``: ragged_all_to_all or a capacity all_to_all)."""
+    (``dispatch``: ragged_all_to_all or a capacity all_to_all, in ``ep_chunks`` independent
+    token chunks)."""
     from lowbit.ops.fused.moe import moe_mlp
 
     return moe_mlp(
         x, params["router"], params["w1"], params["w2"], top_k=params["top_k"], recipe=recipe,
         mesh=mesh, expert_axis=None if mesh is None else axis, dispatch=dispatch,
-        capacity_factor=capacity_factor,
+        capacity_factor=capacity_factor, ep_chunks=ep_chunks,
     )  # fmt: skip
 
 
@@ -940,10 +1007,10 @@ def ragged_bytes(hlo_text: str) -> int:
     return total
 
 
-def moe_loads(x, params, n, dispatch):
+def moe_loads(x, params, n, dispatch, chunks=1):
     """Routed (token, expert) pairs per receive buffer, counted on the host from the router's
-    choices: per (source, destination) block for ``"capacity"``, per destination for
-    ``"ragged"``."""
+    choices: per (source, destination) block for ``"capacity"`` (per (chunk, source,
+    destination) with ``chunks`` > 1), per destination for ``"ragged"``."""
     import numpy as np
 
     from lowbit.ops.fused.moe import route
@@ -952,12 +1019,13 @@ def moe_loads(x, params, n, dispatch):
     expert = np.asarray(route(x, params["router"], params["top_k"])[1])
     T, k = expert.shape
     src = np.repeat(np.arange(T) // (T // n), k)
+    chunk = np.repeat(np.arange(T) % (T // n) // (T // n // chunks), k)
     dest = expert.reshape(-1) // (E // n)
-    group = dest * n + src if dispatch == "capacity" else dest
-    return np.bincount(group, minlength=n * n)
+    group = (dest * n + src) * chunks + chunk if dispatch == "capacity" else dest
+    return np.bincount(group, minlength=n * n * chunks)
 
 
-def moe_dropped(x, params, n, dispatch, capacity_factor) -> int:
+def moe_dropped(x, params, n, dispatch, capacity_factor, chunks=1) -> int:
     """(token, expert) pairs the dispatch drops for these tokens (0 when capacity_factor is None),
     as moe_mlp's docstring says."""
     import numpy as np
@@ -965,36 +1033,47 @@ def moe_dropped(x, params, n, dispatch, capacity_factor) -> int:
     from lowbit.ops.fused.moe import buffer_rows
 
     E, (T, k) = params["w1"].shape[0], (x.shape[0], params["top_k"])
-    rows = buffer_rows(dispatch, T // n, k, E, n, capacity_factor)
-    return int(np.maximum(moe_loads(x, params, n, dispatch) - rows, 0).sum())
+    rows = buffer_rows(dispatch, T // n, k, E, n, capacity_factor, chunks)
+    return int(np.maximum(moe_loads(x, params, n, dispatch, chunks) - rows, 0).sum())
 
 
 _SCATTER = re.compile(r"=\s*(\w+)\[([\d,]*)\](?:\{[^}]*\})?\s+scatter\(")
 
 
-def check_moe_step(hlo_text: str, tokens_local: int, d: int, experts: int, devices: int, rows: int) -> list:
+def check_moe_step(
+    hlo_text: str, tokens_local: int, d: int, experts: int, devices: int, rows: int, chunks: int = 1
+) -> list:
     """The expert-parallel MoE fwd+bwd step with the capacity dispatch (tokens_local per device,
-    ``rows`` per (source, destination) block): returns the list of problems (empty: as
-    expected). Expected: four all-to-alls (dispatch and combine, forward and backward) of one
-    device's blocks (``devices`` x ``rows`` rows of d, plus the count rows of the dispatch), no
-    other all-to-all, no all-gather, reduce-scatter or collective-permute (no token batch and
-    no expert weight ever gathered), all-reduces only of the router's gradient and scalars (the
-    experts are local: their gradients stay put), and no scatter of token rows (its transpose
-    of a gather: a gather-only VJP instead)."""
+    ``rows`` per (chunk, source, destination) block, ``chunks`` = moe_mlp's ep_chunks): returns
+    the list of problems (empty: as expected). Expected: four all-to-alls per chunk (dispatch and
+    combine, forward and backward) of one device's blocks (``devices`` x ``rows`` rows of d, plus
+    the count rows of the dispatch), the chunks' all-to-alls independent of each other (none
+    waits on another chunk's values: :func:`all_to_all_groups`), no other all-to-all, no
+    all-gather, reduce-scatter or collective-permute (no token batch and no expert weight ever
+    gathered), all-reduces only of the router's gradient and scalars (the experts are local:
+    their gradients stay put), and no scatter of token rows (its transpose of a gather: a
+    gather-only VJP instead)."""
     problems = []
     colls = collectives(hlo_text)
     a2a = [c for c in colls if c["op"] == "all-to-all"]
     block = devices * rows * d
     sizes = sorted(sum(c["elements"]) for c in a2a)  # a tuple all-to-all: one result per peer
-    if len(a2a) != 4:
-        problems.append(f"{len(a2a)} all-to-alls (expected 4: dispatch and combine, fwd and bwd)")
+    want = 4 * chunks
+    if len(a2a) != want:
+        problems.append(
+            f"{len(a2a)} all-to-alls (expected {want}: dispatch and combine, fwd and bwd, per chunk)"
+        )
     # The dispatch's blocks end in rows holding 3 base-256 digits per local expert's count
     # (lowbit.ops.fused.ep_dispatch.meta_rows).
     with_counts = devices * (rows + -(-3 * (experts // devices) // d)) * d
-    if len(a2a) == 4 and sizes != [block, block, with_counts, with_counts]:
+    if len(a2a) == want and sizes != sorted([block, with_counts] * 2 * chunks):
         problems.append(
-            f"all-to-alls of {sizes} elements per device (expected 2 x {block}, 2 x {with_counts})"
+            f"all-to-alls of {sizes} elements per device (expected {2 * chunks} x {block}, "
+            f"{2 * chunks} x {with_counts})"
         )
+    groups = all_to_all_groups(hlo_text)
+    if len(a2a) == want and groups != [4] * chunks:
+        problems.append(f"all-to-alls in dependent groups of {groups} (expected {chunks} independent of 4)")
     for op in ("all-gather", "reduce-scatter", "collective-permute"):
         k = sum(c["op"] == op for c in colls)
         if k:
@@ -1036,13 +1115,22 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
     # and 4 devices, loads 1.02 and 1.07 of a balanced one); padding rows travel as zeros.
     balanced = T // n * k / n
     cf = max(1.1, math.ceil(10 * moe_loads(x, p, n, "capacity").max() / balanced) / 10)
-    cases = [(f"lowbit {r} capacity cf{cf:g}", r, "capacity", cf) for r in recipes]
+    cases = [(f"lowbit {r} capacity cf{cf:g}", r, "capacity", cf, 1) for r in recipes]
     if cf != 1.25:
-        cases.append(("lowbit bf16 capacity cf1.25", "bf16", "capacity", 1.25))
-    cases.append(("lowbit bf16 capacity exact", "bf16", "capacity", None))
+        cases.append(("lowbit bf16 capacity cf1.25", "bf16", "capacity", 1.25, 1))
+    # ep_chunks: each device's tokens in independent chunks (a chunk's all-to-alls can overlap
+    # another's GEMMs), at the smallest tenth that drops nothing at 1, 2 and 4 chunks (per-chunk
+    # blocks of ceil(rows / chunks)).
+    cfc = cf
+    while any(moe_dropped(x, p, n, "capacity", cfc, c) for c in (1, 2, 4)):
+        cfc = round(cfc + 0.1, 1)
+    for c in (1, 2, 4) if cfc != cf else (2, 4):
+        cases.append((f"lowbit bf16 capacity cf{cfc:g} chunks{c}", "bf16", "capacity", cfc, c))
+    cases.append((f"lowbit fp8 current capacity cf{cfc:g} chunks2", "fp8 current", "capacity", cfc, 2))
+    cases.append(("lowbit bf16 capacity exact", "bf16", "capacity", None, 1))
     if on_gpu():  # XLA:CPU has no ragged-all-to-all
-        cases.append(("lowbit bf16 ragged cf1.25", "bf16", "ragged", 1.25))
-    cases.append(("lowbit bf16 allgather", "bf16", "allgather", None))
+        cases.append(("lowbit bf16 ragged cf1.25", "bf16", "ragged", 1.25, 1))
+    cases.append(("lowbit bf16 allgather", "bf16", "allgather", None, 1))
     if quick:
         cases = [cases[0], cases[-1]]
     weights = {kk: v for kk, v in p.items() if kk != "top_k"}
@@ -1054,20 +1142,20 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
     tok = NamedSharding(mesh, P("ep"))
     args = put((weights, x, dy), (sh, tok, tok))
 
-    def step_for(recipe, mesh=None, dispatch="auto", cf=None):
+    def step_for(recipe, mesh=None, dispatch="auto", cf=None, chunks=1):
         def loss(w, x, dy):
             w = dict(w, top_k=k)
             if dispatch == "allgather":
                 y = moe_allgather(w, x, mesh)
             else:
-                y = moe_ep(w, x, recipe, mesh, dispatch=dispatch, capacity_factor=cf)
+                y = moe_ep(w, x, recipe, mesh, dispatch=dispatch, capacity_factor=cf, ep_chunks=chunks)
             return jnp.sum(y.astype(jnp.float32) * dy)
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
     one_dev = {}  # recipe name -> (grads, ms) on one device, the same global batch
     rows = []
-    for name, rname, disp, cf in cases:
+    for name, rname, disp, cf, chunks in cases:
         recipe = recipes[rname]
         if rname not in one_dev:
             one = step_for(recipe)
@@ -1075,15 +1163,15 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
             one_dev[rname] = (one(*host), _timed(one, host, small))
         ref, t1 = one_dev[rname]
         with _set_mesh(mesh):
-            ep = step_for(recipe, mesh, disp, cf).lower(*args).compile()
+            ep = step_for(recipe, mesh, disp, cf, chunks).lower(*args).compile()
         hlo = ep.as_text()
         got = ep(*args)
         au = audit_hlo(hlo, [(d, ff), (ff, d)])
         audit, block_rows = "", 0
         if disp in ("capacity", "ragged"):
-            block_rows = buffer_rows(disp, T // n, k, E, n, cf)
+            block_rows = buffer_rows(disp, T // n, k, E, n, cf, chunks)
         if disp == "capacity":
-            audit = "; ".join(check_moe_step(hlo, T // n, d, E, n, block_rows)) or "ok"
+            audit = "; ".join(check_moe_step(hlo, T // n, d, E, n, block_rows, chunks)) or "ok"
         tn = _timed(ep, args, small)
         rows.append(
             dict(
@@ -1091,15 +1179,16 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
                 mesh=f"ep{n}",
                 shape=f"T{T} d{d} ff{ff} E{E} top{k}",
                 dispatch=disp,
+                ep_chunks=chunks,
                 ms=tn,
                 ms_one_device=t1,
                 scaling_eff=t1 / (n * tn),
                 rel_diff_vs_one=max_rel_diff(ref[1], got[1]),
                 bound=bound_ratio(ref[1], got[1]),
                 bound_leaf=bound_ratio(ref[1], got[1], where=True)[1],
-                dropped=0 if disp == "allgather" else moe_dropped(x, p, n, disp, cf),
-                rows=block_rows,  # receive buffer rows: per source block (capacity) or in all
-                load=0 if disp == "allgather" else int(moe_loads(x, p, n, disp).max()),
+                dropped=0 if disp == "allgather" else moe_dropped(x, p, n, disp, cf, chunks),
+                rows=block_rows,  # receive buffer rows: per (chunk,) source block (capacity) or in all
+                load=0 if disp == "allgather" else int(moe_loads(x, p, n, disp, chunks).max()),
                 all_to_all=au["counts"]["all-to-all"] + len(_RAGGED.findall(hlo)),
                 all_gather=au["counts"]["all-gather"],
                 reduce_scatter=au["counts"]["reduce-scatter"],

@@ -34,6 +34,12 @@ renormalised): with ``"capacity"`` the pairs a source sends to one destination p
 receiver's (local expert, source, token) order. The row order inside each expert's group equals
 the one-device order, so dropless results equal one device's up to the GEMMs' summation order.
 
+``ep_chunks`` c (capacity only) splits each device's tokens into c consecutive chunks, each
+dispatched, computed and combined on its own (two all-to-alls per chunk each way; no chunk
+reads another's values, so the exchanges can overlap other chunks' GEMMs), with
+``ceil(capacity / c)`` rows per (chunk, source, destination) block; the drop rule above then
+holds per chunk.
+
 Tokens travel and enter the GEMMs as bfloat16 (the grouped GEMM rounds its operands to bfloat16
 or quantizes them); fc1's output is bfloat16, the activation runs in float32 and rounds once, the
 weighted sum is float32, the result x's dtype. Gradients: every step is differentiable (the
@@ -90,8 +96,9 @@ class _MoeConfig:
     devices: int = 1
     dispatch: str = "local"  # "local" (one device), "ragged" or "capacity"
     rows: int = 0  # ragged: receive buffer rows; capacity: rows per (source, destination);
-    # local: each expert's capacity (0: dropless)
+    # local: each expert's capacity (0: dropless); capacity with chunks: rows per chunk's block
     weights_early: bool = False  # local only: routing weights applied before fc2
+    chunks: int = 1  # capacity only: independent token chunks per device (ep_chunks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +234,22 @@ def _ragged(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
 # Capacity dispatch: one dense all_to_all of (capacity, d) blocks each way, counts inside
 # ---------------------------------------------------------------------------------------------
 def _capacity(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
+    if cfg.chunks == 1:
+        return _capacity_chunk(cfg, x, weights, experts, w1, w2, state, extras)
+    # ep_chunks: consecutive slices of this device's tokens, each dispatched, computed and
+    # combined on its own. No value flows from one chunk to another (they share only the
+    # weights), so XLA's async all-to-alls can run one chunk's exchange during another's GEMMs.
+    Tc = x.shape[0] // cfg.chunks
+    parts = [
+        _capacity_chunk(
+            cfg, *(a[i * Tc : (i + 1) * Tc] for a in (x, weights, experts)), w1, w2, state, extras
+        )
+        for i in range(cfg.chunks)
+    ]
+    return jnp.concatenate(parts)
+
+
+def _capacity_chunk(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
     n, E, C = cfg.devices, cfg.experts, cfg.rows
     El, d = E // n, x.shape[1]
     if C >= ep.DIGIT**ep.DIGITS:
@@ -358,16 +381,39 @@ def _pick_dispatch(dispatch, mesh):
 
 
 def buffer_rows(
-    dispatch: str, tokens_local: int, top_k: int, experts: int, devices: int, capacity_factor=None
+    dispatch: str,
+    tokens_local: int,
+    top_k: int,
+    experts: int,
+    devices: int,
+    capacity_factor=None,
+    chunks: int = 1,
 ) -> int:
     """Rows of a device's receive buffer: ``"ragged"``: the whole buffer; ``"capacity"``: one
-    source device's block. The worst case (nothing dropped) when ``capacity_factor`` is None."""
+    source device's block (with ``chunks`` > 1, one chunk's: ``ceil(rows / chunks)``). The worst
+    case (nothing dropped) when ``capacity_factor`` is None."""
     if dispatch not in ("ragged", "capacity"):
         raise ValueError(f"buffer_rows: dispatch must be 'ragged' or 'capacity', got {dispatch!r}")
     per_source = tokens_local * min(top_k, experts // devices)  # one token picks an expert once
     if capacity_factor is not None:
         per_source = min(per_source, max(1, math.ceil(capacity_factor * tokens_local * top_k / devices)))
-    return per_source * devices if dispatch == "ragged" else per_source
+    return per_source * devices if dispatch == "ragged" else -(-per_source // chunks)
+
+
+def _check_chunks(name, ep_chunks, kind, state, tokens_local):
+    if isinstance(ep_chunks, bool) or not isinstance(ep_chunks, (int, np.integer)) or ep_chunks < 1:
+        raise ValueError(f"{name}: ep_chunks must be an integer >= 1, got {ep_chunks!r}")
+    if ep_chunks == 1:
+        return 1
+    if kind != "capacity":
+        raise ValueError(f"{name}: ep_chunks={ep_chunks} needs dispatch='capacity' (or 'auto'), not {kind!r}")
+    if state is not None:  # each chunk's GEMMs would update the same amax history
+        raise ValueError(
+            f"{name}: ep_chunks={ep_chunks} does not support DelayedScaling's state; use ep_chunks=1"
+        )
+    if tokens_local % ep_chunks:
+        raise ValueError(f"{name}: ep_chunks ({ep_chunks}) must divide each device's tokens ({tokens_local})")
+    return int(ep_chunks)
 
 
 def moe_mlp(
@@ -384,6 +430,7 @@ def moe_mlp(
     expert_axis: Optional[str] = None,
     dispatch: str = "auto",
     capacity_factor: Optional[float] = None,
+    ep_chunks: int = 1,
 ) -> jax.Array:
     """A top-k mixture-of-experts MLP on lowbit's grouped GEMM (see the module docstring).
 
@@ -409,6 +456,11 @@ def moe_mlp(
       capacity_factor: None (default): buffers for the worst case, nothing dropped. A number
         f > 0: receive buffers of f times a balanced load; pairs past them are dropped (their
         contribution is zero) as the module docstring says. Ignored without a mesh.
+      ep_chunks: capacity dispatch: each device's tokens in this many independent chunks (it
+        must divide them), each with its own all-to-alls and GEMMs, so that the exchanges can
+        overlap the other chunks' GEMMs; blocks of ``ceil(rows / ep_chunks)`` rows per chunk.
+        Without drops the result is the unchunked one (the weight gradients summed over the
+        chunks). Not with DelayedScaling's state. Ignored without a mesh.
 
     Returns:
       (T, d_model) in x's dtype, split like x.
@@ -423,7 +475,7 @@ def moe_mlp(
     y, _ = moe_experts(
         x, (functools.partial(_softmax_route, top_k=int(top_k)), (router_kernel,)), w1, w2,
         activation=activation, recipe=recipe, state=state, mesh=mesh, expert_axis=expert_axis,
-        dispatch=dispatch, capacity_factor=capacity_factor, name="moe_mlp",
+        dispatch=dispatch, capacity_factor=capacity_factor, ep_chunks=ep_chunks, name="moe_mlp",
     )  # fmt: skip
     return y
 
@@ -458,6 +510,7 @@ def moe_experts(
     bias: Optional[tuple] = None,
     quantized_weights: Optional[tuple] = None,
     weights_early: bool = False,
+    ep_chunks: int = 1,
     name: str = "moe_experts",
 ) -> tuple:
     """:func:`moe_mlp` with another router: ``route = (fn, args)``; ``fn(x, *args)`` (x this
@@ -468,6 +521,7 @@ def moe_experts(
     first in token order; the rest add zero); ``bias``: None or ``(b1 (E, w1's last dim) or
     None, b2 (E, d_model) or None)``, split like w1;
     ``weights_early`` (one device): the weights multiply fc2's input rather than its output;
+    ``ep_chunks``: as moe_mlp's (the router runs once on all of a device's tokens);
     ``quantized_weights``: None or ``(quantize_experts(w1), quantize_experts(w2))`` made
     outside the step (FP8 primary weights: the GEMMs read them instead of casting w1 / w2)."""
     x = as_array(x, f"{name}: x")
@@ -507,8 +561,9 @@ def moe_experts(
 
     n = _check_mesh(mesh, expert_axis, T, E)
     kind = _pick_dispatch(dispatch, mesh)
-    rows = buffer_rows(kind, T // n, k, E, n, capacity_factor)
-    cfg = dataclasses.replace(cfg, axis=expert_axis, devices=n, dispatch=kind, rows=rows)
+    chunks = _check_chunks(name, ep_chunks, kind, state, T // n)
+    rows = buffer_rows(kind, T // n, k, E, n, capacity_factor, chunks)
+    cfg = dataclasses.replace(cfg, axis=expert_axis, devices=n, dispatch=kind, rows=rows, chunks=chunks)
     body = functools.partial(_body, cfg, route_fn, _ragged if kind == "ragged" else _capacity)
     tok = P(expert_axis)
     st_spec = None if state is None else jax.tree_util.tree_map(_state_spec(expert_axis), state)
