@@ -232,6 +232,32 @@ def _bad_calls(mesh=None):
                 ["dispatch", "dense"],
             ),
             (
+                "ep_chunks zero",
+                lambda: call(x, r, w1, w2, top_k=K, mesh=mesh, expert_axis="ep", ep_chunks=0),
+                ["ep_chunks", "0"],
+            ),
+            (
+                "ep_chunks not dividing the tokens",
+                lambda: call(x, r, w1, w2, top_k=K, mesh=mesh, expert_axis="ep", ep_chunks=3),
+                ["ep_chunks", "3", str(T // N_DEV)],
+            ),
+            (
+                "ep_chunks with DelayedScaling state",
+                lambda: call(
+                    x,
+                    r,
+                    w1,
+                    w2,
+                    top_k=K,
+                    mesh=mesh,
+                    expert_axis="ep",
+                    ep_chunks=2,
+                    recipe=lowbit.DelayedScaling(),
+                    state=(lowbit.init_grouped_delayed_state(lowbit.DelayedScaling(), E),) * 2,
+                ),  # fmt: skip
+                ["ep_chunks", "DelayedScaling"],
+            ),
+            (
                 "ragged on cpu",
                 lambda: call(x, r, w1, w2, top_k=K, mesh=mesh, expert_axis="ep", dispatch="ragged"),
                 ["ragged", "cpu", "capacity"],
@@ -267,6 +293,8 @@ def test_bad_arguments_name_the_argument():
         pytest.param("ragged_emulated", marks=pytest.mark.slow),
         "drops",
         "errors",
+        "chunks",
+        "chunks_audit",
     ),
 )
 def test_expert_parallel_on_host_devices(case):
@@ -290,6 +318,34 @@ def test_block_counts_round_trip(d):
     np.testing.assert_array_equal(np.asarray(ep_dispatch.decode_counts(rows, 3)), counts)
 
 
+_TOY_HLO = """HloModule toy
+%wrapped (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %all-to-all.9 = f32[4]{0} all-to-all(%p), replica_groups={{0,1}}
+}
+
+ENTRY %main (a: f32[4], b: f32[4]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %x = f32[4]{0} all-to-all(%a), replica_groups={{0,1}}
+  %f = f32[4]{0} fusion(%x, %b), kind=kLoop, calls=%fused
+  %y = f32[4]{0} call(%f), to_apply=%wrapped
+  %z = f32[4]{0} all-to-all(%b), replica_groups={{0,1}}, metadata={op_name="%x"}
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%y, %z)
+}
+"""
+
+
+def test_all_to_all_groups_follow_data_through_calls():
+    """The chunk-independence audit: the all-to-all inside ``%wrapped`` counts as its caller
+    ``%y``, which reads ``%x``'s result through a fusion (one group of 2); ``%z`` reads only a
+    parameter (its metadata naming ``%x`` is no operand): a group of its own."""
+    from lowbit.bench.multi_device import all_to_all_groups
+
+    assert all_to_all_groups(_TOY_HLO) == [2, 1]
+    assert all_to_all_groups(_TOY_HLO.replace("all-to-all(%b)", "all-to-all(%f)")) == [3]
+
+
 def _gpus():
     try:
         return jax.devices("cuda")
@@ -300,8 +356,8 @@ def _gpus():
 @pytest.mark.gpu
 def test_ragged_dispatch_on_gpus():
     """The real ragged_all_to_all (GPU only) against one device, BF16 and FP8; 'auto' (capacity);
-    a smaller buffer; the documented drops; the capacity dispatch on the GPU too, and its
-    compiled step's audit (four bf16 all-to-alls, no token scatter)."""
+    a smaller buffer; the documented drops; the capacity dispatch on the GPU too (BF16 also in
+    two ep_chunks), and its compiled step's audit (four bf16 all-to-alls, no token scatter)."""
     gpus = _gpus()
     if len(gpus) < 2:
         pytest.skip(f"needs >= 2 CUDA devices, found {len(gpus)}")
@@ -314,6 +370,7 @@ def test_ragged_dispatch_on_gpus():
         _compare_ep(mesh, "auto", ("bf16",), hlo_op="all-to-all")
         _check_drops(mesh, "ragged", 0.75)
         _compare_ep(mesh, "capacity", ("current",), hlo_op="all-to-all")
+        _compare_ep(mesh, "capacity", ("bf16",), hlo_op="all-to-all", ep_chunks=2)
         _check_audit(mesh)
     print("OK ragged on", n, "GPUs")
 
@@ -329,7 +386,7 @@ def _place(mesh, x, r, w1, w2, dy):
     return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, r, w1, w2, dy), specs)]
 
 
-def _compare_ep(mesh, dispatch, names, hlo_op=None, capacity_factor=None, seed=3):
+def _compare_ep(mesh, dispatch, names, hlo_op=None, capacity_factor=None, seed=3, ep_chunks=1):
     """Expert-parallel outputs and gradients within bf16 rounding of one device's."""
     from lowbit.bench.multi_device import bound_ratio
 
@@ -342,6 +399,7 @@ def _compare_ep(mesh, dispatch, names, hlo_op=None, capacity_factor=None, seed=3
             expert_axis="ep",
             dispatch=dispatch,
             capacity_factor=capacity_factor,
+            ep_chunks=ep_chunks,
         )
         args = _place(mesh, *data)
         got = ep(*args)
@@ -370,16 +428,18 @@ def _emulated_ragged_all_to_all(
     return output.at[dst.reshape(-1)].set(got.reshape(N * M, *operand.shape[1:]), mode="drop")
 
 
-def _dropped(top, n, rows, dispatch):
+def _dropped(top, n, rows, dispatch, chunks=1):
     """kept (T, k) under the documented drop rule: 'capacity': per (source, destination), the
-    source's pairs in (expert, token) order past ``rows``; 'ragged': per destination, its rows
-    in (expert, source, token) order (= (expert, token): sources hold consecutive tokens) past
-    ``rows``."""
+    source's pairs in (expert, token) order past ``rows`` (with ``chunks``: per (chunk, source,
+    destination)); 'ragged': per destination, its rows in (expert, source, token) order (=
+    (expert, token): sources hold consecutive tokens) past ``rows``."""
     Tg, k = top.shape
     flat = np.arange(Tg * k)  # pair (t, j) at t * k + j
     expert = top.reshape(-1)
     dest = expert // (E // n)
-    group = dest * n + flat // k // (Tg // n) if dispatch == "capacity" else dest
+    tok = flat // k
+    chunk = tok % (Tg // n) // (Tg // n // chunks)
+    group = (dest * n + tok // (Tg // n)) * chunks + chunk if dispatch == "capacity" else dest
     order = np.lexsort((flat, expert))
     kept = np.ones(Tg * k, bool)
     for g in np.unique(group):
@@ -387,17 +447,18 @@ def _dropped(top, n, rows, dispatch):
     return kept.reshape(Tg, k)
 
 
-def _check_drops(mesh, dispatch, factor):
+def _check_drops(mesh, dispatch, factor, chunks=1):
     n = mesh.shape["ep"]
     x, r, w1, w2, dy = inputs(4)
     _, top, _ = routing64(x, r, K)
-    rows = moe.buffer_rows(dispatch, T // n, K, E, n, factor)
-    kept = _dropped(top, n, rows, dispatch)
+    rows = moe.buffer_rows(dispatch, T // n, K, E, n, factor, chunks)
+    kept = _dropped(top, n, rows, dispatch, chunks)
     dropped = int((~kept).sum())
     assert dropped > 0, (dispatch, factor, rows)
     ref_y, ref_g = reference(x, r, w1, w2, K, dy, kept)
     full_y, _ = reference(x, r, w1, w2, K, dy)
-    y, g = grad_step(mesh=mesh, expert_axis="ep", dispatch=dispatch, capacity_factor=factor)(
+    kw = {} if chunks == 1 else {"ep_chunks": chunks}
+    y, g = grad_step(mesh=mesh, expert_axis="ep", dispatch=dispatch, capacity_factor=factor, **kw)(
         *_place(mesh, x, r, w1, w2, dy)
     )
     y = np.asarray(y, np.float64)
@@ -409,7 +470,10 @@ def _check_drops(mesh, dispatch, factor):
     assert np.array_equal(off, ~kept.all(axis=1)), (dispatch, off.sum(), (~kept.all(axis=1)).sum())
     for key, got in zip(("x", "router", "w1", "w2"), g):
         assert rel(got, ref_g[key]) < 2e-2, (dispatch, key, rel(got, ref_g[key]))
-    print(f"{dispatch} capacity_factor={factor}: {rows} rows, {dropped} of {T * K} pairs dropped")
+    print(
+        f"{dispatch} capacity_factor={factor} chunks={chunks}: {rows} rows,",
+        f"{dropped} of {T * K} pairs dropped",
+    )
 
 
 def _check_exact(mesh):
@@ -465,6 +529,88 @@ def _check_audit(mesh):
         ), types
 
 
+def _check_chunks(mesh):
+    """ep_chunks c: each device's tokens in c independent chunks. Without drops the step equals
+    the unchunked one: y and dx bit for bit (each row meets the same arithmetic), the router's
+    gradient to 1e-6, the experts' gradients (a sum over the chunks' GEMMs) within bf16
+    rounding of the unchunked ones; all within the float64 bounds, FP8 current scaling (an
+    amax per chunk) too. With drops: the documented rule, per chunk."""
+    from lowbit.bench.multi_device import bound_ratio
+
+    n = mesh.shape["ep"]
+    data = inputs(7)
+    _, top, _ = routing64(data[0], data[1], K)
+    ref_y, ref_g = reference(*data[:4], K, data[4])
+    args = _place(mesh, *data)
+    for cf in (None, 3.0):
+        base = grad_step(mesh=mesh, expert_axis="ep", dispatch="capacity", capacity_factor=cf)(*args)
+        for c in (2, 4):
+            rows = moe.buffer_rows("capacity", T // n, K, E, n, cf, c)
+            assert _dropped(top, n, rows, "capacity", c).all(), (cf, c, rows)  # a no-drop case
+            y, g = grad_step(
+                mesh=mesh, expert_axis="ep", dispatch="capacity", capacity_factor=cf, ep_chunks=c
+            )(*args)
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(base[0]), err_msg=f"{cf} {c} y")
+            np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(base[1][0]), err_msg=f"{cf} {c} dx")
+            assert rel(g[1], np.asarray(base[1][1], np.float64)) < 1e-6, (cf, c)
+            worst, leaf = bound_ratio(base, (y, g), where=True)
+            assert worst <= 1.0, (cf, c, worst, leaf)
+            errs = {key: rel(got, ref_g[key]) for key, got in zip(("x", "router", "w1", "w2"), g)}
+            assert rel(y, ref_y) < BOUNDS["bf16"][0] and max(errs.values()) < BOUNDS["bf16"][1], (cf, c, errs)
+    y, g = grad_step(
+        recipe=RECIPES["current"], mesh=mesh, expert_axis="ep", dispatch="capacity", ep_chunks=2
+    )(*args)
+    errs = {key: rel(got, ref_g[key]) for key, got in zip(("x", "router", "w1", "w2"), g)}
+    assert rel(y, ref_y) < BOUNDS["current"][0] and max(errs.values()) < BOUNDS["current"][1], errs
+    _check_drops(mesh, "capacity", 0.6, chunks=2)
+
+
+def _chained_capacity(cfg, x, weights, experts, *rest):
+    """The chunked capacity path with chunk i + 1's tokens made to wait on chunk i's output
+    (adding zero times one of its rows): what the audit must reject."""
+    Tc, parts = x.shape[0] // cfg.chunks, []
+    for i in range(cfg.chunks):
+        sl = slice(i * Tc, (i + 1) * Tc)
+        xi = x[sl] if not parts else x[sl] + 0 * parts[-1][:1]
+        parts.append(moe._capacity_chunk(cfg, xi, weights[sl], experts[sl], *rest))
+    return jnp.concatenate(parts)
+
+
+def _check_chunks_audit(mesh):
+    """The compiled chunked fwd+bwd step: four bf16 all-to-alls per chunk (dispatch with its
+    count rows and combine, each way) of one chunk's blocks, nothing else gathered or
+    scattered, and the chunks' all-to-alls in independent dependency groups of four (none
+    waits on another chunk's values); the same audit rejects chunks chained to each other."""
+    import re
+
+    from lowbit.bench.multi_device import all_to_all_groups, audit_hlo, check_moe_step
+
+    n, t = mesh.shape["ep"], 256
+    args = _place(mesh, *inputs(8, t=t))
+    m = ep_dispatch.meta_rows(E // n, D)
+    for cf, c in ((None, 2), (1.25, 4)):
+        step = grad_step(mesh=mesh, expert_axis="ep", dispatch="capacity", capacity_factor=cf, ep_chunks=c)
+        low = step.lower(*args)
+        hlo = low.compile().as_text()
+        rows = moe.buffer_rows("capacity", t // n, K, E, n, cf, c)
+        problems = check_moe_step(hlo, t // n, D, E, n, rows, c)
+        assert problems == [], (cf, c, problems)
+        counts = audit_hlo(hlo)["counts"]
+        assert counts["all-to-all"] == 4 * c, counts
+        assert counts["all-gather"] == counts["reduce-scatter"] == counts["collective-permute"] == 0, counts
+        assert all_to_all_groups(hlo) == [4] * c
+        types = re.findall(r"stablehlo.all_to_all.*?-> (tensor<[^>]*>)", low.as_text())
+        assert sorted(types) == sorted(
+            [f"tensor<{n}x{rows + m}x{D}xbf16>", f"tensor<{n * rows}x{D}xbf16>"] * 2 * c
+        ), types
+    moe._capacity = _chained_capacity
+    step = grad_step(mesh=mesh, expert_axis="ep", dispatch="capacity", ep_chunks=2)
+    hlo = step.lower(*args).compile().as_text()
+    rows = moe.buffer_rows("capacity", t // n, K, E, n, None, 2)
+    assert all_to_all_groups(hlo) == [8], all_to_all_groups(hlo)
+    assert any("dependent" in p for p in check_moe_step(hlo, t // n, D, E, n, rows, 2))
+
+
 def _worker(case: str) -> None:
     assert len(jax.devices()) == N_DEV, jax.devices()
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
@@ -498,6 +644,10 @@ def _worker(case: str) -> None:
         _check_drops(mesh, "ragged", 0.75)
     elif case == "drops":
         _check_drops(mesh, "capacity", 0.6)
+    elif case == "chunks":
+        _check_chunks(mesh)
+    elif case == "chunks_audit":
+        _check_chunks_audit(mesh)
     elif case == "errors":
         _check_errors(_bad_calls(mesh))
     else:
