@@ -19,7 +19,9 @@ default ``benchmarks/results/<device>/``):
   expert's owner by the capacity all_to_all (``dispatch="auto"``; one collective each way, the
   per-expert counts inside the blocks) or ragged_all_to_all (GPU), the grouped GEMMs of each
   device's experts, the results sent back; BF16 and FP8 with the smallest capacity factor that
-  drops nothing for these tokens, 1.25, exact (worst-case) blocks, and the first version
+  drops nothing for these tokens, 1.25, exact (worst-case) blocks, BF16 in 1, 2 and 4
+  independent token chunks per device (``ep_chunks``: one chunk's all-to-alls can overlap
+  another's GEMMs; FP8 in 2), and the first version
   (:func:`moe_allgather`: every token gathered, outputs reduce-scattered) for comparison. The
   one-device row is the dropless MoE (tokens sorted by expert, no padding): the same function
   as every EP row whose ``dropped`` is 0. :func:`check_moe_step` audits the capacity rows.
