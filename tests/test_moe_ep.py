@@ -657,3 +657,17 @@ def _worker(case: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+def test_audit_accepts_the_router_gradient_flattened_with_scalars():
+    """On GPUs XLA combined the router gradient (1024 x 8) and the loss into one f32[8193]
+    all-reduce (4 x H200, session 10); that is not an expert gradient or a token batch. A
+    larger all-reduce still fails the audit."""
+    from lowbit.bench.multi_device import check_moe_step
+
+    def allreduce_problems(n):
+        line = f"  %ar = (f32[{n}]{{0}}, f32[{n}]{{0}}) all-reduce-start(f32[{n}]{{0}} %p), replica_groups={{}}"
+        return [p for p in check_moe_step(line, 2048, 1024, 8, 4, 1127) if "all-reduce" in p]
+
+    assert allreduce_problems(1024 * 8 + 1) == []
+    assert allreduce_problems(1024 * 16) != []

@@ -1081,7 +1081,9 @@ def check_moe_step(
         if k:
             problems.append(f"{k} unexpected {op}(s)")
     for c in colls:
-        if c["op"] == "all-reduce" and max(c["elements"], default=0) > d * experts:
+        # XLA's GPU combiner may flatten the router gradient and the loss scalars into one buffer
+        # (f32[8193] at d 1024, 8 experts): a few scalars over d x experts still pass.
+        if c["op"] == "all-reduce" and max(c["elements"], default=0) > d * experts + 16:
             problems.append(f"all-reduce of {c['results']} (only the router gradient {d}x{experts} expected)")
     for dt, dims in _SCATTER.findall(hlo_text):
         if _prod(int(v) for v in dims.split(",") if v) >= tokens_local * d:
