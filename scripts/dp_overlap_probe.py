@@ -25,7 +25,9 @@ def overlap(hlo_text: str) -> dict:
     starts = {}
     out = []
     for i, ln in enumerate(lines):
-        m = re.match(r"(?:ROOT )?(%?[\w.\-]+) = .*? (all-reduce|all-gather|reduce-scatter|all-to-all)-start\(", ln)
+        m = re.match(
+            r"(?:ROOT )?(%?[\w.\-]+) = .*? (all-reduce|all-gather|reduce-scatter|all-to-all)-start\(", ln
+        )
         if m:
             starts[m.group(1).lstrip("%")] = (i, m.group(2), ln)
             continue
@@ -76,7 +78,9 @@ def main() -> int:
     cfg = dict(FULL, batch=args.per_device * n)
     if args.small:
         cfg = dict(SMALL, batch=n, seq=32, hidden=128, ffn=256, heads=4)
-    rec = {"delayed": lowbit.DelayedScaling(), "current": lowbit.Float8CurrentScaling(), "none": None}[args.recipe]
+    rec = {"delayed": lowbit.DelayedScaling(), "current": lowbit.Float8CurrentScaling(), "none": None}[
+        args.recipe
+    ]
     model, kw, _ = md._lowbit_models(cfg)["TransformerLayer"]
     shape = (cfg["batch"], cfg["seq"], cfg["hidden"])
     rng = np.random.default_rng(1)

@@ -666,7 +666,9 @@ def test_audit_accepts_the_router_gradient_flattened_with_scalars():
     from lowbit.bench.multi_device import check_moe_step
 
     def allreduce_problems(n):
-        line = f"  %ar = (f32[{n}]{{0}}, f32[{n}]{{0}}) all-reduce-start(f32[{n}]{{0}} %p), replica_groups={{}}"
+        line = (
+            f"  %ar = (f32[{n}]{{0}}, f32[{n}]{{0}}) all-reduce-start(f32[{n}]{{0}} %p), replica_groups={{}}"
+        )
         return [p for p in check_moe_step(line, 2048, 1024, 8, 4, 1127) if "all-reduce" in p]
 
     assert allreduce_problems(1024 * 8 + 1) == []

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "check_common.h"
 #include "lowbit/activation.h"
 #include "lowbit/block_scaling.h"
 #include "lowbit/formats.h"
@@ -25,22 +26,6 @@
 using namespace lowbit;
 
 namespace {
-
-int g_fail = 0, g_pass = 0;
-
-#define CUDA_OK(x)                                                                         \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(2);                                                                        \
-    }                                                                                      \
-  } while (0)
-
-void report(bool ok, const std::string& what, const std::string& detail = "") {
-  ok ? ++g_pass : ++g_fail;
-  if (!ok) std::printf("FAIL %s %s\n", what.c_str(), detail.c_str());
-}
 
 void status_ok(const Status& s, const std::string& what) {
   if (!s.ok()) report(false, what, "status: " + s.message);
@@ -383,6 +368,5 @@ int main(int argc, char** argv) {
           check_act(rng, dt, R, H, a, gated, odd && dt == DType::kBF16 ? b2 : b1,
                     odd ? DType::kE5M2 : DType::kE4M3, !odd);
         }
-  std::printf("%s: %d passed, %d failed\n", g_fail ? "FAIL" : "PASS", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return summary();
 }

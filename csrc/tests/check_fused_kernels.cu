@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "check_common.h"
 #include "lowbit/activation.h"
 #include "lowbit/formats.h"
 #include "lowbit/norm.h"
@@ -31,26 +32,6 @@
 using namespace lowbit;
 
 namespace {
-
-int g_fail = 0, g_pass = 0;
-
-#define CUDA_OK(x)                                                                         \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(2);                                                                        \
-    }                                                                                      \
-  } while (0)
-
-void report(bool ok, const std::string& what, const std::string& detail = "") {
-  if (ok) {
-    ++g_pass;
-  } else {
-    ++g_fail;
-    std::printf("FAIL %s %s\n", what.c_str(), detail.c_str());
-  }
-}
 
 void status_ok(const Status& s, const std::string& what) {
   if (!s.ok()) report(false, what, "status: " + s.message);
@@ -795,6 +776,5 @@ int main(int argc, char** argv) {
       if (s.sq == s.sk) check_softmax(rng, dt, s.b, s.h, s.sq, s.sk, SoftmaxType::kCausal, 0);
     }
 
-  std::printf("%s: %d passed, %d failed\n", g_fail ? "FAIL" : "PASS", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return summary();
 }

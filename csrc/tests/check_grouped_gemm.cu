@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "check_common.h"
 #include "lowbit/formats.h"
 #include "lowbit/gemm.h"
 #include "lowbit/grouped_gemm.h"
@@ -34,16 +35,6 @@
 using namespace lowbit;
 
 namespace {
-
-#define CK(call)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::printf("FAIL CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, \
-                  #call);                                                                          \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
 
 int g_failures = 0, g_cases = 0;
 

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "../kernels/cuda/cast_kernels.cuh"
+#include "check_common.h"
 #include "lowbit/block_scaling.h"
 #include "lowbit/formats.h"
 #include "lowbit/quantize.h"
@@ -38,16 +39,6 @@
 using namespace lowbit;
 
 namespace {
-
-#define CK(call)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::printf("FAIL CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, \
-                  #call);                                                                          \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
 
 int g_failures = 0, g_cases = 0;
 bool g_verbose = false;
