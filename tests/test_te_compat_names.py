@@ -268,3 +268,16 @@ def test_score_mod_is_refused_naming_the_field(field):
     layer = te_flax.TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=2, **{field: fn})
     with pytest.raises(NotImplementedError, match=field):
         layer.init(jax.random.PRNGKey(0), jnp.ones((1, 4, 16)), deterministic=True)
+
+
+def test_get_xla_flag(monkeypatch):
+    from lowbit.te.cpp_extensions.misc import get_xla_flag
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_a --xla_b=3 --xla_c=x")
+    assert get_xla_flag("--xla_a") is True and get_xla_flag("--xla_b", cast=int) == 3
+    assert get_xla_flag("--xla_c") == "x" and get_xla_flag("--xla_c", cast=None) == "x"
+    assert get_xla_flag("--xla_d", default=5) == 5 and get_xla_flag("--xla") is None
+    with pytest.raises(ValueError):
+        get_xla_flag("--xla_c", cast=int)
+    monkeypatch.delenv("XLA_FLAGS")
+    assert get_xla_flag("--xla_a") is None

@@ -3,7 +3,7 @@ collective-GEMM sets and the softmax helpers. TE's primitive classes and per-ker
 (``quantize``, ``normalization_fwd`` ...) are internals lowbit does not mirror: use
 ``lowbit.dense``, ``lowbit.quantize``, ``lowbit.layernorm`` (docs/te_compat.md)."""
 
-from lowbit.te.cpp_extensions import attention, softmax
+from lowbit.te.cpp_extensions import attention, misc, softmax
 from lowbit.te.cpp_extensions.gemm import (
     CollectiveOp,
     CollectiveOpSet,
@@ -20,6 +20,7 @@ from lowbit.te.cpp_extensions.softmax import (
 
 __all__ = [
     "attention",
+    "misc",
     "gemm",
     "softmax",
     "CollectiveOp",
