@@ -73,6 +73,17 @@ def scale_shape(scaling_mode, data_shape, is_colwise: bool, is_padded: bool, fla
     return (*_split_shape(data_shape[:axis], n_x, bx, what), *_split_shape(data_shape[axis:], n_y, by, what))
 
 
+def _layouts(fn: str, scale_inv, scaling_mode, data_shape, is_colwise, flatten_axis, to_padded: bool):
+    """(source shape, target shape) of a conversion, or None when ``scale_inv`` needs none."""
+    target = scale_shape(scaling_mode, data_shape, is_colwise, to_padded, flatten_axis)
+    if ScalingMode(int(scaling_mode)) == ScalingMode.NO_SCALING or scale_inv.shape == target:
+        return None
+    source = scale_shape(scaling_mode, data_shape, is_colwise, not to_padded, flatten_axis)
+    if scale_inv.shape != source:
+        raise ValueError(f"{fn}: scale_inv must have shape {source} or {target}, got {scale_inv.shape}")
+    return source, target
+
+
 def remove_padding_from_scale_inv(
     scale_inv: jax.Array,
     scaling_mode: ScalingMode,
@@ -81,15 +92,11 @@ def remove_padding_from_scale_inv(
     flatten_axis: int = -1,
 ) -> jax.Array:
     """``scale_inv`` in TE's padded layout without its padding (as it is when already unpadded)."""
-    unpadded = scale_shape(scaling_mode, data_shape, is_colwise, False, flatten_axis)
-    if ScalingMode(int(scaling_mode)) == ScalingMode.NO_SCALING or scale_inv.shape == unpadded:
+    shapes = _layouts("remove_padding_from_scale_inv", scale_inv, scaling_mode, data_shape, is_colwise,
+                      flatten_axis, to_padded=False)  # fmt: skip
+    if shapes is None:
         return scale_inv
-    padded = scale_shape(scaling_mode, data_shape, is_colwise, True, flatten_axis)
-    if scale_inv.shape != padded:
-        raise ValueError(
-            f"remove_padding_from_scale_inv: scale_inv must have shape {padded} (padded) or "
-            f"{unpadded}, got {scale_inv.shape}"
-        )
+    padded, unpadded = shapes
     axis = flatten_axis % len(data_shape)
     two_d = lambda s: (math.prod(s[:axis]), math.prod(s[axis:]))  # noqa: E731
     (pr, pc), (ur, uc) = two_d(padded), two_d(unpadded)
@@ -106,14 +113,10 @@ def apply_padding_to_scale_inv(
     flatten_axis: int = -1,
 ) -> jax.Array:
     """``scale_inv`` padded to TE's layout with 2**-127 (the smallest E8M0 scale), as TE pads."""
-    padded = scale_shape(scaling_mode, data_shape, is_colwise, True, flatten_axis)
-    if ScalingMode(int(scaling_mode)) == ScalingMode.NO_SCALING or scale_inv.shape == padded:
+    shapes = _layouts("apply_padding_to_scale_inv", scale_inv, scaling_mode, data_shape, is_colwise,
+                      flatten_axis, to_padded=True)  # fmt: skip
+    if shapes is None:
         return scale_inv
-    unpadded = scale_shape(scaling_mode, data_shape, is_colwise, False, flatten_axis)
-    if scale_inv.shape != unpadded:
-        raise ValueError(
-            f"apply_padding_to_scale_inv: scale_inv must have shape {unpadded} (unpadded) or "
-            f"{padded}, got {scale_inv.shape}"
-        )
+    unpadded, padded = shapes
     widths = tuple((0, p - u) for p, u in zip(padded, unpadded))
     return jnp.pad(scale_inv, widths, constant_values=jnp.asarray(2.0**-127, scale_inv.dtype))
