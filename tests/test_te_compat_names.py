@@ -281,3 +281,10 @@ def test_get_xla_flag(monkeypatch):
         get_xla_flag("--xla_c", cast=int)
     monkeypatch.delenv("XLA_FLAGS")
     assert get_xla_flag("--xla_a") is None
+
+
+def test_nvfp4_quantizers_say_where_lowbit_applies_the_hadamard_transform():
+    qs = QuantizerFactory.create_set(fp8_recipe=R.NVFP4BlockScaling())
+    assert (qs.x.use_rht, qs.kernel.use_rht, qs.dgrad.use_rht) == (True, False, True)
+    off = QuantizerFactory.create_set(fp8_recipe=R.NVFP4BlockScaling(disable_rht=True))
+    assert not any(q.use_rht for q in (off.x, off.kernel, off.dgrad))

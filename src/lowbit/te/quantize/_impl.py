@@ -83,6 +83,8 @@ class Quantizer:
     )
     #: layouts of the rowwise and the colwise copy: lowbit stores every colwise copy transposed
     data_layout: str = dataclasses.field(default="NT", metadata=dict(static=True))
+    #: NVFP4: the random Hadamard transform on the colwise copy (lowbit: x and dgrad, for wgrad)
+    use_rht: bool = dataclasses.field(default=False, metadata=dict(static=True))
     #: the name ``dense`` gives the quantized tensors it keeps for the backward (remat policies)
     checkpoint_name: Optional[str] = dataclasses.field(default=None, metadata=dict(static=True))
 
@@ -199,6 +201,7 @@ def quantizer_set_for_recipe(
             scale=scale,
             amax_history=hist,
             checkpoint_name=checkpoint_name,
+            use_rht=isinstance(recipe, NVFP4BlockScaling) and not recipe.disable_rht and role != "kernel",
             **delayed,
         )
     return QuantizerSet(**parts, recipe=recipe)
