@@ -667,7 +667,7 @@ def _fields(cls):
 
 def test_field_order_and_defaults_match_te():
     dpa = _fields(DotProductAttention)
-    assert dpa[:20] == [
+    assert dpa[:23] == [
         ("head_dim", dataclasses.MISSING),
         ("num_attention_heads", dataclasses.MISSING),
         ("num_gqa_groups", None),
@@ -687,6 +687,9 @@ def test_field_order_and_defaults_match_te():
         ("context_parallel_strategy", "DEFAULT"),
         ("context_checkpoint_name", "context"),
         ("softmax_type", "vanilla"),
+        ("score_mod", None),
+        ("score_mod_bprop", None),
+        ("return_max_logit", False),
         ("implementation", None),  # lowbit's, after TE's fields
     ]
     mha = _fields(MultiHeadAttention)
@@ -722,6 +725,8 @@ def test_field_order_and_defaults_match_te():
         "float32_logits",
         "window_size",
         "softmax_type",
+        "score_mod",
+        "score_mod_bprop",
         "num_heads",
         "dropout_rate",
         "output_layernorm",

@@ -80,6 +80,8 @@ TE_TRANSFORMER_LAYER = [
     ("scaled_query_init", True),
     ("window_size", None),
     ("softmax_type", "vanilla"),
+    ("score_mod", None),
+    ("score_mod_bprop", None),
 ]
 
 TE_LAYERNORM_MLP = [

@@ -45,18 +45,16 @@ def _patch_quantize_helper():
 
 
 def _misc():
-    return _mod(
-        "transformer_engine.jax.cpp_extensions.misc",
-        get_cudnn_version=lambda: (0, 0, 0),
-        get_min_device_compute_capability=lambda: 0,
-        get_all_device_compute_capability=lambda: [0],
-        get_xla_flag=lambda flag, default=None, cast=str: default,
-    )
+    # TE's device queries its harness imports, added to lowbit's module (get_xla_flag is lowbit's).
+    import lowbit.te.cpp_extensions.misc as misc
+
+    misc.get_cudnn_version = lambda: (0, 0, 0)
+    misc.get_min_device_compute_capability = lambda: 0
+    misc.get_all_device_compute_capability = lambda: [0]
 
 
 _MODULES = {
     "transformer_engine.jax.version_utils": _version_utils,
-    "transformer_engine.jax.cpp_extensions.misc": _misc,
 }
 
 
@@ -72,3 +70,4 @@ def install():
     for name, make in _MODULES.items():
         sys.modules.setdefault(name, make())
     _patch_quantize_helper()
+    _misc()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -42,14 +42,20 @@ from lowbit.flax.attention_masks import (
     combine_masks,
     enum_name,
 )
-from lowbit.flax.attention_paths import attention_reference, cudnn_attention_dropout, per_shard_attention
+from lowbit.flax.attention_paths import (
+    attention_reference,
+    check_score_mod,
+    cudnn_attention_dropout,
+    max_logit,
+    per_shard_attention,
+)
 
 # The path predicates under their private names here: DotProductAttention looks them up in this
 # module at call time, so patching lowbit.flax.attention._default_is_gpu (tests do) takes effect.
 from lowbit.flax.attention_paths import cudnn_dropout_allowed as _cudnn_dropout_allowed
 from lowbit.flax.attention_paths import default_is_gpu as _default_is_gpu
 from lowbit.flax.attention_paths import traced_in_loop as _traced_in_loop
-from lowbit.flax.attention_projections import out_projection, qkv_projections
+from lowbit.flax.attention_projections import lora_scope, out_projection, qkv_projections
 from lowbit.flax.compat import batch_first_default
 from lowbit.flax.params import Initializer, check_norm_type
 from lowbit.flax.positions import canonical_group_method, check_rotary_windows, rotary_pos_emb
@@ -65,28 +71,6 @@ from lowbit.ops.attention import attention as core_attention
 from lowbit.sharding import HEAD_AXES, constrain_sequence
 
 _CP_STRATEGIES = ("DEFAULT", "ALL_GATHER", "ALLGATHER", "RING")
-_LORA_SCOPES = (
-    "none",
-    "all",
-    "qkv_proj",
-    "output_proj",
-    "mlp",
-    "exclude_qkv_proj",
-    "exclude_output_proj",
-    "exclude_mlp",
-)
-
-
-def lora_scope(scope) -> Tuple[bool, bool, bool]:
-    """``(qkv_proj, output_proj, mlp)`` of TransformerEngine's ``low_rank_adaptation_scope``."""
-    s = "none" if scope is None else scope
-    s = s.lower() if isinstance(s, str) else s
-    if s not in _LORA_SCOPES:
-        raise ValueError(f"low_rank_adaptation_scope must be one of {list(_LORA_SCOPES)}, got {scope!r}")
-    qkv = s in ("all", "qkv_proj", "exclude_output_proj", "exclude_mlp")
-    out = s in ("all", "output_proj", "exclude_qkv_proj", "exclude_mlp")
-    mlp = s in ("all", "mlp", "exclude_qkv_proj", "exclude_output_proj")
-    return qkv, out, mlp
 
 
 class DotProductAttention(nn.Module):
@@ -123,6 +107,10 @@ class DotProductAttention(nn.Module):
     #: attention sinks: "vanilla", "off_by_one" (a zero logit more in the denominator) or
     #: "learnable" (a logit per head, parameter ``softmax_offset (1, heads, 1, 1)``).
     softmax_type: str = "vanilla"
+    score_mod: Optional[Callable] = None  # TE's cuDNN-frontend callbacks: refused unless None
+    score_mod_bprop: Optional[Callable] = None
+    #: return ``(out, max_logit)``, ``max_logit (heads,)`` the per-head maximum logit (as TE)
+    return_max_logit: bool = False
     #: lowbit: None = cuDNN on a GPU where it applies, else XLA; or force "cudnn" / "xla" (or a
     #: name registered with lowbit.ops.attention.register_implementation).
     implementation: Optional[str] = None
@@ -148,6 +136,7 @@ class DotProductAttention(nn.Module):
                 raise ValueError("sequence_descriptor and mask cannot be provided at the same time")
             sequence_descriptor = mask
         self._check_unsupported()
+        check_score_mod(self)
         mask_type = enum_name(self.attn_mask_type, "attn_mask_type", MASK_TYPES)
         btype = bias_type(self.attn_bias_type, bias)
         layout = enum_name(self.qkv_layout, "qkv_layout", QKV_LAYOUTS + THD_LAYOUTS)
@@ -194,6 +183,11 @@ class DotProductAttention(nn.Module):
         if self._use_core(
             query, key, value, sequence_descriptor, btype, mask_type, layout, window, softmax, drop
         ):
+            if self.return_max_logit:  # lowbit.ops.attention returns no logit statistics
+                raise NotImplementedError(
+                    "DotProductAttention(return_max_logit=True) with packing, THD, sinks, context "
+                    "parallelism or implementation= is not supported by lowbit"
+                )
             args = (sequence_descriptor, bias, btype, mask_type, layout, window, softmax, drop)
             out = checkpoint_name(self._core(query, key, value, *args), self.context_checkpoint_name)
             return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
@@ -241,7 +235,10 @@ class DotProductAttention(nn.Module):
                 local = (window[0], 0)
             out = self._fast(query, key, value, masked, bias, btype, scale, plain_causal, local)
         out = checkpoint_name(out, self.context_checkpoint_name)
-        return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
+        out = jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
+        if self.return_max_logit:
+            return out, max_logit(query, key, masked, bias, btype, scale).astype(out.dtype)
+        return out
 
     def _use_core(self, query, key, value, desc, btype, mask_type, layout, window, softmax, rate) -> bool:
         if isinstance(desc, SequenceDescriptor) or softmax != "vanilla" or layout in THD_LAYOUTS:
@@ -420,6 +417,8 @@ class MultiHeadAttention(nn.Module):
     float32_logits: bool = False
     window_size: Optional[Tuple[int, int]] = None
     softmax_type: str = "vanilla"  # attention sinks: DotProductAttention.softmax_type
+    score_mod: Optional[Callable] = None  # refused unless None, as DotProductAttention's
+    score_mod_bprop: Optional[Callable] = None
     # Deprecated in TransformerEngine (same handling here)
     num_heads: Optional[int] = None
     dropout_rate: Optional[float] = None
@@ -535,6 +534,8 @@ class MultiHeadAttention(nn.Module):
             transpose_batch_sequence=tbs,
             window_size=window,
             softmax_type=self.softmax_type,
+            score_mod=self.score_mod,
+            score_mod_bprop=self.score_mod_bprop,
         )(q, k, v, mask, bias, deterministic=deterministic)
         x = x.reshape(x.shape[:2] + (h * d,))
         out = out_projection(self, x, inputs_q.shape[-1], lora_out)

@@ -143,3 +143,31 @@ __all__ = [
     "default_is_gpu",
     "traced_in_loop",
 ]
+
+
+def check_score_mod(module) -> None:
+    """TE's ``score_mod`` / ``score_mod_bprop`` are cuDNN-frontend graph callbacks (its flex
+    attention): lowbit has no such kernel, so a callback set is refused by name."""
+    for field in ("score_mod", "score_mod_bprop"):
+        if getattr(module, field) is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__}({field}={getattr(module, field)!r}): TransformerEngine's "
+                "cuDNN-frontend score-modification callbacks are not supported by lowbit; leave it None"
+            )
+
+
+def max_logit(q, k, masked, bias, bias_type, scale):
+    """TE's ``return_max_logit``: per head, the largest logit the softmax sees (scaled, with the
+    bias, over batch, queries and the keys not masked out), shape ``(h,)``; computed in float32
+    at full precision, with no gradient (TE's has none). ``-inf`` for a head with every key masked."""
+    q, k = (jax.lax.stop_gradient(t).astype(jnp.float32) for t in (q, k))
+    k = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)  # GQA: head i reads group i // (h / g)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        b = jax.lax.stop_gradient(bias_per_batch(bias, q.shape[0])).astype(jnp.float32)
+        s = (s + b) * scale if bias_type == "pre_scale_bias" else s * scale + b
+    else:
+        s = s * scale
+    if masked is not None:
+        s = jnp.where(masked, -jnp.inf, s)
+    return jnp.max(s, axis=(0, 2, 3))

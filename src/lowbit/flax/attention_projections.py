@@ -6,6 +6,8 @@ over tp). Called inside MultiHeadAttention's compact ``__call__``: the submodule
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,29 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.flax.dense_general import DenseGeneral, LayerNormDenseGeneral
 from lowbit.sharding import W_FSDP_AXES, W_JOINED_AXES, W_NO_SHARD_AXES, W_TP_AXES
+
+_LORA_SCOPES = (
+    "none",
+    "all",
+    "qkv_proj",
+    "output_proj",
+    "mlp",
+    "exclude_qkv_proj",
+    "exclude_output_proj",
+    "exclude_mlp",
+)
+
+
+def lora_scope(scope) -> Tuple[bool, bool, bool]:
+    """``(qkv_proj, output_proj, mlp)`` of TransformerEngine's ``low_rank_adaptation_scope``."""
+    s = "none" if scope is None else scope
+    s = s.lower() if isinstance(s, str) else s
+    if s not in _LORA_SCOPES:
+        raise ValueError(f"low_rank_adaptation_scope must be one of {list(_LORA_SCOPES)}, got {scope!r}")
+    qkv = s in ("all", "qkv_proj", "exclude_output_proj", "exclude_mlp")
+    out = s in ("all", "output_proj", "exclude_qkv_proj", "exclude_mlp")
+    mlp = s in ("all", "mlp", "exclude_qkv_proj", "exclude_output_proj")
+    return qkv, out, mlp
 
 
 def _kernel_init(m):

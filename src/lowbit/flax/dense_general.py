@@ -8,6 +8,7 @@ MeshResource) and ``split_features`` (the slots of a (n, F) output as a tuple).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
@@ -27,9 +28,22 @@ from lowbit.flax.params import (
 )
 from lowbit.flax.state_module import QuantizeContext, wrap_function_in_state_module
 from lowbit.ops.dense import dense as _dense
+from lowbit.ops.dense import quantized_checkpoint_name
 from lowbit.ops.fused.dense_norm import NormInput
 from lowbit.ops.fused.dense_split import split_dense as _split_dense
 from lowbit.sharding import check_tp_layout
+
+
+def names_quantized_residuals(method):
+    """A module method run under ``quantized_checkpoint_name(self.quantization_checkpoint_name)``:
+    its GEMMs' quantized residuals carry that name for remat policies (TransformerEngine's field)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with quantized_checkpoint_name(self.quantization_checkpoint_name):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _dense_op(ctx: QuantizeContext, x, kernel, bias, contracting_dims, tp_layout=None, tp_overlap=False):
@@ -159,6 +173,7 @@ class DenseGeneral(nn.Module):
     split_features: bool = False
 
     @nn.compact
+    @names_quantized_residuals
     def __call__(self, inputs: jax.Array) -> jax.Array:
         inputs = constrain_logical(inputs, self.input_axes)
         return _dense_general(self, inputs, self.features, self.axis, "DenseGeneral")
@@ -193,12 +208,13 @@ class LayerNormDenseGeneral(nn.Module):
     #: The output divided by it (None: not scaled), as in TransformerEngine.
     depth_scaling: Optional[float] = None
     transpose_batch_sequence: bool = False  # per token: changes nothing
-    quantization_checkpoint_name: Optional[str] = None  # ignored, as DenseGeneral's
+    quantization_checkpoint_name: Optional[str] = None  # as DenseGeneral's
     tp_layout: Optional[str] = None  # lowbit's, as DenseGeneral's
     tp_overlap: bool = False  # lowbit's, as DenseGeneral's
     split_features: bool = False  # lowbit's, as DenseGeneral's
 
     @nn.compact
+    @names_quantized_residuals
     def __call__(self, inputs: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
         owner = "LayerNormDenseGeneral"
         inputs = constrain_logical(inputs, self.layernorm_input_axes)

@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.autocast import get_recipe
 from lowbit.flax.compat import constrain_logical
-from lowbit.flax.dense_general import DenseContext, DenseOp
+from lowbit.flax.dense_general import DenseContext, DenseOp, names_quantized_residuals
 from lowbit.flax.params import (
     Initializer,
     apply_norm,
@@ -224,10 +224,11 @@ class LayerNormMLP(nn.Module):
     ffn1_ckpt_name: str = "ffn1"
     ffn2_ckpt_name: str = "ffn2"
     transpose_batch_sequence: bool = False
-    #: TE names the quantized GEMM inputs for remat with it; lowbit names its GEMMs itself (ignored).
+    #: names the GEMMs' quantized residuals for remat policies (jax checkpoint_name), as TE.
     quantization_checkpoint_name: Optional[str] = None
 
     @nn.compact
+    @names_quantized_residuals
     def __call__(
         self, inputs: jax.Array, deterministic: bool = False
     ) -> tuple[jax.Array, Optional[jax.Array]]:

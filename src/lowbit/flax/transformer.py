@@ -20,7 +20,7 @@ lists every field.
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -124,6 +124,8 @@ class TransformerLayer(nn.Module):
     scaled_query_init: bool = True
     window_size: Optional[Tuple[int, int]] = None
     softmax_type: str = "vanilla"  # attention sinks: DotProductAttention.softmax_type
+    score_mod: Optional[Callable] = None  # refused unless None, as DotProductAttention's
+    score_mod_bprop: Optional[Callable] = None
 
     @nn.compact
     def __call__(
@@ -240,6 +242,8 @@ class TransformerLayer(nn.Module):
                 bias_init=self.bias_init,
                 window_size=self.window_size,
                 softmax_type=self.softmax_type,
+                score_mod=self.score_mod,
+                score_mod_bprop=self.score_mod_bprop,
                 name=name,
             )
 

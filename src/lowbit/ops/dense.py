@@ -13,6 +13,8 @@ expects), so a training step that overwrites the state with its "gradient" keeps
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
@@ -21,6 +23,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import delayed_scaling as ds
@@ -52,6 +55,8 @@ class _Config:
     # (TransformerEngine's NVTE_JAX_FP8_2X_ACC_DGRAD / _WGRAD = 0; split by default, as in TE).
     fast_accum_dgrad: bool = False
     fast_accum_wgrad: bool = False
+    # The name of the quantized residuals (quantized_checkpoint_name), None: unnamed.
+    checkpoint_name: Optional[str] = None
 
     @property
     def delayed(self) -> bool:
@@ -86,6 +91,25 @@ def split_accumulation(gemm: str) -> bool:
     return v == "1"
 
 
+_QUANTIZED_NAME = contextvars.ContextVar("lowbit_quantized_checkpoint_name", default=None)
+
+
+@contextlib.contextmanager
+def quantized_checkpoint_name(name: Optional[str]):
+    """Within this context, the quantized copies that ``dense`` (and the fused MLP and split
+    projections) keep for their backward are named ``name`` with
+    ``jax.ad_checkpoint.checkpoint_name``, so a remat policy such as ``save_only_these_names``
+    can keep them (TransformerEngine's ``quantization_checkpoint_name``). Read when an op is
+    traced; None: unnamed. Sharded dense does not name its residuals."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"quantized_checkpoint_name: name must be a str or None, got {name!r}")
+    token = _QUANTIZED_NAME.set(name)
+    try:
+        yield
+    finally:
+        _QUANTIZED_NAME.reset(token)
+
+
 def make_config(recipe, out_dtype, x_dtype, kernel, bias, fast_accum: bool) -> _Config:
     """The dense configuration; the accumulation of each FP8 GEMM as TE's environment says
     (``fast_accum=False`` keeps split accumulation in the forward GEMM whatever it says)."""
@@ -98,6 +122,7 @@ def make_config(recipe, out_dtype, x_dtype, kernel, bias, fast_accum: bool) -> _
         fast_accum=bool(fast_accum) and not split_accumulation("FPROP"),
         fast_accum_dgrad=not split_accumulation("DGRAD"),
         fast_accum_wgrad=not split_accumulation("WGRAD"),
+        checkpoint_name=_QUANTIZED_NAME.get(),
     )
 
 
@@ -160,12 +185,14 @@ def forward_quantized(cfg: _Config, qx, kernel, bias, state, parts: int = 1):
     return y.astype(cfg.out_dtype), qk
 
 
-def backward_residuals(qx, qk):
-    """The copies the backward reads: x's colwise (wgrad), the kernel's rowwise (dgrad)."""
-    return (
+def backward_residuals(qx, qk, name: Optional[str] = None):
+    """The copies the backward reads: x's colwise (wgrad), the kernel's rowwise (dgrad); each
+    leaf named ``name`` for remat policies when given."""
+    res = (
         dataclasses.replace(qx, data=None, scale_inv=None),
         dataclasses.replace(qk, colwise_data=None, colwise_scale_inv=None),
     )
+    return res if name is None else checkpoint_name(res, name)
 
 
 def quantize_grad(cfg: _Config, dy, state, rng):
@@ -225,7 +252,7 @@ def _dense_2d(cfg: _Config, x, kernel, bias, state, rng):
 def _dense_2d_fwd(cfg: _Config, x, kernel, bias, state, rng):
     qx = quantize_input(cfg, x, state)
     y, qk = forward_quantized(cfg, qx, kernel, bias, state)
-    return y, (*backward_residuals(qx, qk), state, rng)
+    return y, (*backward_residuals(qx, qk, cfg.checkpoint_name), state, rng)
 
 
 def _dense_2d_bwd(cfg: _Config, res, dy):

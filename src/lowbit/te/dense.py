@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import lowbit
+from lowbit.ops.dense import quantized_checkpoint_name
 from lowbit.te._common import constrain, refuse
 from lowbit.te.cpp_extensions.gemm import is_noop_collective, noop_collective_op_set
 from lowbit.te.grouped_dense import grouped_dense  # noqa: F401 (TE's name)
@@ -60,5 +61,8 @@ def dense(
             y = y + bias.astype(y.dtype).reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
     else:
         rng = getattr(quantizer_set.dgrad, "rng", None)
-        y = lowbit.dense(x, kernel, bias, recipe=recipe, contracting_dims=(lhs, rhs), state=state, rng=rng)
+        with quantized_checkpoint_name(quantizer_set.x.checkpoint_name):  # TE names the quantized x, kernel
+            y = lowbit.dense(
+                x, kernel, bias, recipe=recipe, contracting_dims=(lhs, rhs), state=state, rng=rng
+            )
     return constrain(y, output_axes)

@@ -9,6 +9,7 @@ from typing import Callable, Optional, Tuple
 
 import flax.linen as nn
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from lowbit.sharding import (
@@ -96,6 +97,19 @@ def get_mesh_axis_rank(axis: str, mesh=None):
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not an axis of {mesh.shape}")
     return jax.lax.axis_index(axis)
+
+
+def get_mesh_axis_rank_host(axis, mesh) -> int:
+    """This process's index along ``axis`` of ``mesh``, as a Python int (outside any trace): the
+    coordinate of the first of this process's devices that ``mesh`` holds."""
+    if axis not in mesh.axis_names:
+        raise ValueError(f"Axis {axis!r} not found in mesh axis names: {mesh.axis_names}")
+    devices = mesh.devices
+    for d in jax.local_devices():
+        coords = np.argwhere(devices == d)
+        if coords.size:
+            return int(coords[0][mesh.axis_names.index(axis)])
+    raise ValueError(f"none of this process's devices {jax.local_devices()} is in the mesh")
 
 
 def get_padded_spec(spec, ndim: int) -> tuple:
@@ -204,6 +218,7 @@ __all__ = [
     "get_active_resource_axis",
     "get_all_mesh_axes",
     "get_mesh_axis_rank",
+    "get_mesh_axis_rank_host",
     "get_mesh_axis_size",
     "get_num_devices_in_mesh",
     "get_padded_spec",

@@ -40,7 +40,7 @@ def _split_2d(cfg, n: int, ncfg, x, k, b, state, gamma, beta):
 def _forward(cfg, n, ncfg, x, k, b, state, gamma, beta):
     qx, y_norm, norm_res = dense_norm.quantize_input(cfg, ncfg, x, gamma, beta, state)
     ys, qk = dense_mod.forward_quantized(cfg, qx, k, b, state, parts=n)  # the n slots, in place
-    return ys, y_norm, (*dense_mod.backward_residuals(qx, qk), state, norm_res)
+    return ys, y_norm, (*dense_mod.backward_residuals(qx, qk, cfg.checkpoint_name), state, norm_res)
 
 
 def _split_2d_fwd(cfg, n, ncfg, x, k, b, state, gamma, beta):

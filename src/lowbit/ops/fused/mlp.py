@@ -53,7 +53,8 @@ def _forward(cfg: _MlpConfig, x, k1, b1, k2, b2, s1, s2, gamma, beta):
         act_forward(h, cfg.act, cfg.gated, dense_mod.fused_spec(cfg.second, s2, "x", h.dtype), False)
     )
     y, qk2 = dense_mod.forward_quantized(cfg.second, qz, k2, b2, s2)
-    res = (*dense_mod.backward_residuals(qx, qk1), s1, h, *dense_mod.backward_residuals(qz, qk2), s2)
+    res1 = dense_mod.backward_residuals(qx, qk1, cfg.first.checkpoint_name)
+    res = (*res1, s1, h, *dense_mod.backward_residuals(qz, qk2, cfg.second.checkpoint_name), s2)
     return (y, y_norm), (*res, norm_res)
 
 

@@ -66,9 +66,10 @@ class TransformerEngineBase(nn.Module):
     ) -> QuantizerSet:
         """The :class:`QuantizerSet` of ``fp8_recipe`` (None: the enclosing autocast's; noop with
         none). DelayedScaling keeps its state in ``variable_collection`` (None:
-        ``NVTE_FP8_COLLECTION_NAME``); NVFP4 draws its stochastic-rounding key from the ``sr_rng``
-        stream when one is given and rounds to nearest otherwise, as TE does."""
-        del quantization_checkpoint_name  # lowbit names its GEMMs for remat itself
+        ``NVTE_FP8_COLLECTION_NAME``); ``quantization_checkpoint_name`` names the quantized
+        tensors the GEMMs keep for the backward (remat policies); NVFP4 draws its
+        stochastic-rounding key from the ``sr_rng`` stream when one is given and rounds to
+        nearest otherwise, as TE does."""
         if n_groups is not None:
             raise NotImplementedError(
                 "generate_quantizer_set(n_groups=...): grouped quantizer sets are not supported by lowbit.te"
@@ -79,7 +80,7 @@ class TransformerEngineBase(nn.Module):
         state = None
         if isinstance(r, DelayedScaling):
             state = _delayed_state(self, r, postfix, variable_collection or NVTE_FP8_COLLECTION_NAME)
-        qs = quantizer_set_for_recipe(r, state)
+        qs = quantizer_set_for_recipe(r, state, quantization_checkpoint_name)
         if isinstance(r, NVFP4BlockScaling) and not r.disable_stochastic_rounding and self.has_rng(SR_RNG):
             qs = QuantizerSet(
                 qs.x, qs.kernel, dataclasses.replace(qs.dgrad, rng=self.make_rng(SR_RNG)), qs.recipe

@@ -19,6 +19,7 @@ from lowbit.te.quantize._impl import (  # noqa: F401 - the package's names and l
     ScalingMode,
     TensorSource,
     autocast,
+    compute_scale_from_amax,
     fp8_autocast,
     get_delayed_scaling,
     get_global_quantize_recipe,
@@ -33,12 +34,19 @@ from lowbit.te.quantize._impl import (  # noqa: F401 - the package's names and l
     recipe_of,
     update_collections,
 )
-from lowbit.te.quantize.helper import get_quantization_recipe, is_quantize_recipe_supported
+from lowbit.te.quantize.helper import (
+    apply_padding_to_scale_inv,
+    get_quantization_recipe,
+    is_quantize_recipe_supported,
+    remove_padding_from_scale_inv,
+)
 from lowbit.te.quantize.scaling_modes import TensorUsage
 
 __all__ = [
     *_impl.__all__,  # the package's body (lowbit.te.quantize._impl)
     "TensorUsage",
+    "apply_padding_to_scale_inv",
     "get_quantization_recipe",
+    "remove_padding_from_scale_inv",
     "is_quantize_recipe_supported",
 ]

@@ -81,6 +81,27 @@ class Quantizer:
     amax_compute_algo: AmaxComputeAlgo = dataclasses.field(
         default=AmaxComputeAlgo.MAX, metadata=dict(static=True)
     )
+    #: layouts of the rowwise and the colwise copy: lowbit stores every colwise copy transposed
+    data_layout: str = dataclasses.field(default="NT", metadata=dict(static=True))
+    #: NVFP4: the random Hadamard transform on the colwise copy (lowbit: x and dgrad, for wgrad)
+    use_rht: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    #: the name ``dense`` gives the quantized tensors it keeps for the backward (remat policies)
+    checkpoint_name: Optional[str] = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.data_layout != "NT":
+            raise NotImplementedError(
+                f"Quantizer(data_layout={self.data_layout!r}): lowbit stores the rowwise copy as is and "
+                "the colwise copy transposed, 'NT' only"
+            )
+        if self.checkpoint_name is not None and not isinstance(self.checkpoint_name, str):
+            raise TypeError(f"Quantizer: checkpoint_name must be a str or None, got {self.checkpoint_name!r}")
+
+    def get_data_layout(self) -> str:
+        """The layout of the copies this quantizer writes ("N" rowwise, "T" colwise, "NT" both)."""
+        if self.q_layout == QuantizeLayout.ROWWISE_COLWISE:
+            return self.data_layout
+        return self.data_layout[0] if self.q_layout == QuantizeLayout.ROWWISE else self.data_layout[1]
 
     @property
     def stochastic_rounding_rng_state(self) -> Optional[jax.Array]:
@@ -104,6 +125,24 @@ class QuantizerSet:
 
 
 noop_quantizer_set = QuantizerSet()
+
+
+def compute_scale_from_amax(
+    amax: jax.Array, q_dtype, margin: float, scale: Optional[jax.Array] = None
+) -> jax.Array:
+    """TE's delayed-scaling update: ``(fp8_max / amax) / 2**margin`` (float32, shape (1,)); where
+    amax is zero or not finite, ``scale`` (None: 1) is kept."""
+    fp8_max = jnp.asarray(jnp.finfo(q_dtype).max, jnp.float32)
+    amax = jnp.asarray(amax, jnp.float32)
+    keep = jnp.ones((1,), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
+    sf = (fp8_max / amax) / (2.0 ** jnp.asarray(margin, jnp.float32))
+    sf = jnp.where((amax > 0.0) & jnp.isfinite(amax), sf, keep)
+    if sf.shape != (1,):
+        raise ValueError(
+            f"compute_scale_from_amax: amax and scale must give shape (1,), got amax {amax.shape}, "
+            f"scale {None if scale is None else jnp.shape(scale)}"
+        )
+    return sf
 
 
 def _format_of(fwd_dtype, bwd_dtype) -> Format:
@@ -132,9 +171,12 @@ def _recipe_for_mode(mode: ScalingMode, fwd_dtype, bwd_dtype, history_len: int) 
     return MXFP8BlockScaling(fp8_format=fmt)
 
 
-def quantizer_set_for_recipe(recipe: Optional[Recipe], state: Optional[Mapping] = None) -> QuantizerSet:
+def quantizer_set_for_recipe(
+    recipe: Optional[Recipe], state: Optional[Mapping] = None, checkpoint_name: Optional[str] = None
+) -> QuantizerSet:
     """The QuantizerSet of ``recipe`` (noop for None); DelayedScaling takes its state from
-    ``state`` (lowbit's ``{role}_scale`` / ``{role}_amax_history`` keys) or starts fresh."""
+    ``state`` (lowbit's ``{role}_scale`` / ``{role}_amax_history`` keys) or starts fresh.
+    ``checkpoint_name``: the quantizers' (TE's quantization_checkpoint_name)."""
     if recipe is None:
         return noop_quantizer_set
     if not isinstance(recipe, Recipe):
@@ -154,7 +196,13 @@ def quantizer_set_for_recipe(recipe: Optional[Recipe], state: Optional[Mapping] 
                 margin=float(recipe.margin), amax_compute_algo=AmaxComputeAlgo(recipe.amax_compute_algo)
             )
         parts[field] = Quantizer(
-            recipe.scaling_mode(role), recipe.q_dtype(role), scale=scale, amax_history=hist, **delayed
+            recipe.scaling_mode(role),
+            recipe.q_dtype(role),
+            scale=scale,
+            amax_history=hist,
+            checkpoint_name=checkpoint_name,
+            use_rht=isinstance(recipe, NVFP4BlockScaling) and not recipe.disable_rht and role != "kernel",
+            **delayed,
         )
     return QuantizerSet(**parts, recipe=recipe)
 
@@ -360,6 +408,7 @@ __all__ = [
     "Quantizer",
     "QuantizerSet",
     "noop_quantizer_set",
+    "compute_scale_from_amax",
     "QuantizerFactory",
     "QuantizeConfig",
     "ScalingMode",

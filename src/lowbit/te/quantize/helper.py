@@ -18,6 +18,7 @@ from lowbit.te.quantize._impl import (
     is_scaling_mode_supported,
     update_collections,
 )
+from lowbit.te.quantize.scale_padding import apply_padding_to_scale_inv, remove_padding_from_scale_inv
 
 _RECIPES_BY_NAME = {
     cls.__name__: cls for cls in (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
@@ -44,6 +45,8 @@ def is_quantize_recipe_supported(recipe_name: str) -> Tuple[bool, Optional[str]]
 
 
 __all__ = [
+    "apply_padding_to_scale_inv",
+    "remove_padding_from_scale_inv",
     "get_quantization_recipe",
     "is_quantize_recipe_supported",
     "NVTE_FP8_COLLECTION_NAME",
