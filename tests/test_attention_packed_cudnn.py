@@ -117,3 +117,19 @@ def test_cudnn_packed_equals_per_document(mask_type, g, form, gpu_device):
     assert np.all(o[~valid] == 0)
     for got, w in zip(vjp(dy), want_g):
         assert rel(np.asarray(got, np.float32), np.asarray(w)) < 3e-2
+
+
+@pytest.mark.slow
+def test_attention_bench_runs_small():
+    """``python -m lowbit.bench attention --small``'s cases: the FP8 and packing rows, timed."""
+    from lowbit.bench import attention as bench
+
+    rows = bench.run(small=True)
+    assert [r["name"] for r in rows] == [
+        "bf16 cudnn",
+        "fp8 current",
+        "fp8 delayed",
+        "unpacked causal",
+        "packed 24 docs",
+    ]
+    assert all(r["ms"] > 0 and r["speedup"] > 0 for r in rows)
