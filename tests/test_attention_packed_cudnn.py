@@ -63,9 +63,10 @@ def test_dispatch_takes_cudnn_thd_only_where_it_applies():
         scale=0.125, mask_type="padding_causal", sequence_descriptor=desc, thd=True, max_segments_per_seq=4
     )
     spec = make_spec(q, q, q, **kw)
+    from lowbit.ops._ffi import attention as ffi
     from lowbit.ops.attention import cudnn_packed
 
-    on_gpu = jax.default_backend() == "gpu" and cudnn_packed.ffi.cudnn_status()[0]
+    on_gpu = jax.default_backend() == "gpu" and ffi.cudnn_status()[0]
     assert pick_implementation(spec) == ("cudnn_thd" if on_gpu else "xla")
     for change in (dict(window=(4, 0)), dict(softmax_type="off_by_one"), dict(max_segments_per_seq=None)):
         assert not cudnn_packed.supports(make_spec(q, q, q, **{**kw, **change}))

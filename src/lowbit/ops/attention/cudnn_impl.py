@@ -33,7 +33,13 @@ def supports(spec: AttentionSpec) -> bool:
         and spec.mask_type in _MASKS
         and ("causal" not in spec.mask_type or spec.seq_q == spec.seq_kv)
     )
-    if not plain or jax.default_backend() != "gpu":
+    return plain and handler_runs(spec)
+
+
+def handler_runs(spec: AttentionSpec) -> bool:
+    """Whether lowbit's cuDNN handler can run here at all: a GPU with cuDNN loaded, bf16/fp16,
+    head_dim a multiple of 8 up to 256."""
+    if jax.default_backend() != "gpu":
         return False
     if jnp.dtype(spec.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return False

@@ -10,11 +10,10 @@ Everything else stays on the jnp path. Under a mesh it runs per (batch, heads) s
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from lowbit.ops import fused_attention_ragged as fr
-from lowbit.ops._ffi import attention as ffi
+from lowbit.ops.attention.cudnn_impl import handler_runs
 from lowbit.ops.attention.dispatch import AttentionArrays, AttentionSpec, register_implementation
 from lowbit.ops.attention.per_shard import per_shard_attention
 
@@ -34,13 +33,7 @@ def supports(spec: AttentionSpec) -> bool:
         # element offsets are int32
         and spec.batch * spec.seq_q * spec.heads * spec.head_dim < 2**31
     )
-    if not fits or jax.default_backend() != "gpu":
-        return False
-    if jnp.dtype(spec.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return False
-    if spec.head_dim % 8 or spec.head_dim > 256:
-        return False
-    return ffi.cudnn_status()[0]
+    return fits and handler_runs(spec)
 
 
 def run(q, k, v, spec: AttentionSpec, arrays: AttentionArrays):
