@@ -1,8 +1,9 @@
 // Standalone check of the cuDNN fused attention (lowbit/attention.h) against a CPU double
 // reference, no JAX: forward and backward (GQA, causal, padding with uneven lengths, bias with
-// dbias), dropout (kept fraction and reproducibility from the device seed), FP8 forward within
-// stated bounds. Exit code 0 when every case passes. Needs libcudnn.so.9 on the loader's path
-// or in $LOWBIT_CUDNN_LIBRARY. Run under compute-sanitizer for memcheck.
+// dbias), ragged (THD) packing fwd/bwd, dropout (kept fraction and reproducibility from the
+// device seed), FP8 forward within stated bounds. Exit code 0 when every case passes. Needs
+// libcudnn.so.9 on the loader's path or in $LOWBIT_CUDNN_LIBRARY. Run under compute-sanitizer for
+// memcheck.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -264,6 +265,86 @@ void check_dropout() {
   for (void* x : std::vector<void*>{q, k, v, seed, off, o1, o2, stats}) cudaFree(x);
 }
 
+// Ragged (THD) packing as lowbit.ops.fused_attention_ragged drives it: sequences of uneven
+// lengths packed token by token, one empty slot at the end (length 0, offset = the end), causal;
+// forward and backward against the padded BSHD double reference of the same sequences.
+void check_ragged() {
+  AttentionParams p;  // the padded BSHD view the reference runs on
+  p.b = 4, p.h = 4, p.hk = 2, p.sq = 32, p.skv = 32, p.d = 64, p.dv = 64;
+  p.causal = true, p.padding = true, p.scale = 0.125f;
+  const std::vector<int> lens = {24, 9, 31, 0};
+  std::vector<int> start(p.b + 1, 0);
+  for (int64_t b = 0; b < p.b; ++b) start[b + 1] = start[b] + lens[b];
+  const int64_t T = start[p.b];
+  std::mt19937 rng(5);
+  const int64_t qrow = p.h * p.d, krow = p.hk * p.d;
+  auto q = randn(p.b * p.sq * qrow, rng), k = randn(p.b * p.skv * krow, rng);
+  auto v = randn(p.b * p.skv * krow, rng), dout = randn(p.b * p.sq * qrow, rng);
+  // Packed copies: row i of sequence b is token start[b] + i.
+  auto pack = [&](const std::vector<float>& x, int64_t row) {
+    std::vector<float> y(T * row);
+    for (int64_t b = 0; b < p.b; ++b)
+      for (int64_t i = 0; i < lens[b]; ++i)
+        std::memcpy(&y[(start[b] + i) * row], &x[(b * p.sq + i) * row], row * sizeof(float));
+    return y;
+  };
+  auto pq = to_device(bf16(pack(q, qrow))), pk = to_device(bf16(pack(k, krow)));
+  auto pv = to_device(bf16(pack(v, krow))), pdo = to_device(bf16(pack(dout, qrow)));
+  std::vector<int32_t> offs(4 * (p.b + 1));
+  for (int64_t b = 0; b <= p.b; ++b) {
+    offs[b] = start[b] * qrow;
+    offs[(p.b + 1) + b] = start[b] * krow;
+    offs[2 * (p.b + 1) + b] = start[b] * krow;
+    offs[3 * (p.b + 1) + b] = start[b] * qrow;
+  }
+  auto doffs = to_device(offs), dl = to_device(lens);
+  __nv_bfloat16 *o, *gq, *gk, *gv;
+  float* stats;
+  cudaMalloc(&o, T * qrow * 2);
+  cudaMalloc(&gq, T * qrow * 2);
+  cudaMalloc(&gk, T * krow * 2);
+  cudaMalloc(&gv, T * krow * 2);
+  cudaMalloc(&stats, p.b * p.h * p.sq * 4);
+  AttentionParams r = p;
+  r.ragged = true, r.ragged_offsets = doffs, r.ragged_stride = p.b + 1;
+  r.seqlens_q = dl, r.seqlens_kv = dl;
+  r.q = pq, r.k = pk, r.v = pv, r.o = o, r.stats = stats;
+  r.dout = pdo, r.grad_q = gq, r.grad_k = gk, r.grad_v = gv;
+  std::vector<void*> ws;
+  Status st = attention_fwd_cuda(r, nullptr, device_workspace(&ws));
+  if (st.ok()) st = attention_bwd_cuda(r, nullptr, device_workspace(&ws));
+  cudaDeviceSynchronize();
+  if (!st.ok()) {
+    std::printf("ragged: %s\nFAIL\n", st.message.c_str());
+    ++g_failures;
+    return;
+  }
+  Ref ref = reference(p, q, k, v, {}, dout, lens, lens);
+  auto packed_ref = [&](const std::vector<double>& x, int64_t row) {
+    std::vector<double> y(T * row);
+    for (int64_t b = 0; b < p.b; ++b)
+      for (int64_t i = 0; i < lens[b]; ++i)
+        for (int64_t c = 0; c < row; ++c) y[(start[b] + i) * row + c] = x[(b * p.sq + i) * row + c];
+    return y;
+  };
+  const double tol = 2e-2;  // bf16 inputs/outputs, float32 accumulation
+  const struct {
+    const char* name;
+    __nv_bfloat16* got;
+    const std::vector<double>* want;
+    int64_t row;
+  } outs[] = {{"ragged o", o, &ref.o, qrow},
+              {"ragged dq", gq, &ref.dq, qrow},
+              {"ragged dk", gk, &ref.dk, krow},
+              {"ragged dv", gv, &ref.dv, krow}};
+  for (const auto& x : outs) {
+    const double e = rel_err(f32(to_host(x.got, T * x.row)), packed_ref(*x.want, x.row));
+    expect(e < tol, x.name, e, tol);
+  }
+  for (void* x : ws) cudaFree(x);
+  for (void* x : std::vector<void*>{pq, pk, pv, pdo, doffs, dl, o, gq, gk, gv, stats}) cudaFree(x);
+}
+
 // FP8 forward (E4M3 q, k, v, o; per-tensor scales) against the double reference.
 void check_fp8() {
   AttentionParams p;
@@ -331,6 +412,7 @@ int main() {
   check_fwd_bwd(false);
   check_fwd_bwd(true);
   check_dropout();
+  check_ragged();
   check_fp8();
   std::printf(g_failures ? "FAILED: %d\n" : "all passed\n", g_failures);
   return g_failures ? 1 : 0;

@@ -1,4 +1,5 @@
-"""``python -m lowbit.bench [quantize|gemm|dense|grouped|moe|layer|all] [--small|--full] [--out DIR]``
+"""``python -m lowbit.bench [quantize|gemm|dense|grouped|moe|layer|attention|all] [--small|--full]
+[--out DIR]``
 ``python -m lowbit.bench multi_device --stage {seed,layer,moe,all} ...`` (lowbit.bench.multi_device)
 
 Times lowbit next to plain Flax/XLA in one process, prints tables, writes JSON (with the device
@@ -22,6 +23,7 @@ SUITES = {
     "grouped": ("lowbit.bench.grouped", None),
     "moe": ("lowbit.bench.moe", ["name", "ms", "TFLOPs", "vs_xla", "vs_bf16", "floor_ms", "weight_GB"]),
     "layer": ("lowbit.bench.layer", ["model", "name", "ms", "speedup", "sm_mhz", "power_w", "note"]),
+    "attention": ("lowbit.bench.attention", ["model", "name", "shape", "ms", "speedup", "goal"]),
 }
 
 

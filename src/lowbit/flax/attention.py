@@ -1,8 +1,8 @@
 """Attention with TransformerEngine's names, fields, defaults and parameter layout:
 DotProductAttention and MultiHeadAttention (docs/te_modules_attention.md lists every field).
 
-Attention math is not quantized (as in TransformerEngine's FP8 recipes); the projections are lowbit
-GEMMs (:mod:`lowbit.flax.dense_general`). Paths (:mod:`lowbit.flax.attention_paths`):
+Attention runs in FP8 under a recipe with ``fp8_dpa=True`` (:mod:`lowbit.flax.attention_fp8`), else
+in the input precision; the projections are lowbit GEMMs. Paths (:mod:`lowbit.flax.attention_paths`):
 
 * no dropout (``attention_dropout == 0`` or ``deterministic``): ``jax.nn.dot_product_attention``,
   cuDNN's fused kernel on a GPU when it takes the shapes and dtypes, XLA otherwise;
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from lowbit.flax.attention_fp8 import fp8_dpa
 from lowbit.flax.attention_masks import (
     MASK_TYPES,
     QKV_LAYOUTS,
@@ -180,7 +181,8 @@ class DotProductAttention(nn.Module):
         # Packing, sinks, context parallelism, or a registered implementation (lowbit's cuDNN
         # op) that takes the call: lowbit.ops.attention picks the path.
         drop = 0.0 if deterministic else rate
-        if self._use_core(
+        out = fp8_dpa(self, query, key, value, sequence_descriptor, bias, mask_type, softmax, window, drop)
+        if out is None and self._use_core(
             query, key, value, sequence_descriptor, btype, mask_type, layout, window, softmax, drop
         ):
             if self.return_max_logit:  # lowbit.ops.attention returns no logit statistics
@@ -189,7 +191,9 @@ class DotProductAttention(nn.Module):
                     "parallelism or implementation= is not supported by lowbit"
                 )
             args = (sequence_descriptor, bias, btype, mask_type, layout, window, softmax, drop)
-            out = checkpoint_name(self._core(query, key, value, *args), self.context_checkpoint_name)
+            out = self._core(query, key, value, *args)
+        if out is not None:  # FP8 attention, or lowbit.ops.attention's path
+            out = checkpoint_name(out, self.context_checkpoint_name)
             return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
         padding = check_mask(sequence_descriptor, mask_type, b, h, sq, sk)
         masked, plain_causal = combine_masks(padding, mask_type, window, sq, sk)

@@ -13,11 +13,10 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from lowbit.flax.attention_masks import bias_per_batch
+from lowbit.ops.attention.per_shard import per_shard_attention as _per_shard
 from lowbit.ops.fused_attention import reference_attention
-from lowbit.sharding import batch_shards, plan_heads, shard_map
 
 # Traces whose body XLA runs repeatedly: cuDNN's dropout inside them aborts XLA (jax 0.11.2, H100:
 # "Fatal Python error: Aborted" compiling lax.scan over the attention), so dropout there takes the
@@ -80,33 +79,9 @@ def attention_reference(q, k, v, masked, bias, bias_type, scale, rate, rng, plai
 
 
 def per_shard_attention(fn, query, key, value, bias=None, mask=None):
-    """``fn(query, key, value, bias, mask)`` (layouts (b, s, heads, d); bias and mask
-    broadcastable to (b, h, sq, skv)) run per shard under a mesh (lowbit.sharding.plan_heads):
-    batch over dp/fsdp, heads over tp. The fused attention custom call has no partitioning rule
-    XLA can use for a heads-split bias (its cuDNN graph build failed on DP x TP, issue 24), and
-    attention is independent per sequence and head, so each shard runs the whole op locally. A
-    bias or mask shared over the batch (leading dim 1) is replicated over the batch axes: its
-    cotangent is summed over them."""
-    plan = plan_heads(query.shape[0], query.shape[2], key.shape[2]) if query.ndim == key.ndim == 4 else None
-    if plan is None:
-        return fn(query, key, value, bias, mask)
-    mesh, b, h = plan
-    qkv = P(b, None, h, None)
-
-    def spec4(a):  # (b or batch shards or 1, h or 1, sq, skv); anything else replicated
-        if a.ndim != 4:
-            return P()
-        split = a.shape[0] in (query.shape[0], batch_shards(query.shape[0])) and a.shape[0] > 1
-        return P(b if split else None, h if a.shape[1] > 1 else None)
-
-    args = {k: a for k, a in (("bias", bias), ("mask", mask)) if a is not None}
-
-    def body(q, k, v, *rest):
-        got = dict(zip(args, rest))
-        return fn(q, k, v, got.get("bias"), got.get("mask"))
-
-    specs = (qkv, qkv, qkv, *(spec4(a) for a in args.values()))
-    return shard_map(body, mesh, specs, qkv)(query, key, value, *args.values())
+    """``fn(query, key, value, bias, mask)`` run per (batch, heads) shard under a mesh:
+    :func:`lowbit.ops.attention.per_shard.per_shard_attention` without a sink or dropout key."""
+    return _per_shard(lambda q, k, v, b, m, _s, _r: fn(q, k, v, b, m), query, key, value, bias, mask)
 
 
 def cudnn_attention_dropout(q, k, v, masked, bias, bias_type, scale, rate, seed, plain_causal=False):

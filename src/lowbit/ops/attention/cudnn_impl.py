@@ -7,19 +7,19 @@ calls XLA's own cuDNN path runs only outside loop bodies and command buffers, an
 handler is not command-buffer compatible, so dropout inside ``lax.scan`` and under remat takes it
 with default XLA flags. Calls without dropout keep jax's fused attention until this one is
 measured faster. Under a mesh it runs per (batch, heads) shard as the other paths do
-(:func:`lowbit.sharding.plan_heads`), each shard's dropout key folded with its position.
+(:func:`lowbit.ops.attention.per_shard.per_shard_attention`), each shard's dropout key folded
+with its position.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from lowbit.ops import fused_attention as fa
 from lowbit.ops.attention.core import sink_logit
 from lowbit.ops.attention.dispatch import AttentionArrays, AttentionSpec, register_implementation
-from lowbit.sharding import plan_heads, shard_map
+from lowbit.ops.attention.per_shard import per_shard_attention
 
 _MASKS = ("no_mask", "padding", "causal", "padding_causal")
 
@@ -33,7 +33,13 @@ def supports(spec: AttentionSpec) -> bool:
         and spec.mask_type in _MASKS
         and ("causal" not in spec.mask_type or spec.seq_q == spec.seq_kv)
     )
-    if not plain or jax.default_backend() != "gpu":
+    return plain and handler_runs(spec)
+
+
+def handler_runs(spec: AttentionSpec) -> bool:
+    """Whether lowbit's cuDNN handler can run here at all: a GPU with cuDNN loaded, bf16/fp16,
+    head_dim a multiple of 8 up to 256."""
+    if jax.default_backend() != "gpu":
         return False
     if jnp.dtype(spec.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return False
@@ -49,36 +55,14 @@ def run(q, k, v, spec: AttentionSpec, arrays: AttentionArrays):
     sink = sink_logit(spec.softmax_type, arrays.softmax_offset, spec.heads)
     causal = "causal" in spec.mask_type
 
-    def one(q, k, v, bias, sink, rng):
+    def one(q, k, v, bias, _mask, sink, rng):
         if bias is not None and bias.shape[0] not in (1, q.shape[0]):  # one per batch shard
             bias = jnp.repeat(bias, q.shape[0] // bias.shape[0], axis=0)
         return fa.fused_attention(
             q, k, v, bias, causal=causal, scale=spec.scale, dropout_rate=spec.dropout_rate, rng=rng, sink=sink
         )
 
-    plan = plan_heads(spec.batch, spec.heads, spec.groups)
-    if plan is None:
-        return one(q, k, v, bias, sink, arrays.rng)
-    mesh, b, h = plan
-    axes = tuple(a for e in (b, h) if e is not None for a in ((e,) if isinstance(e, str) else e))
-    qkv = P(b, None, h, None)
-    args = {"bias": bias, "sink": sink}
-    specs = {
-        "bias": None
-        if bias is None
-        else P(b if bias.shape[0] > 1 else None, h if bias.shape[1] > 1 else None),
-        "sink": P(h),
-    }
-    keys = [n for n, a in args.items() if a is not None]
-
-    def body(q, k, v, rng, *rest):
-        got = dict(zip(keys, rest))
-        for a in axes:  # a different dropout stream per shard
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(a))
-        return one(q, k, v, got.get("bias"), got.get("sink"), rng)
-
-    in_specs = (qkv, qkv, qkv, P(), *(specs[n] for n in keys))
-    return shard_map(body, mesh, in_specs, qkv)(q, k, v, arrays.rng, *(args[n] for n in keys))
+    return per_shard_attention(one, q, k, v, bias, None, sink, arrays.rng)
 
 
 register_implementation("cudnn_ffi", run, supports, priority=10)

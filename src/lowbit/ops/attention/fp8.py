@@ -1,0 +1,299 @@
+"""FP8 attention (the recipes' ``fp8_dpa=True``): q, k, v, the probabilities s and the output o
+in the forward format (E4M3), do, dp, dq, dk, dv in the backward format (E5M2 under HYBRID), with
+per-tensor scales from the recipe (:mod:`.fp8_scales`).
+
+On a GPU it is cuDNN's FP8 SDPA through lowbit's handler (forward and backward, amaxes reported
+by the kernels). Elsewhere an emulation of that kernel in float32 ``jnp``: q, k, v
+quantize-dequantized; ``P = softmax(scale q k^T)`` (masked; dropout ``P' = P keep / (1 - rate)``)
+quantize-dequantized with s's scale before ``o = P' v``, o quantize-dequantized; backward: do
+quantize-dequantized, ``dv = P'^T do``, ``dp = P (dP' - D)`` with ``dP = do v^T`` and
+``D = rowsum(do * o)``, dp quantize-dequantized before ``dq = scale dp k`` and
+``dk = scale dp^T q``, each gradient quantize-dequantized with its scale. The output and the
+gradients come back in q's dtype.
+
+DelayedScaling's state goes in as an argument; its cotangent is the state advanced by this step's
+amaxes (as :func:`lowbit.dense` does), which Flax's ``_overwrite_with_gradient`` collection
+writes back. Runs on one device (a mesh plan makes :func:`unsupported` say so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.ops import fused_attention as fa
+from lowbit.ops._ffi import attention as ffi
+from lowbit.ops.attention import fp8_scales as fs
+from lowbit.recipe import DelayedScaling
+from lowbit.sharding import plan_heads
+
+_HI = jax.lax.Precision.HIGHEST
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    recipe: Any
+    causal: bool
+    scale: float
+    rate: float
+    cudnn: bool
+
+    @property
+    def delayed(self) -> bool:
+        return isinstance(self.recipe, DelayedScaling)
+
+    def flags(self) -> int:
+        f = ffi.FP8 | (ffi.CAUSAL if self.causal else 0)
+        return f | (ffi.DROPOUT if self.rate > 0 else 0)
+
+
+def _qdq(x, s, dtype):
+    """x rounded to ``dtype`` with encode scale ``s`` and decoded (float32)."""
+    return fa._quantize(x, s, dtype).astype(F32) / s
+
+
+# --- the float32 emulation -----------------------------------------------------------------
+def _groups(x, g):  # (b, s, h, d) -> (b, s, g, h // g, d)
+    return x.reshape(x.shape[:2] + (g, x.shape[2] // g, x.shape[3]))
+
+
+def _probs(cfg, qd, kd, rng):
+    """``(P, P')`` (b, g, r, sq, sk) float32: softmax and its dropped, rescaled copy."""
+    g = kd.shape[2]
+    s = jnp.einsum("bqgrd,bkgd->bgrqk", _groups(qd, g), kd, precision=_HI) * cfg.scale
+    if cfg.causal:
+        sq, sk = s.shape[-2:]
+        s = jnp.where(jnp.arange(sk)[None, :] > jnp.arange(sq)[:, None], -jnp.inf, s)
+    p = jax.nn.softmax(s, axis=-1)
+    if cfg.rate <= 0:
+        return p, p
+    keep = jax.random.bernoulli(rng, 1.0 - cfg.rate, p.shape)
+    return p, jnp.where(keep, p / (1.0 - cfg.rate), 0.0)
+
+
+def _emulate_fwd(cfg, q, k, v, sc, rng):
+    f, _ = fs.dtypes(cfg.recipe)
+    qd, kd, vd = (_qdq(x, sc[r], f) for x, r in ((q, "q"), (k, "k"), (v, "v")))
+    _, pd = _probs(cfg, qd, kd, rng)
+    p8 = _qdq(pd, sc["s"], f)
+    o = jnp.einsum("bgrqk,bkgd->bqgrd", p8, vd, precision=_HI).reshape(q.shape[:3] + (v.shape[-1],))
+    od = _qdq(o, sc["o"], f)
+    return od, (qd, kd, vd, od), fs.amax(pd), fs.amax(o)
+
+
+def _emulate_bwd(cfg, res, sc, ct, rng):
+    f, b = fs.dtypes(cfg.recipe)
+    qd, kd, vd, od = res
+    g = kd.shape[2]
+    dod = _qdq(ct, sc["do"], b)
+    p, pd = _probs(cfg, qd, kd, rng)
+    p8 = _qdq(pd, sc["s"], f)
+    dog = _groups(dod, g)
+    dv = jnp.einsum("bgrqk,bqgrd->bkgd", p8, dog, precision=_HI)
+    dpp = jnp.einsum("bqgrd,bkgd->bgrqk", dog, vd, precision=_HI)
+    if cfg.rate > 0:  # the kept entries (pd != 0 where p != 0) scaled as the forward did
+        dpp = jnp.where(pd != 0, dpp / (1.0 - cfg.rate), 0.0)
+    dsum = jnp.sum(dog * _groups(od, g), axis=-1).transpose(0, 2, 3, 1)[..., None]  # (b, g, r, sq, 1)
+    ds = p * (dpp - dsum)
+    ds8 = _qdq(ds, sc["dp"], b)
+    dq = cfg.scale * jnp.einsum("bgrqk,bkgd->bqgrd", ds8, kd, precision=_HI).reshape(qd.shape)
+    dk = cfg.scale * jnp.einsum("bgrqk,bqgrd->bkgd", ds8, _groups(qd, g), precision=_HI)
+    grads = {"dq": dq, "dk": dk, "dv": dv}
+    amaxes = {r: fs.amax(x) for r, x in grads.items()} | {"dp": fs.amax(ds)}
+    return tuple(_qdq(grads[r], sc[r], b) for r in ("dq", "dk", "dv")), amaxes
+
+
+# --- cuDNN ---------------------------------------------------------------------------------
+def _seed_offset(cfg, rng):
+    if cfg.rate <= 0:
+        return None, None
+    bits = jax.random.bits(rng, (4,), jnp.uint32)
+    return bits[:2], bits[2:]
+
+
+def _cudnn_fwd(cfg, q, k, v, sc, rng):
+    f, _ = fs.dtypes(cfg.recipe)
+    q8, k8, v8 = (fa._quantize(x, sc[r], f) for x, r in ((q, "q"), (k, "k"), (v, "v")))
+    rows = fa._rows([1 / sc["q"], 1 / sc["k"], 1 / sc["v"], 1 / sc["s"], sc["s"], sc["o"]])
+    seed, offset = _seed_offset(cfg, rng)
+    o8, stats, am = ffi.attention_fwd(
+        q8, k8, v8, None, None, None, None, seed, offset, None, rows, flags=cfg.flags(),
+        scale=cfg.scale, dropout_rate=cfg.rate, max_sq=q.shape[1], max_skv=k.shape[1], o_dtype=f,
+        dv=v.shape[-1],
+    )  # fmt: skip
+    return o8.astype(F32) / sc["o"], (q8, k8, v8, o8, stats, seed, offset), am[0, 0], am[1, 0]
+
+
+def _cudnn_bwd(cfg, res, sc, ct, rng):
+    del rng  # the forward's seed and offset are residuals
+    _, b = fs.dtypes(cfg.recipe)
+    q8, k8, v8, o8, stats, seed, offset = res
+    do8 = fa._quantize(ct, sc["do"], b)
+    inv = [1 / sc[r] for r in ("q", "k", "v", "o", "do", "s", "dp")]
+    rows = fa._rows(inv + [sc[r] for r in ("s", "dq", "dk", "dv", "dp")])
+    dq8, dk8, dv8, _, _, am = ffi.attention_bwd(
+        q8, k8, v8, o8, do8, stats, None, None, None, None, seed, offset, None, rows,
+        flags=cfg.flags(), scale=cfg.scale, dropout_rate=cfg.rate, max_sq=q8.shape[1],
+        max_skv=k8.shape[1], grad_dtype=b, want_dbias=False, want_dsink=False,
+    )  # fmt: skip
+    grads = tuple(g.astype(F32) / sc[r] for g, r in ((dq8, "dq"), (dk8, "dk"), (dv8, "dv")))
+    return grads, {"dq": am[0, 0], "dk": am[1, 0], "dv": am[2, 0], "dp": am[3, 0]}
+
+
+# --- the op --------------------------------------------------------------------------------
+def _fwd_scales(cfg, state, a):
+    """Scales of q, k, v, s, o and (current scaling) the bounds-derived backward ones."""
+    if cfg.delayed:
+        return {r: state[f"{r}_scale"][0] for r in fs.ROLES}
+    f, _ = fs.dtypes(cfg.recipe)
+    return {r: fs.encode_scale(a[r], fs.fmax(f)) for r in ("q", "k", "v")}
+
+
+def _bwd_scales(cfg, sc, a, a_do, q_shape):
+    if cfg.delayed:
+        return sc
+    _, b = fs.dtypes(cfg.recipe)
+    out = dict(sc, do=fs.encode_scale(a_do, fs.fmax(b)))
+    bound = fs.current_output_scales(
+        cfg.recipe, dict(a, do=a_do), scale=cfg.scale, rate=cfg.rate, sq=q_shape[1], d=q_shape[3]
+    )
+    return out | {r: bound[r] for r in fs.BWD_ROLES if r != "do"}
+
+
+def _current_fwd_outputs(cfg, sc, a, q_shape):
+    if cfg.delayed:
+        return sc
+    bound = fs.current_output_scales(
+        cfg.recipe, dict(a, do=jnp.float32(1)), scale=cfg.scale, rate=cfg.rate, sq=q_shape[1], d=q_shape[3]
+    )
+    return dict(sc, s=bound["s"], o=bound["o"])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8(cfg: _Config, q, k, v, state, rng):
+    return _fp8_fwd(cfg, q, k, v, state, rng)[0]
+
+
+def _fp8_fwd(cfg, q, k, v, state, rng):
+    a = {"q": fs.amax(q), "k": fs.amax(k), "v": fs.amax(v)}
+    sc = _current_fwd_outputs(cfg, _fwd_scales(cfg, state, a), a, q.shape)
+    run = _cudnn_fwd if cfg.cudnn else _emulate_fwd
+    out, res, a["s"], a["o"] = run(cfg, q, k, v, sc, rng)
+    return out.astype(q.dtype), (res, sc, a, state, rng)
+
+
+def _fp8_bwd(cfg, res, ct):
+    kernel_res, sc, a, state, rng = res
+    a_do = fs.amax(ct)
+    sc = _bwd_scales(cfg, sc, a, a_do, kernel_res[0].shape)
+    run = _cudnn_bwd if cfg.cudnn else _emulate_bwd
+    (dq, dk, dv), a_bwd = run(cfg, kernel_res, sc, ct, rng)
+    dt = ct.dtype
+    state_ct = fs.step_state(cfg.recipe, state, a | a_bwd | {"do": a_do}) if cfg.delayed else None
+    return dq.astype(dt), dk.astype(dt), dv.astype(dt), state_ct, None
+
+
+_fp8.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def cudnn_fp8_available(q, k) -> Optional[str]:
+    """None when cuDNN's FP8 attention can run these shapes here, else why not."""
+    if jax.default_backend() != "gpu":
+        return "no GPU backend"
+    if q.shape[-1] % 16 or q.shape[-1] > 256:
+        return f"head_dim {q.shape[-1]} (cuDNN's FP8 attention needs a multiple of 16, at most 256)"
+    ok, reason = ffi.cudnn_status()
+    return None if ok else reason
+
+
+def unsupported(
+    *,
+    bias=False,
+    softmax_type="vanilla",
+    segments=False,
+    window=None,
+    cp=False,
+    mask=False,
+    mask_type="no_mask",
+    sq=0,
+    sk=0,
+    batch=1,
+    heads=1,
+    groups=1,
+) -> Optional[str]:
+    """Why FP8 attention cannot take a call (None: it can). These fall back to high precision."""
+    if bias:
+        return "an attention bias (cuDNN's FP8 attention has no bias gradient)"
+    if softmax_type != "vanilla":
+        return f"softmax_type={softmax_type!r} (attention sinks)"
+    if segments or mask:
+        return "packed or padded sequences (a SequenceDescriptor or a mask)"
+    if window is not None:
+        return "a sliding window"
+    if cp:
+        return "context parallelism"
+    if mask_type not in ("no_mask", "causal") or (mask_type == "causal" and sq != sk):
+        return f"attn_mask_type={mask_type!r} with sq={sq}, sk={sk} (no_mask, or causal with sq == sk)"
+    if plan_heads(batch, heads, groups) is not None:
+        return "a mesh that splits the batch or heads (FP8 attention runs on one device)"
+    return None
+
+
+def fp8_attention(
+    q,
+    k,
+    v,
+    *,
+    recipe,
+    state: Optional[dict] = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    dropout_rate: float = 0.0,
+    rng=None,
+    implementation: Optional[str] = None,
+) -> jax.Array:
+    """FP8 scaled dot-product attention of ``q (b, sq, h, d)`` over ``k``/``v (b, sk, g, d)``
+    (``h % g == 0``) under ``recipe`` (DelayedScaling with ``state`` from
+    :func:`lowbit.ops.attention.fp8_scales.init_state`, or Float8CurrentScaling). ``causal``:
+    key ``j > i`` masked (needs ``sq == sk``). ``implementation``: None (cuDNN on a GPU where it
+    applies, else the emulation), "cudnn" (an error if it cannot run) or "emulate". Returns
+    ``(b, sq, h, d)`` in q's dtype; differentiable in q, k, v (and in ``state``: its cotangent is
+    the next state)."""
+    fs.check_recipe(recipe)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
+            got = getattr(x, "shape", x)
+            raise ValueError(f"{name} must be a float (batch, seq, heads, head_dim) array, got {got}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"k and v must be (batch, sk, groups dividing q's heads, head_dim), got {k.shape}, {v.shape}"
+        )
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal FP8 attention needs sq == sk, got {q.shape[1]} and {k.shape[1]}")
+    rate = float(dropout_rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+    if rate > 0 and rng is None:
+        raise ValueError("dropout_rate > 0 needs rng (a jax.random key)")
+    if implementation not in (None, "cudnn", "emulate"):
+        raise ValueError(f"implementation must be None, 'cudnn' or 'emulate', got {implementation!r}")
+    state = fs.check_state(recipe, state)
+    why = cudnn_fp8_available(q, k) if implementation != "emulate" else "emulation asked for"
+    if implementation == "cudnn" and why is not None:
+        raise ValueError(f"implementation='cudnn' cannot run FP8 attention here: {why}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    cfg = _Config(recipe, bool(causal), scale, rate, why is None)
+    return _fp8(cfg, q, k, v, state, rng)
+
+
+__all__ = ["cudnn_fp8_available", "fp8_attention", "unsupported"]
