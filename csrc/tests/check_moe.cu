@@ -120,17 +120,26 @@ void check_dispatch(std::mt19937& rng, int64_t T, int64_t k, int64_t E, int64_t 
   const int64_t P = T * k, a = std::max<int64_t>(align, 1);
   int64_t rows = P + E * (a - 1);
   if (cap >= 0) rows = std::min(rows, E * ((cap + a - 1) / a * a));
+  // align 0 means none: the kernels take align >= 1 (lowbit.ops._ffi.moe.plan passes
+  // max(align, 1)) and refuse 0.
   MoePlanParams p;
-  p.T = T, p.k = k, p.E = E, p.rows = rows, p.align = align, p.capacity = cap;
+  p.T = T, p.k = k, p.E = E, p.rows = rows, p.align = 0, p.capacity = cap;
   std::vector<int32_t> dest(P), src(rows), sz(E), off(E), cnt(E);
   p.experts = ex.data(), p.dest = dest.data(), p.src = src.data(), p.sizes = sz.data();
   p.offsets = off.data(), p.counts = cnt.data();
-  report(moe_plan_cpu(p).ok(), "plan cpu", "status");
+  report(!moe_plan_cpu(p).ok(), "plan cpu", "align 0 accepted");
+  p.align = a;
+  const Status planned = moe_plan_cpu(p);
+  report(planned.ok(), "plan cpu", planned.message.c_str());
+  if (!planned.ok()) return;  // nothing valid to compare the GPU against
   MoePlanParams q = p;
   q.experts = dev(ex), q.dest = zeros<int32_t>(P), q.src = zeros<int32_t>(rows);
   q.sizes = zeros<int32_t>(E), q.offsets = zeros<int32_t>(E), q.counts = zeros<int32_t>(E);
   q.scratch_len = moe_plan_scratch_len(T, k, E);
   q.scratch = zeros<int32_t>(q.scratch_len);
+  MoePlanParams q0 = q;
+  q0.align = 0;
+  report(!moe_plan_cuda(q0, nullptr).ok(), "plan cuda", "align 0 accepted");
   report(moe_plan_cuda(q, nullptr).ok(), "plan cuda", "status");
   CUDA_OK(cudaDeviceSynchronize());
   char msg[160];
@@ -156,6 +165,7 @@ void check_dispatch(std::mt19937& rng, int64_t T, int64_t k, int64_t E, int64_t 
     const size_t ob = mode == 0 ? 2 : 1;
     std::vector<uint8_t> out(rows * d * ob), col(mode ? rows * d : 0);
     std::vector<float> si(E), am(E), ra(T);
+    // delayed is set in every mode on purpose: current scaling must ignore it.
     pp.x = x.data(), pp.src = src.data(), pp.experts = ex.data(), pp.delayed = delayed.data();
     pp.out = out.data(), pp.out_col = mode ? col.data() : nullptr, pp.scale_inv = si.data();
     pp.amax = am.data(), pp.row_amax = ra.data();

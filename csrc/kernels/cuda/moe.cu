@@ -613,8 +613,12 @@ Status moe_plan_cuda(const MoePlanParams& p, void* stream) {
   return s;
 }
 
-Status moe_permute_cuda(const MoePermuteParams& p, void* stream) {
-  if (auto s = validate(p); !s.ok()) return s;
+Status moe_permute_cuda(const MoePermuteParams& p_in, void* stream) {
+  if (auto s = validate(p_in); !s.ok()) return s;
+  // The kernels take the delayed scales whenever the pointer is set: current scaling must not
+  // see them (the CPU kernel, like the mode's contract, ignores them there).
+  MoePermuteParams p = p_in;
+  if (p.mode != ScalingMode::kDelayedTensor) p.delayed = nullptr;
   auto st = static_cast<cudaStream_t>(stream);
   if (p.mode == ScalingMode::kNoScaling) {
     if (p.rows == 0) return Status::Ok();
