@@ -16,28 +16,13 @@
 #include <random>
 #include <vector>
 
+#include "check_common.h"
 #include "lowbit/formats.h"
 #include "lowbit/moe.h"
 
 using namespace lowbit;
 
 namespace {
-
-int g_fail = 0, g_pass = 0;
-
-#define CUDA_OK(x)                                                                         \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(2);                                                                        \
-    }                                                                                      \
-  } while (0)
-
-void report(bool ok, const char* what, const char* detail) {
-  (ok ? g_pass : g_fail)++;
-  if (!ok) std::printf("FAIL %s: %s\n", what, detail);
-}
 
 template <typename T>
 T* dev(const std::vector<T>& h) {
@@ -285,6 +270,5 @@ int main(int argc, char** argv) {
   check_dispatch(rng, 900, 3, 40, 16, -1, 96);  // > one chunk
   check_dispatch(rng, 500, 4, 16, 8, 90, 40);   // capacity, ragged tiles
   check_dispatch(rng, 1, 1, 1, 0, -1, 16);
-  std::printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return summary();
 }
