@@ -43,31 +43,6 @@ void same_bytes(const std::vector<uint8_t>& g, const std::vector<uint8_t>& c,
   report(bad == 0 && g.size() == c.size(), what, d);
 }
 
-struct Dev {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit Dev(size_t n) : bytes(n) {
-    if (n) CUDA_OK(cudaMalloc(&p, n));
-    if (n) CUDA_OK(cudaMemset(p, 0xab, n));  // stale bytes: every output byte must be written
-  }
-  Dev(const void* host, size_t n) : Dev(n) {
-    if (n) CUDA_OK(cudaMemcpy(p, host, n, cudaMemcpyHostToDevice));
-  }
-  ~Dev() {
-    if (p) cudaFree(p);
-  }
-  Dev(const Dev&) = delete;
-  template <typename T = void>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-  std::vector<uint8_t> host() const {
-    std::vector<uint8_t> h(bytes);
-    if (bytes) CUDA_OK(cudaMemcpy(h.data(), p, bytes, cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
-
 size_t esize(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 std::vector<uint8_t> random_tensor(std::mt19937& rng, DType t, size_t n, float mean, float sd) {

@@ -72,37 +72,6 @@ std::vector<uint8_t> random_tensor(std::mt19937& rng, DType t, size_t n, float m
 }
 
 // Device buffer mirroring a host vector.
-struct Dev {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit Dev(size_t n) : bytes(n) {
-    if (n) CUDA_OK(cudaMalloc(&p, n));
-    if (n) CUDA_OK(cudaMemset(p, 0xCD, n));  // poison: unwritten outputs show up
-  }
-  Dev(const void* host, size_t n) : Dev(n) {
-    if (n) CUDA_OK(cudaMemcpy(p, host, n, cudaMemcpyHostToDevice));
-  }
-  ~Dev() {
-    if (p) cudaFree(p);
-  }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  template <typename T = void>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-  std::vector<uint8_t> host() const {
-    std::vector<uint8_t> h(bytes);
-    if (bytes) CUDA_OK(cudaMemcpy(h.data(), p, bytes, cudaMemcpyDeviceToHost));
-    return h;
-  }
-  float scalar() const {
-    float f;
-    CUDA_OK(cudaMemcpy(&f, p, 4, cudaMemcpyDeviceToHost));
-    return f;
-  }
-};
-
 // |gpu - cpu| <= rtol * (|cpu| + floor * max|cpu|), element by element.
 void compare(const std::vector<uint8_t>& g, const std::vector<uint8_t>& c, DType t, size_t n,
              const std::string& what, float rtol_scale = 1.0f, float floor = 1e-2f) {
