@@ -46,6 +46,20 @@ def overlap(hlo_text: str) -> dict:
     )
 
 
+def _Stack(layer, depth: int):
+    """``depth`` copies of ``layer`` applied in sequence (separate parameters)."""
+    import flax.linen as nn
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x, **kw):
+            for i in range(depth):
+                x = layer.clone(parent=self, name=f"layer_{i}")(x, **kw)
+            return x
+
+    return Stack()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", default="delayed", choices=("delayed", "current", "none"))
@@ -54,6 +68,12 @@ def main() -> int:
     ap.add_argument("--per-device", type=int, default=4, help="sequences per device")
     ap.add_argument("--small", action="store_true", help="CPU-sized shapes (a smoke run)")
     ap.add_argument("--dump", default="", help="write the compiled (scheduled) HLO text here")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="a stack of this many layers (each layer's wgrad can hide behind the next)",
+    )
     ap.add_argument(
         "--pgle", type=int, default=0, help="JAX's automatic profile-guided latency estimator: profiling runs"
     )
@@ -81,7 +101,8 @@ def main() -> int:
     rec = {"delayed": lowbit.DelayedScaling(), "current": lowbit.Float8CurrentScaling(), "none": None}[
         args.recipe
     ]
-    model, kw, _ = md._lowbit_models(cfg)["TransformerLayer"]
+    layer, kw, _ = md._lowbit_models(cfg)["TransformerLayer"]
+    model = layer if args.layers == 1 else _Stack(layer, args.layers)
     shape = (cfg["batch"], cfg["seq"], cfg["hidden"])
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape).astype(jnp.bfloat16)
@@ -90,7 +111,9 @@ def main() -> int:
         boxed = model.init(jax.random.PRNGKey(0), jnp.asarray(x), **kw)
     v = nn.unbox(boxed)
     step = md._grad_step(model.apply, kw)
-    row = dict(label=args.label, flags=os.environ.get("XLA_FLAGS", ""), n=n, recipe=args.recipe)
+    row = dict(
+        label=args.label, flags=os.environ.get("XLA_FLAGS", ""), n=n, recipe=args.recipe, layers=args.layers
+    )
     if args.one:
         one = md._Ctx(None, None, rec).wrap(step)
         row["ms_one_device"] = md._timed(one, (v, jnp.asarray(x), jnp.asarray(dy)), args.small)
