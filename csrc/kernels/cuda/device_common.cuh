@@ -33,6 +33,13 @@ namespace lowbit {
 namespace cuda {
 
 constexpr unsigned kFull = 0xffffffffu;
+
+// Sum over the warp's lanes (butterfly: every lane gets the same value, added in the same order).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
 // Element formats: 0 E4M3, 1 E5M2, 2 E2M1.
 enum Fmt : int { kFmtE4M3 = 0, kFmtE5M2 = 1, kFmtE2M1 = 2 };
 

@@ -45,12 +45,6 @@ __host__ __device__ constexpr int vec_elems() {
 
 // pack2 / round_vec / round1 / fp8_vec / enc1 / fused_launch_scale: fused_kernel_helpers.cuh.
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
-
 // Sum over the block; every thread gets the same value (warp partials added in warp order).
 // `red` holds 32 floats; callers alternate two buffers so one barrier per call suffices.
 __device__ __forceinline__ float block_sum(float v, float* red) {
