@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "check_common.h"
+#include "check_tensors.h"
 #include "lowbit/activation.h"
 #include "lowbit/block_scaling.h"
 #include "lowbit/formats.h"
@@ -26,10 +26,6 @@
 using namespace lowbit;
 
 namespace {
-
-void status_ok(const Status& s, const std::string& what) {
-  if (!s.ok()) report(false, what, "status: " + s.message);
-}
 
 void same_bytes(const std::vector<uint8_t>& g, const std::vector<uint8_t>& c,
                 const std::string& what) {
@@ -41,23 +37,6 @@ void same_bytes(const std::vector<uint8_t>& g, const std::vector<uint8_t>& c,
     std::snprintf(d, sizeof d, "%zu bytes differ (sizes %zu/%zu), first at %zu", bad, g.size(),
                   c.size(), first);
   report(bad == 0 && g.size() == c.size(), what, d);
-}
-
-size_t esize(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-std::vector<uint8_t> random_tensor(std::mt19937& rng, DType t, size_t n, float mean, float sd) {
-  std::normal_distribution<float> d(mean, sd);
-  std::vector<uint8_t> b(n * esize(t));
-  for (size_t i = 0; i < n; ++i) {
-    const float v = d(rng);
-    if (t == DType::kF32) {
-      std::memcpy(b.data() + 4 * i, &v, 4);
-    } else {
-      const uint16_t h = t == DType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
-      std::memcpy(b.data() + 2 * i, &h, 2);
-    }
-  }
-  return b;
 }
 
 // The block-scaled outputs of one (R, C) tensor: both copies, their scales, amax, dbias.

@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "check_common.h"
+#include "check_tensors.h"
 #include "lowbit/activation.h"
 #include "lowbit/formats.h"
 #include "lowbit/norm.h"
@@ -33,42 +33,8 @@ using namespace lowbit;
 
 namespace {
 
-void status_ok(const Status& s, const std::string& what) {
-  if (!s.ok()) report(false, what, "status: " + s.message);
-}
-
-size_t esize(DType t) {
-  return t == DType::kF32 ? 4 : (t == DType::kE4M3 || t == DType::kE5M2 ? 1 : 2);
-}
 const char* dname(DType t) {
   return t == DType::kF32 ? "f32" : (t == DType::kBF16 ? "bf16" : "f16");
-}
-
-float get(const std::vector<uint8_t>& b, DType t, size_t i) {
-  if (t == DType::kF32) {
-    float f;
-    std::memcpy(&f, b.data() + 4 * i, 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, b.data() + 2 * i, 2);
-  return t == DType::kBF16 ? bf16_to_float(h) : f16_to_float(h);
-}
-
-void put(std::vector<uint8_t>& b, DType t, size_t i, float v) {
-  if (t == DType::kF32) {
-    std::memcpy(b.data() + 4 * i, &v, 4);
-    return;
-  }
-  const uint16_t h = t == DType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
-  std::memcpy(b.data() + 2 * i, &h, 2);
-}
-
-std::vector<uint8_t> random_tensor(std::mt19937& rng, DType t, size_t n, float mean, float stddev) {
-  std::normal_distribution<float> d(mean, stddev);
-  std::vector<uint8_t> b(n * esize(t));
-  for (size_t i = 0; i < n; ++i) put(b, t, i, d(rng));
-  return b;
 }
 
 // Device buffer mirroring a host vector.
