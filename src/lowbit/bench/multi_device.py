@@ -753,7 +753,12 @@ def layer_rows(
     n = len(jax.devices())
     # Full: the seed layer with 4 sequences per device (16 on 4 GPUs, as issue 24 measured).
     cfg = dict(SMALL, batch=n, seq=32, hidden=128, ffn=256, heads=4) if small else dict(FULL, batch=4 * n)
-    rec = {"delayed": lowbit.DelayedScaling(), "current": lowbit.Float8CurrentScaling(), "none": None}[recipe]
+    rec = {
+        "delayed": lowbit.DelayedScaling(),
+        "current": lowbit.Float8CurrentScaling(),
+        "block": lowbit.Float8BlockScaling(),
+        "none": None,
+    }[recipe]
     shape = (cfg["batch"], cfg["seq"], cfg["hidden"])
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape).astype(jnp.bfloat16)
@@ -1091,7 +1096,7 @@ def check_moe_step(
     return problems
 
 
-def moe_rows(small: bool, quick: bool = False) -> list[dict]:
+def moe_rows(small: bool, quick: bool = False, shape: str = "") -> list[dict]:
     import math
 
     import jax
@@ -1106,6 +1111,10 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
 
     n = len(jax.devices())
     T, d, ff, E, k = (64 * n, 64, 128, 2 * n, 2) if small else (8192, 1024, 2048, n * max(1, 8 // n), 2)
+    if shape:  # "T,d,ff,E,k": a model-sized MoE (compute per routed row grows with ff, bytes with d)
+        T, d, ff, E, k = (int(v) for v in shape.split(","))
+        if E % n:
+            raise ValueError(f"--moe-shape: experts {E} not divisible by the {n} devices")
     mesh = _mesh((n,), ("ep",))
     p = moe_params(jax.random.PRNGKey(0), d, ff, E, k)
     x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (T, d)), np.float32)
@@ -1137,6 +1146,8 @@ def moe_rows(small: bool, quick: bool = False) -> list[dict]:
     cases.append(("lowbit bf16 allgather", "bf16", "allgather", None, 1))
     if quick:
         cases = [cases[0], cases[-1]]
+    elif shape:  # the model-sized run: the default dispatch and its two-chunk overlap, both recipes
+        cases = [c for c in cases if (c[3] == cf and c[4] == 1) or (c[1] == "bf16" and c[4] == 2)]
     weights = {kk: v for kk, v in p.items() if kk != "top_k"}
     sh = {
         "router": NamedSharding(mesh, P()),
@@ -1231,7 +1242,10 @@ def parse(argv=None):
         "--timeout", type=float, default=590.0, help="launcher: seconds before the processes are killed"
     )
     ap.add_argument("--quick", action="store_true", help="fewest cases and one timed call each (tests)")
-    ap.add_argument("--recipe", choices=("delayed", "current", "none"), default="current", help="layer stage")
+    ap.add_argument(
+        "--recipe", choices=("delayed", "current", "block", "none"), default="current", help="layer stage"
+    )
+    ap.add_argument("--moe-shape", default="", help='moe stage: "T,d,ff,E,k" instead of the default shape')
     ap.add_argument("--models", default="LayerNormMLP,TransformerLayer", help="layer stage, comma-separated")
     ap.add_argument("--parallel", default=",".join(PARALLEL), help="layer stage: " + ",".join(PARALLEL))
     return ap.parse_args(argv)
@@ -1301,12 +1315,17 @@ def main(argv=None) -> int:
             )
             bad = [r for r in rows if r["rel_diff"] > 2.0**-6]
         else:
-            rows, cols = moe_rows(small, quick=args.quick), MOE_COLUMNS
+            rows, cols = moe_rows(small, quick=args.quick, shape=args.moe_shape), MOE_COLUMNS
             bad = [r for r in rows if r["audit"] not in ("ok", "")]
         if main_proc:
             suffix = ("small" if small else "full") + (
                 f"-{jax.process_count()}proc" if jax.process_count() > 1 else ""
             )
+            # Runs with other settings keep their own file beside the default one.
+            if stage == "layer" and args.recipe not in ("delayed", "current"):
+                suffix += f"-{args.recipe}"
+            if stage == "moe" and args.moe_shape:
+                suffix += "-" + args.moe_shape.replace(",", "_")
             shown = [
                 dict(r, rel_diff_vs_one=f"{r['rel_diff_vs_one']:.1e}") if "rel_diff_vs_one" in r else r
                 for r in rows
