@@ -129,6 +129,26 @@ def test_emulation_dropout_uses_the_key_mask():
     np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))
 
 
+@pytest.mark.parametrize("rate", [0.0, 0.25])
+def test_delayed_s_scale_never_exceeds_the_unnormalized_bound(rate):
+    """A non-causal history gives s an amax ~1/3 and a scale ~1334; cuDNN quantizes the
+    unnormalized exp(s - m) <= 1 (over the keep rate), so the op must use at most fmax * keep:
+    with that state the step equals the step whose s scale is exactly that bound."""
+    recipe = DelayedScaling(fp8_dpa=True, amax_history_len=4)
+    q, k, v, do = _inputs(seed=5)
+    kw = dict(causal=False, implementation="emulate")
+    if rate:
+        kw |= dict(dropout_rate=rate, rng=jax.random.PRNGKey(3))
+    state = _steady_state(recipe, q, k, v, do, **kw)
+    bound = 448.0 * (1.0 - rate)
+    big = dict(state, s_scale=jnp.full((1,), 4.0 * bound, jnp.float32))
+    exact = dict(state, s_scale=jnp.full((1,), bound, jnp.float32))
+    got, want = _run(recipe, q, k, v, do, big, **kw), _run(recipe, q, k, v, do, exact, **kw)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_delayed_state_advances_from_the_amaxes():
     recipe = DelayedScaling(fp8_dpa=True, amax_history_len=4, margin=1)
     q, k, v, do = _inputs(seed=2)
