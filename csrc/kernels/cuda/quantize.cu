@@ -145,17 +145,54 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// dbias = column sums of x, one thread per column (generic path; also R == 0 gives zeros).
+// dbias = column sums of x (generic path; also R == 0 gives zeros), in a fixed order. A block
+// takes kDbiasCols columns, a lane two of them (32 apart: each warp load is one contiguous row
+// run); the block's warps take interleaved rows, kDbiasUnroll loads in flight per column, and
+// their partial sums add in warp order in shared memory. One thread per column over all rows was
+// latency-bound: 3.75 ms for 8192 x 16384 bf16 on the H200 (the block recipe's dgelu dbias).
+constexpr int kDbiasWarps = 8, kDbiasCols = 64, kDbiasUnroll = 8;
+
 template <int IN>
-__global__ void dbias_generic_kernel(const void* xv, int64_t R, int64_t C, void* out) {
+__global__ void __launch_bounds__(32 * kDbiasWarps)
+    dbias_generic_kernel(const void* xv, int64_t R, int64_t C, void* out) {
   using T = typename In<IN>::T;
   const T* x = static_cast<const T*>(xv);
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
-       c += int64_t(gridDim.x) * blockDim.x) {
-    float s = 0.0f;
-    for (int64_t r = 0; r < R; ++r) s += In<IN>::f(x[r * C + c]);
-    store_out<IN>(out, c, s);
+  __shared__ float part[kDbiasWarps][kDbiasCols];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t c0 = int64_t(blockIdx.x) * kDbiasCols; c0 < C;
+       c0 += int64_t(gridDim.x) * kDbiasCols) {
+    float acc[2] = {0.0f, 0.0f};
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c = c0 + h * 32 + lane;
+      if (c >= C) continue;
+      int64_t r = warp;
+      for (; r + (kDbiasUnroll - 1) * kDbiasWarps < R; r += kDbiasUnroll * kDbiasWarps) {
+        float v[kDbiasUnroll];
+#pragma unroll
+        for (int u = 0; u < kDbiasUnroll; ++u) v[u] = In<IN>::f(x[(r + u * kDbiasWarps) * C + c]);
+#pragma unroll
+        for (int u = 0; u < kDbiasUnroll; ++u) acc[h] += v[u];
+      }
+      for (; r < R; r += kDbiasWarps) acc[h] += In<IN>::f(x[r * C + c]);
+    }
+    part[warp][lane] = acc[0];
+    part[warp][32 + lane] = acc[1];
+    __syncthreads();
+    if (threadIdx.x < kDbiasCols && c0 + threadIdx.x < C) {
+      float s = 0.0f;
+      for (int w = 0; w < kDbiasWarps; ++w) s += part[w][threadIdx.x];
+      store_out<IN>(out, c0 + threadIdx.x, s);
+    }
+    __syncthreads();
   }
+}
+
+template <int IN>
+Status launch_dbias(const QuantizeParams& p, cudaStream_t st) {
+  const int64_t blocks = (p.cols + kDbiasCols - 1) / kDbiasCols;
+  dbias_generic_kernel<IN><<<unsigned(std::min<int64_t>(blocks, 65535)), 32 * kDbiasWarps, 0, st>>>(
+      p.x, p.rows, p.cols, p.dbias);
+  return launch_status("dbias_generic_kernel");
 }
 
 // dbias from the fused cast's per-tile column sums: fixed order, so deterministic.
@@ -203,8 +240,7 @@ Status run_noscale(const QuantizeParams& p, cudaStream_t st) {
     if (auto s = launch_status("noscale_transpose_kernel"); !s.ok()) return s;
   }
   if (p.dbias && C > 0) {
-    dbias_generic_kernel<IN><<<grid_for(C, 256), 256, 0, st>>>(p.x, R, C, p.dbias);
-    if (auto s = launch_status("dbias_generic_kernel"); !s.ok()) return s;
+    if (auto s = launch_dbias<IN>(p, st); !s.ok()) return s;
   }
   return Status::Ok();
 }
@@ -331,8 +367,7 @@ Status run_cast(const QuantizeParams& p, cudaStream_t st) {
     }
   }
   if (p.dbias && C > 0) {  // generic path, or R == 0 (zeros)
-    dbias_generic_kernel<IN><<<grid_for(C, 256), 256, 0, st>>>(p.x, R, C, p.dbias);
-    if (auto s = launch_status("dbias_generic_kernel"); !s.ok()) return s;
+    if (auto s = launch_dbias<IN>(p, st); !s.ok()) return s;
   }
   return Status::Ok();
 }
@@ -474,8 +509,7 @@ Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
     }
   }
   if (p.dbias && C > 0) {
-    dbias_generic_kernel<IN><<<grid_for(C, 256), 256, 0, st>>>(p.x, R, C, p.dbias);
-    if (auto s = launch_status("dbias_generic_kernel"); !s.ok()) return s;
+    if (auto s = launch_dbias<IN>(p, st); !s.ok()) return s;
   }
   return Status::Ok();
 }
