@@ -18,8 +18,6 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -75,15 +73,6 @@ Status handle_for(int device, cublasLtHandle_t* out) {
   handles.emplace(device, h);
   *out = h;
   return Status::Ok();
-}
-
-// LOWBIT_GEMM_SM_MARGIN, read once per process (0: every SM).
-int sm_margin() {
-  static const int margin = [] {
-    const char* v = std::getenv("LOWBIT_GEMM_SM_MARGIN");
-    return v ? std::max(0, std::atoi(v)) : 0;
-  }();
-  return margin;
 }
 
 // Everything the heuristic's choice depends on.
@@ -229,18 +218,6 @@ Status gemm_cublaslt(const GemmParams& p, void* stream_ptr) {
       LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt,
                                                      sizeof(bt)),
                       "set BIAS_DATA_TYPE");
-    }
-  }
-  // LOWBIT_GEMM_SM_MARGIN=n: leave n SMs free for collectives running beside the GEMM (XLA's async
-  // all-reduces are NCCL kernels on another stream; a GEMM whose CTAs hold every SM delays them).
-  if (const int margin = sm_margin(); margin > 0) {
-    int sms = 0;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-        sms > margin) {
-      const int32_t target = sms - margin;
-      LOWBIT_LT_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
-                                                     &target, sizeof(target)),
-                      "set SM_COUNT_TARGET");
     }
   }
   // Column-major views: A (K, N) ld K, B (K, M) ld K, C = D (N, M) ld N.
