@@ -22,6 +22,8 @@ plan, permutation and combine (``lowbit.moe.kernels("fused")``).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -145,10 +147,20 @@ def weight_bytes(case, E, H, F) -> float:
     return n * (2 + 1 + 1 + 1 + 1 + 2)  # cast: read bf16, write both copies; GEMMs read them; dW
 
 
+def _selected(names, env: str):
+    """``names`` narrowed to the ';'-separated ones in the environment variable ``env`` (all when
+    it is unset); ``lowbit bf16`` always stays (every row's vs_bf16 is against it)."""
+    want = [n.strip() for n in os.environ.get(env, "").split(";") if n.strip()]
+    return [n for n in names if not want or n in want or n == "lowbit bf16"]
+
+
 def run(small: bool, progress=None) -> list[dict]:
+    """LOWBIT_MOE_CASES / LOWBIT_MOE_SHAPES (';'-separated case / shape names) run a subset."""
     rows = []
     iters = 2 if small else 10
-    for name, T, H, E, F, k in CPU_SHAPES if small else GPU_SHAPES:
+    shapes = CPU_SHAPES if small else GPU_SHAPES
+    picked = _selected([s[0] for s in shapes], "LOWBIT_MOE_SHAPES")
+    for name, T, H, E, F, k in [s for s in shapes if s[0] in picked]:
         keys = jax.random.split(jax.random.PRNGKey(0), 4)
         x = jax.random.normal(keys[0], (T, H), jnp.bfloat16)
         gate = (jax.random.normal(keys[1], (H, E), jnp.float32) * 0.02).astype(jnp.bfloat16)
@@ -156,7 +168,7 @@ def run(small: bool, progress=None) -> list[dict]:
         wo = (jax.random.normal(keys[3], (E, F, H), jnp.float32) * 0.02).astype(jnp.bfloat16)
         flops = 3 * 2.0 * T * k * H * 3 * F
         base = None
-        for case in CASES:
+        for case in _selected(CASES, "LOWBIT_MOE_CASES"):
             fn, recipe = _step(case, k)
             state, qws = _extras(case, recipe, wi, wo)
             try:
@@ -174,7 +186,7 @@ def run(small: bool, progress=None) -> list[dict]:
                     "case": case,
                     "ms": ms,
                     "TFLOPs": flops / (ms * 1e-3) / 1e12,
-                    "vs_xla": base / ms if base == base else float("nan"),
+                    "vs_xla": base / ms if base is not None and base == base else float("nan"),
                     "floor_ms": flops / peak * 1e3,
                     "weight_GB": weight_bytes(case, E, H, F) / 1e9,
                 }
