@@ -30,6 +30,7 @@ import numpy as np
 from lowbit.ops import fused_attention as fa
 from lowbit.ops._ffi import attention as ffi
 from lowbit.ops.attention import fp8_scales as fs
+from lowbit.ops.attention.fp8_sharded import sharded_bwd, sharded_fwd
 from lowbit.recipe import DelayedScaling
 from lowbit.sharding import plan_heads
 
@@ -44,6 +45,7 @@ class _Config:
     scale: float
     rate: float
     cudnn: bool
+    plan: Any = None  # (mesh, batch entry, head entry): the kernels run per shard (fp8_sharded)
 
     @property
     def delayed(self) -> bool:
@@ -190,7 +192,10 @@ def _fp8_fwd(cfg, q, k, v, state, rng):
     a = {"q": fs.amax(q), "k": fs.amax(k), "v": fs.amax(v)}
     sc = _current_fwd_outputs(cfg, _fwd_scales(cfg, state, a), a, q.shape)
     run = _cudnn_fwd if cfg.cudnn else _emulate_fwd
-    out, res, a["s"], a["o"] = run(cfg, q, k, v, sc, rng)
+    if cfg.plan is not None:
+        out, res, a["s"], a["o"] = sharded_fwd(cfg, run, cfg.plan, q, k, v, sc, rng)
+    else:
+        out, res, a["s"], a["o"] = run(cfg, q, k, v, sc, rng)
     return out.astype(q.dtype), (res, sc, a, state, rng)
 
 
@@ -199,7 +204,10 @@ def _fp8_bwd(cfg, res, ct):
     a_do = fs.amax(ct)
     sc = _bwd_scales(cfg, sc, a, a_do, kernel_res[0].shape)
     run = _cudnn_bwd if cfg.cudnn else _emulate_bwd
-    (dq, dk, dv), a_bwd = run(cfg, kernel_res, sc, ct, rng)
+    if cfg.plan is not None:
+        (dq, dk, dv), a_bwd = sharded_bwd(cfg, run, cfg.plan, kernel_res, sc, ct, rng)
+    else:
+        (dq, dk, dv), a_bwd = run(cfg, kernel_res, sc, ct, rng)
     dt = ct.dtype
     state_ct = fs.step_state(cfg.recipe, state, a | a_bwd | {"do": a_do}) if cfg.delayed else None
     return dq.astype(dt), dk.astype(dt), dv.astype(dt), state_ct, None
@@ -246,8 +254,7 @@ def unsupported(
         return "context parallelism"
     if mask_type not in ("no_mask", "causal") or (mask_type == "causal" and sq != sk):
         return f"attn_mask_type={mask_type!r} with sq={sq}, sk={sk} (no_mask, or causal with sq == sk)"
-    if plan_heads(batch, heads, groups) is not None:
-        return "a mesh that splits the batch or heads (FP8 attention runs on one device)"
+    del batch, heads, groups  # a mesh split runs per shard (fp8_sharded)
     return None
 
 
@@ -297,7 +304,8 @@ def fp8_attention(
     if not np.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    cfg = _Config(recipe, bool(causal), scale, rate, why is None)
+    plan = plan_heads(q.shape[0], q.shape[2], k.shape[2])
+    cfg = _Config(recipe, bool(causal), scale, rate, why is None, plan)
     return _fp8(cfg, q, k, v, state, rng)
 
 
