@@ -1188,6 +1188,7 @@ def moe_rows(small: bool, quick: bool = False, shape: str = "") -> list[dict]:
         if disp == "capacity":
             audit = "; ".join(check_moe_step(hlo, T // n, d, E, n, block_rows, chunks)) or "ok"
         tn = _timed(ep, args, small)
+        print(f"  {name}: {tn:.3f} ms (one device {t1:.3f} ms)", flush=True)  # a partial run keeps rows
         rows.append(
             dict(
                 case=name,
