@@ -8,6 +8,12 @@ held-out loss and its gap to BF16 in percent.
     python examples/convergence.py                     # 500 steps, all recipes, seed 0
     python examples/convergence.py --seeds 0 1 2 --recipes bf16 nvfp4 nvfp4-all
     python examples/convergence.py --small --steps 30  # seconds: what the test runs
+    python examples/convergence.py --model moe --steps 300 --seeds 0 1  # MoE decoder, FP8 recipes
+
+``--model moe`` swaps every block's MLP for lowbit.flax.MoEBlock (8 experts, top-2, SwiGLU
+experts, softmax router with TE's load-balancing aux loss added to the training loss); its
+expert GEMMs are lowbit's grouped GEMMs under the block's recipe, the attention projections
+lowbit's dense as in the dense model. Recipes for it: bf16, delayed, current, block.
 
 Recipe names: bf16 (no recipe), delayed, current, mxfp8, block (Float8BlockScaling), nvfp4 (the
 default NVFP4 recipe: first and last transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in
@@ -53,6 +59,7 @@ RECIPES = {
     "nvfp4-no2d": lambda: lowbit.NVFP4BlockScaling(disable_2d_quantization=True),
 }
 DEFAULT_RECIPES = ("bf16", "delayed", "current", "mxfp8", "nvfp4")
+MOE_RECIPES = ("bf16", "delayed", "current", "block")  # the grouped GEMM's recipes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +73,16 @@ class Config:
     lr: float = 3e-3
     warmup: int = 50
     eval_batches: int = 8
+    experts: int = 0  # > 0: every block's MLP is an MoE block of this many experts (d_ff each)
+    top_k: int = 2
+    aux_loss_coeff: float = 1e-2
 
 
 SMALL = Config(d_model=32, n_layers=3, n_heads=2, d_ff=64, seq=32, batch=8, warmup=5, eval_batches=2)
+# d and d_ff multiples of 128: Float8BlockScaling's 128-wide blocks tile every expert GEMM exactly.
+MOE = Config(d_model=128, n_layers=2, n_heads=4, d_ff=128, experts=8)
+SMALL_MOE = dataclasses.replace(MOE, n_layers=1, n_heads=2, seq=16, batch=8, warmup=2, eval_batches=1)
+CONFIGS = {"dense": (Config(), SMALL, DEFAULT_RECIPES), "moe": (MOE, SMALL_MOE, MOE_RECIPES)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +132,8 @@ def eval_batches(data: np.ndarray, cfg: Config) -> np.ndarray:
 # Model: pre-LN decoder; every block Dense takes the dot_general its layer's recipe gives
 # ---------------------------------------------------------------------------------------------
 class Block(nn.Module):
+    """(x, aux loss): the aux loss is the MoE router's (0 for a dense MLP)."""
+
     cfg: Config
     recipe: lowbit.recipe.Recipe | None
     index: int
@@ -138,11 +154,23 @@ class Block(nn.Module):
         a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(dt), v).reshape(b, t, -1)
         x = x + dense(c.d_model, "out")(a)
         h = nn.LayerNorm(dtype=dt)(x)
-        return x + dense(c.d_model, "fc2")(nn.gelu(dense(c.d_ff, "fc1")(h)))
+        if not c.experts:
+            return x + dense(c.d_model, "fc2")(nn.gelu(dense(c.d_ff, "fc1")(h))), 0.0
+        recipe = None if self.recipe is None else self.recipe.layer_recipe(self.index, c.n_layers)
+        y, aux, _ = lowbit.flax.MoEBlock(
+            num_experts=c.experts,
+            num_experts_per_tok=c.top_k,
+            intermediate_size=c.d_ff,
+            aux_loss_coeff=c.aux_loss_coeff,
+            quantization_recipe=recipe,
+            name="moe",
+        )(h)
+        return x + y.astype(dt), aux
 
 
 class ByteLM(nn.Module):
-    """Embedding and output head stay in BF16 for every recipe (as in the NVFP4 papers)."""
+    """(logits, summed aux loss). Embedding and output head stay in BF16 for every recipe (as
+    in the NVFP4 papers)."""
 
     cfg: Config
     recipe: lowbit.recipe.Recipe | None
@@ -153,11 +181,12 @@ class ByteLM(nn.Module):
         x = nn.Embed(256, c.d_model)(tokens) + self.param(
             "pos", nn.initializers.normal(0.02), (c.seq, c.d_model)
         )
-        x = x.astype(jnp.bfloat16)
+        x, aux = x.astype(jnp.bfloat16), 0.0
         for i in range(c.n_layers):
-            x = Block(c, self.recipe, i, name=f"block{i}")(x)
+            x, a = Block(c, self.recipe, i, name=f"block{i}")(x)
+            aux = aux + a
         x = nn.LayerNorm(dtype=jnp.bfloat16)(x)
-        return nn.Dense(256, dtype=jnp.bfloat16, name="head")(x).astype(jnp.float32)
+        return nn.Dense(256, dtype=jnp.bfloat16, name="head")(x).astype(jnp.float32), aux
 
 
 def xent(logits, targets):
@@ -182,12 +211,13 @@ def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
     sr_key = jax.random.PRNGKey(1000 + seed)
 
     def loss_fn(params, state, batch, key):
-        logits = model.apply({"params": params, **state}, batch[:, :-1], rngs={SR_RNG: key})
-        return xent(logits, batch[:, 1:])
+        logits, aux = model.apply({"params": params, **state}, batch[:, :-1], rngs={SR_RNG: key})
+        loss = xent(logits, batch[:, 1:])
+        return loss + aux, loss  # trains on both, reports the cross-entropy
 
     @jax.jit
     def step(params, state, opt_state, batch, i):
-        loss, (g, g_state) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+        (_, loss), (g, g_state) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
             params, state, batch, jax.random.fold_in(sr_key, i)
         )
         updates, opt_state = opt.update(g, opt_state, params)
@@ -197,7 +227,7 @@ def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
 
     @jax.jit
     def eval_loss(params, state, batch):
-        return xent(model.apply({"params": params, **state}, batch[:, :-1]), batch[:, 1:])
+        return xent(model.apply({"params": params, **state}, batch[:, :-1])[0], batch[:, 1:])
 
     t0, losses = time.time(), []
     for i in range(steps):
@@ -252,11 +282,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=list(RECIPES))
+    p.add_argument("--recipes", nargs="+", choices=list(RECIPES), help="default: the model's set")
+    p.add_argument("--model", choices=list(CONFIGS), default="dense", help="dense MLPs or MoE blocks")
     p.add_argument("--small", action="store_true", help="tiny shapes (seconds; for tests)")
     a = p.parse_args(argv)
-    cfg = SMALL if a.small else Config()
-    recipes = ["bf16"] + [r for r in a.recipes if r != "bf16"]  # the gaps need the baseline
+    full, small, default = CONFIGS[a.model]
+    cfg = small if a.small else full
+    recipes = ["bf16"] + [r for r in (a.recipes or default) if r != "bf16"]  # the gaps need the baseline
     print(f"{cfg}\n{a.steps} steps, seeds {a.seeds}, jax {jax.__version__} on {jax.devices()[0].platform}")
     rows = run(recipes, a.seeds, a.steps, cfg)
     print(table(rows))
