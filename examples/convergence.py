@@ -15,10 +15,11 @@ experts, softmax router with TE's load-balancing aux loss added to the training 
 expert GEMMs are lowbit's grouped GEMMs under the block's recipe, the attention projections
 lowbit's dense as in the dense model. Recipes for it: bf16, delayed, current, block.
 
-Recipe names: bf16 (no recipe), delayed, current, mxfp8, block (Float8BlockScaling), nvfp4 (the
-default NVFP4 recipe: first and last transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in
-NVFP4), nvfp4-last (only the last layer BF16), nvfp4-last2 (the last two), nvfp4-nosr,
-nvfp4-norht, nvfp4-no2d (the default with one TE feature disabled).
+Recipe names: bf16 (no recipe), delayed, delayed-h16 (amax history of 16 steps instead of
+1024), current, mxfp8, block (Float8BlockScaling), nvfp4 (the default NVFP4 recipe: first and
+last transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in NVFP4),
+nvfp4-last (only the last layer BF16), nvfp4-last2 (the last two), nvfp4-nosr, nvfp4-norht,
+nvfp4-no2d (the default with one TE feature disabled).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {
     "bf16": lambda: None,
     "delayed": lowbit.DelayedScaling,
+    "delayed-h16": lambda: lowbit.DelayedScaling(amax_history_len=16),  # TE's default history is 1024
     "current": lowbit.Float8CurrentScaling,
     "mxfp8": lowbit.MXFP8BlockScaling,
     "block": lowbit.Float8BlockScaling,
