@@ -13,7 +13,8 @@ held-out loss and its gap to BF16 in percent.
 ``--model moe`` swaps every block's MLP for lowbit.flax.MoEBlock (8 experts, top-2, SwiGLU
 experts, softmax router with TE's load-balancing aux loss added to the training loss); its
 expert GEMMs are lowbit's grouped GEMMs under the block's recipe, the attention projections
-lowbit's dense as in the dense model. Recipes for it: bf16, delayed, current, block.
+lowbit's dense as in the dense model. Recipes for it (the grouped GEMM's): bf16, delayed,
+delayed-h16, current, block (the default set: all but delayed-h16).
 
 Recipe names: bf16 (no recipe), delayed, delayed-h16 (amax history of 16 steps instead of
 1024), current, mxfp8, block (Float8BlockScaling), nvfp4 (the default NVFP4 recipe: first and
