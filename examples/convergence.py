@@ -245,6 +245,7 @@ def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
         first=float(np.mean(losses[:5])),
         last=float(np.mean(losses[-10:])),
         held=held_loss,
+        curve=losses,  # training cross-entropy per step
         seconds=time.time() - t0,
         step_ms=1e3 * (time.time() - t1) / max(steps - 1, 1),
     )
