@@ -8,6 +8,12 @@ held-out loss and its gap to BF16 in percent.
     python examples/convergence.py                     # 500 steps, all recipes, seed 0
     python examples/convergence.py --seeds 0 1 2 --recipes bf16 nvfp4 nvfp4-all
     python examples/convergence.py --small --steps 30  # seconds: what the test runs
+    python examples/convergence.py --moe 8 --steps 300 --recipes bf16 delayed current block
+    python examples/convergence.py --fp8-attention --steps 300 --recipes bf16 delayed current
+
+``--moe E``: every block's MLP is lowbit's MoEBlock (E experts, top-2, SwiGLU, aux loss), its
+grouped GEMMs under the recipe. ``--fp8-attention``: every run's attention is lowbit's
+DotProductAttention, and the FP8 recipes set ``fp8_dpa=True`` (FP8 attention; BF16 stays BF16).
 
 Recipe names: bf16 (no recipe), delayed, current, mxfp8, block (Float8BlockScaling), nvfp4 (the
 default NVFP4 recipe: first and last transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in
@@ -66,6 +72,10 @@ class Config:
     lr: float = 3e-3
     warmup: int = 50
     eval_batches: int = 8
+    moe_experts: int = 0  # > 0: MoE MLPs (lowbit.flax.MoEBlock) with this many experts
+    moe_top_k: int = 2
+    aux_loss: float = 0.01
+    fp8_attention: bool = False  # lowbit's DotProductAttention, fp8_dpa under FP8 recipes
 
 
 SMALL = Config(d_model=32, n_layers=3, n_heads=2, d_ff=64, seq=32, batch=8, warmup=5, eval_batches=2)
@@ -133,12 +143,29 @@ class Block(nn.Module):
         b, t, _ = x.shape
         h = nn.LayerNorm(dtype=dt)(x)
         q, k, v = jnp.split(dense(3 * c.d_model, "qkv")(h).reshape(b, t, 3 * c.n_heads, -1), 3, axis=2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(dt), v).reshape(b, t, -1)
+        if c.fp8_attention:  # FP8 where the recipe (autocast in train) says fp8_dpa
+            dpa = lowbit.flax.DotProductAttention(
+                head_dim=q.shape[-1], num_attention_heads=c.n_heads, attn_mask_type="causal", name="attn"
+            )
+            a = dpa(q, k, v).reshape(b, t, -1)
+        else:
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
+            s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+            a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(dt), v).reshape(b, t, -1)
         x = x + dense(c.d_model, "out")(a)
         h = nn.LayerNorm(dtype=dt)(x)
-        return x + dense(c.d_model, "fc2")(nn.gelu(dense(c.d_ff, "fc1")(h)))
+        if not c.moe_experts:
+            return x + dense(c.d_model, "fc2")(nn.gelu(dense(c.d_ff, "fc1")(h))), jnp.float32(0)
+        moe = lowbit.flax.MoEBlock(
+            num_experts=c.moe_experts,
+            num_experts_per_tok=c.moe_top_k,
+            intermediate_size=c.d_ff // 2,  # SwiGLU: two halves, about the dense MLP's parameters per expert
+            aux_loss_coeff=c.aux_loss,
+            quantization_recipe=self.recipe,
+            name="moe",
+        )
+        y, aux, _ = moe(h)
+        return x + y.astype(x.dtype), aux.astype(jnp.float32)
 
 
 class ByteLM(nn.Module):
@@ -153,11 +180,12 @@ class ByteLM(nn.Module):
         x = nn.Embed(256, c.d_model)(tokens) + self.param(
             "pos", nn.initializers.normal(0.02), (c.seq, c.d_model)
         )
-        x = x.astype(jnp.bfloat16)
+        x, aux = x.astype(jnp.bfloat16), jnp.float32(0)
         for i in range(c.n_layers):
-            x = Block(c, self.recipe, i, name=f"block{i}")(x)
+            x, a = Block(c, self.recipe, i, name=f"block{i}")(x)
+            aux = aux + a
         x = nn.LayerNorm(dtype=jnp.bfloat16)(x)
-        return nn.Dense(256, dtype=jnp.bfloat16, name="head")(x).astype(jnp.float32)
+        return nn.Dense(256, dtype=jnp.bfloat16, name="head")(x).astype(jnp.float32), aux
 
 
 def xent(logits, targets):
@@ -170,9 +198,17 @@ def xent(logits, targets):
 def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
     train_data, held = data
     recipe = RECIPES[name]()
+    if cfg.fp8_attention and recipe is not None:
+        recipe = dataclasses.replace(recipe, fp8_dpa=True)
     model = ByteLM(cfg, recipe)
     batches = train_batches(train_data, cfg, steps, seed)
-    variables = model.init(jax.random.PRNGKey(seed), batches[0, :, :-1])
+
+    def apply(variables, tokens, **kw):  # the recipe in context: lowbit's attention reads it there
+        with lowbit.autocast(recipe=recipe, enabled=recipe is not None):
+            return model.apply(variables, tokens, **kw)
+
+    with lowbit.autocast(recipe=recipe, enabled=recipe is not None):
+        variables = model.init(jax.random.PRNGKey(seed), batches[0, :, :-1])
     params = variables.pop("params")
     state = variables  # DelayedScaling's amax histories and scales (else empty)
     total = max(steps, cfg.warmup + 1)
@@ -182,8 +218,8 @@ def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
     sr_key = jax.random.PRNGKey(1000 + seed)
 
     def loss_fn(params, state, batch, key):
-        logits = model.apply({"params": params, **state}, batch[:, :-1], rngs={SR_RNG: key})
-        return xent(logits, batch[:, 1:])
+        logits, aux = apply({"params": params, **state}, batch[:, :-1], rngs={SR_RNG: key})
+        return xent(logits, batch[:, 1:]) + aux
 
     @jax.jit
     def step(params, state, opt_state, batch, i):
@@ -197,7 +233,7 @@ def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
 
     @jax.jit
     def eval_loss(params, state, batch):
-        return xent(model.apply({"params": params, **state}, batch[:, :-1]), batch[:, 1:])
+        return xent(apply({"params": params, **state}, batch[:, :-1])[0], batch[:, 1:])
 
     t0, losses = time.time(), []
     for i in range(steps):
@@ -254,8 +290,12 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=list(RECIPES))
     p.add_argument("--small", action="store_true", help="tiny shapes (seconds; for tests)")
+    p.add_argument("--moe", type=int, default=0, metavar="E", help="MoE MLPs with E experts (top-2)")
+    p.add_argument("--fp8-attention", action="store_true", help="lowbit's attention, fp8_dpa for FP8 recipes")
     a = p.parse_args(argv)
-    cfg = SMALL if a.small else Config()
+    cfg = dataclasses.replace(
+        SMALL if a.small else Config(), moe_experts=a.moe, fp8_attention=a.fp8_attention
+    )
     recipes = ["bf16"] + [r for r in a.recipes if r != "bf16"]  # the gaps need the baseline
     print(f"{cfg}\n{a.steps} steps, seeds {a.seeds}, jax {jax.__version__} on {jax.devices()[0].platform}")
     rows = run(recipes, a.seeds, a.steps, cfg)
