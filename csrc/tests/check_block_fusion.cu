@@ -110,15 +110,17 @@ void check_dbias_bound(const std::vector<uint8_t>& dx, const std::vector<uint8_t
                        int64_t R, int64_t W, const std::string& tag) {
   const double u_out = dt == DType::kBF16 ? 0x1p-8 : dt == DType::kF16 ? 0x1p-11 : 0x1p-24;
   const double tiny = dt == DType::kBF16 ? 0x1p-133 : dt == DType::kF16 ? 0x1p-24 : 0x1p-149;
+  std::vector<double> sum(size_t(W), 0.0), abs_sum(size_t(W), 0.0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < W; ++c) {
+      const double v = get(dx, dt, size_t(r * W + c));
+      sum[size_t(c)] += v, abs_sum[size_t(c)] += std::fabs(v);
+    }
   int64_t bad = 0, first = -1;
   double worst = 0.0;  // largest err / bound
   for (int64_t c = 0; c < W; ++c) {
-    double s = 0.0, a = 0.0;
-    for (int64_t r = 0; r < R; ++r) {
-      const double v = get(dx, dt, size_t(r * W + c));
-      s += v, a += std::fabs(v);
-    }
-    const double acc = double(std::max<int64_t>(R - 1, 0)) * 0x1p-24 * a;
+    const double s = sum[size_t(c)];
+    const double acc = double(std::max<int64_t>(R - 1, 0)) * 0x1p-24 * abs_sum[size_t(c)];
     const double bound = 1.01 * (acc + u_out * (std::fabs(s) + acc)) + tiny;
     const double err = std::fabs(double(get(db, dt, size_t(c))) - s);
     worst = std::max(worst, err / bound);
