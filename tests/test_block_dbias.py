@@ -57,6 +57,20 @@ def _operands(rng, R, H, gated, dtype):
     return x, dy
 
 
+@pytest.fixture(autouse=True)
+def _dbias_fusion_on(monkeypatch):
+    """The fused dbias is opt-in until its GPU check has run: these tests switch it on."""
+    monkeypatch.setenv("LOWBIT_BLOCK_DBIAS_FUSION", "1")
+
+
+def test_dbias_fusion_is_opt_in(on_cpu, rng, monkeypatch):
+    """Unset, the block recipe's activation gradient with dbias runs unfused (kernel, then
+    quantize_dbias)."""
+    monkeypatch.delenv("LOWBIT_BLOCK_DBIAS_FUSION")
+    x, dy = _operands(rng, 64, 128, False, jnp.bfloat16)
+    assert _ffi_names(_fused(("gelu",), (B1, E4, None, "both")), dy, x).count("quantize") == 1
+
+
 def _fused(acts, spec_t):
     return lambda dy, x: dact_dbias(dy, x, acts, quantize=spec_t, with_dbias=True)
 
