@@ -222,10 +222,10 @@ def _check_qlhs(qlhs, recipe, shape):
         raise ValueError(f"{name} is only supported with per-tensor recipes, not Float8BlockScaling")
     if not isinstance(qlhs, ScaledTensor) or qlhs.data is None or qlhs.colwise_data is None:
         raise ValueError(f"{name} must be a ScaledTensor with both layouts (layout='both')")
-    mode = recipe.scaling_mode("x")
-    if qlhs.scaling_mode != mode or np.dtype(qlhs.q_dtype) != np.dtype(recipe.q_dtype("x")):
+    mode, q = recipe.scaling_mode("x"), np.dtype(recipe.q_dtype("x"))
+    if qlhs.scaling_mode != mode or np.dtype(qlhs.q_dtype) != q:
         raise ValueError(
-            f"{name} must be quantized as the recipe's x ({mode.name}, {np.dtype(recipe.q_dtype('x')).name}), "
+            f"{name} must be quantized as the recipe's x ({mode.name}, {q.name}), "
             f"got {qlhs.scaling_mode.name}, {np.dtype(qlhs.q_dtype).name}"
         )
     M, K = shape
