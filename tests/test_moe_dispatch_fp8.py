@@ -2,7 +2,8 @@
 permute_quantize(...)) equals the grouped GEMM that quantizes the permuted bf16 rows itself, bit
 for bit (output, dlhs through the permutation, dW, the DelayedScaling state); the MoE block under
 lowbit.moe.kernels("fused") takes that path (one gather and one token cast fewer in the compiled
-step) with the same results, within FP8 bounds of the float64 reference; bad qlhs arguments."""
+step) with the same results (CPU and, gpu marker, the GPU), within FP8 bounds of the float64
+reference; bad qlhs arguments."""
 
 from __future__ import annotations
 
@@ -96,8 +97,8 @@ def _targets(hlo):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
-def test_block_fused_dispatch_equals_the_casting_block(recipe, monkeypatch):
-    x, gate, wi, wo, _, _ = inputs(5)
+def test_block_fused_dispatch_equals_the_casting_block(device, recipe, monkeypatch):
+    x, gate, wi, wo, _, _ = jax.device_put(inputs(5), device)
     E = wi.shape[0]
     state = None if _state(recipe, E) is None else (_state(recipe, E),) * 2
     args = (x, gate, wi, wo, state)
