@@ -36,7 +36,7 @@ class Net(nn.Module):
     def __call__(self, x):
         blk = MoEBlock(
             num_experts=E, num_experts_per_tok=K, intermediate_size=F, aux_loss_coeff=COEFF,
-            quantization_recipe=self.recipe, name="moe",
+            quantization_recipe=self.recipe, fp8_primary_weights=True, name="moe",
         )  # fmt: skip
         y, aux, _ = blk(x)
         return y, aux
@@ -107,7 +107,7 @@ def test_primary_gradients_within_fp8_bounds_of_float64():
     recipe = lowbit.Float8CurrentScaling()
     blk = MoEBlock(
         num_experts=E, num_experts_per_tok=K, intermediate_size=F, aux_loss_coeff=COEFF,
-        quantization_recipe=recipe,
+        quantization_recipe=recipe, fp8_primary_weights=True,
     )  # fmt: skip
     xb = x.reshape(4, 12, H)
     v = blk.init(jax.random.PRNGKey(0), xb)
@@ -148,8 +148,10 @@ def test_unrefreshed_copies_fail_loudly_and_absent_ones_fall_back():
 def test_te_block_and_refresh_without_collection():
     from lowbit.te.flax import _MoEBlock
 
-    blk = _MoEBlock(num_experts=E, num_experts_per_tok=K, intermediate_size=F,
-                    quantization_recipe=lowbit.Float8CurrentScaling())  # fmt: skip
+    default = _MoEBlock(num_experts=E, num_experts_per_tok=K, intermediate_size=F,
+                        quantization_recipe=lowbit.Float8CurrentScaling())  # fmt: skip
+    assert FP8_WEIGHTS not in default.init(jax.random.PRNGKey(0), _x())  # TE's collections by default
+    blk = default.clone(fp8_primary_weights=True)
     v = refresh_fp8_weights(blk.init(jax.random.PRNGKey(0), _x()))
     assert v[FP8_WEIGHTS]["experts"].ready
     plain = {"params": v["params"]}

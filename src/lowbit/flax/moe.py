@@ -8,7 +8,8 @@ history and scale per expert for each GEMM (submodules ``fc1_state`` / ``fc2_sta
 ``_overwrite_with_gradient`` collection). Expert parallelism runs over the mesh axis that the
 global MeshResource names ``ep_resource`` (when the mesh in context has it with size > 1).
 
-FP8 primary weights (``fp8_primary_weights``, on by default; one device): under an FP8 recipe
+FP8 primary weights (``fp8_primary_weights=True``, lowbit's field, off by default so ``init``
+returns TE's collections; one device): under an FP8 recipe
 ``init`` declares the ``"fp8_weights"`` collection; once the training loop fills it with
 :func:`lowbit.flax.refresh_fp8_weights` after each optimizer update, the block reads those FP8
 copies of ``wi`` / ``wo`` and casts no weight in the step (:mod:`lowbit.flax.fp8_weights`).
@@ -80,7 +81,7 @@ class MoEBlock(nn.Module):
     expert_bias_init: Callable = nn.initializers.zeros
     use_ffn_bias: bool = False
     quantization_recipe: Optional[Recipe] = None
-    fp8_primary_weights: bool = True  # lowbit's: read "fp8_weights" copies when filled
+    fp8_primary_weights: bool = False  # lowbit's: declare "fp8_weights"; read the copies when filled
 
     @nn.compact
     def __call__(self, inputs: jax.Array):
