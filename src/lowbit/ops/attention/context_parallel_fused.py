@@ -137,7 +137,12 @@ def _merge_rows(o, lse, part, start):
     """Merge ``part`` (out, lse) into the query rows ``start:`` of the accumulators."""
     po, pl = part[0].astype(o.dtype), part[1].astype(lse.dtype)
     mo, ml = merge((o[:, start:], lse[:, :, start:]), (po, pl))
-    return o.at[:, start:].set(mo), lse.at[:, :, start:].set(ml)
+    return _put(o, mo, start, 1), _put(lse, ml, start, 2)
+
+
+def _put(acc, rows, start: int, axis: int):
+    """``acc`` with ``rows`` written from ``start`` along ``axis`` (an in-place update, not a scatter)."""
+    return rows if start == 0 else jax.lax.dynamic_update_slice_in_dim(acc, rows, start, axis)
 
 
 def _forward(cfg: _Cfg, q, k, v):
@@ -179,7 +184,7 @@ def _attend_bwd(cfg, res, do):
 
     def grads(dq, qs, kb, vb, os, dos, ls, causal, row):
         gq, gk, gv = bwd(qs, kb, vb, os, dos, ls, causal, cfg.scale)
-        return dq.at[:, row:].add(gq.astype(acc)), gk, gv
+        return _put(dq, dq[:, row:] + gq.astype(acc), row, 1), gk, gv
 
     def kv_first(dq, kb, vb):
         dq, gk, gv = grads(dq, q, kb[:, :c], vb[:, :c], o, do, lse, False, 0)
