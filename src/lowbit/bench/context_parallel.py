@@ -62,24 +62,19 @@ def _inputs(s, h, d, seed=0):
     return [jax.random.normal(kk, (1, s, h, d), jnp.float32).astype(jnp.bfloat16) for kk in keys]
 
 
-def _temp_gb(step, args):
-    try:
-        mem = step.lower(*args).compile().memory_analysis()
-        return None if mem is None else mem.temp_size_in_bytes / 2**30
-    except Exception:  # noqa: BLE001 - an estimate only; the timed call reports real failures
-        return None
-
-
 def _measure(step, args, iters, quick):
-    """(ms, temp_GB) of the jitted step, or ("OOM", None) where the device runs out of memory."""
+    """(ms, scratch GB per device, the compiled step) of the jitted step (compiled once, XLA's
+    memory analysis read from it), or ("OOM", None, None) where the device runs out of memory."""
     try:
-        temp = _temp_gb(step, args)
-        ms = time_fn(step, *args, warmup=1, iters=1 if quick else iters, repeats=1 if quick else 3)
-        return ms, temp
+        compiled = step.lower(*args).compile()
+        mem = compiled.memory_analysis()
+        temp = None if mem is None else mem.temp_size_in_bytes / 2**30
+        ms = time_fn(compiled, *args, warmup=1, iters=1 if quick else iters, repeats=1 if quick else 3)
+        return ms, temp, compiled
     except Exception as e:  # noqa: BLE001 - XlaRuntimeError / ValueError at compile or run
         if is_oom(e):
-            return "OOM", None
-        return f"error: {type(e).__name__}: {str(e)[:200]}", None  # a row, not a crashed stage
+            return "OOM", None, None
+        return f"error: {type(e).__name__}: {str(e)[:200]}", None, None  # a row, not a crashed stage
 
 
 def _host(grads, order=None):
@@ -115,9 +110,9 @@ def cp_rows(small: bool, quick: bool = False, progress=print) -> list[dict]:
     t0 = time.perf_counter()
     args = _inputs(s, h, d)
     one = _grad_step(lambda q, k, v: fused_attention(q, k, v, causal=True))
-    ms, temp = _measure(one, args, 5, quick)
+    ms, temp, compiled = _measure(one, args, 5, quick)
     base[s] = ms
-    ref = _host(one(*args)) if isinstance(ms, float) else None
+    ref = _host(compiled(*args)) if compiled is not None else None
     add("one device", 1, s, ms, temp, "cudnn handler" if gpu else "reference")
 
     cases = [("all_gather", True), ("ring", True), ("ring", False)]
@@ -127,9 +122,11 @@ def cp_rows(small: bool, quick: bool = False, progress=print) -> list[dict]:
         cp_args = [jax.device_put(a[:, order] if balanced else a, split) for a in host]
         step, impl = _cp_step(mesh, strategy, balanced, kernels, cp_args[0])
         with jax.set_mesh(mesh):
-            ms, temp = _measure(step, cp_args, 5, quick)
+            ms, temp, compiled = _measure(step, cp_args, 5, quick)
             rel = (
-                _rel(_host(step(*cp_args), order), ref) if ref is not None and isinstance(ms, float) else None
+                _rel(_host(compiled(*cp_args), order), ref)
+                if ref is not None and compiled is not None
+                else None
             )
         name = f"cp {strategy}" + (" load balanced" if balanced else "")
         add(name, n, s, ms, temp, impl, rel, ">= 3" if n == 4 and balanced else "")
@@ -143,7 +140,7 @@ def cp_rows(small: bool, quick: bool = False, progress=print) -> list[dict]:
     unfused = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")  # noqa: E731
     fused = lambda q, k, v: fused_attention(q, k, v, causal=True)  # noqa: E731
     for name, f in (("one device", fused), ("one device unfused", unfused)):
-        ms, temp = _measure(_grad_step(f), args, 2, quick)
+        ms, temp, _ = _measure(_grad_step(f), args, 2, quick)
         base.setdefault(s_long, ms)
         label = "xla (unfused)" if f is unfused else "cudnn handler" if gpu else "reference"
         add(name, 1, s_long, ms, temp, label, goal="OOM" if f is unfused else "")
@@ -153,7 +150,7 @@ def cp_rows(small: bool, quick: bool = False, progress=print) -> list[dict]:
     del args
     step, impl = _cp_step(mesh, "ring", True, kernels, cp_args[0])
     with jax.set_mesh(mesh):
-        ms, temp = _measure(step, cp_args, 2, quick)
+        ms, temp, _ = _measure(step, cp_args, 2, quick)
     add("cp ring load balanced", n, s_long, ms, temp, impl, goal="runs")
     return rows
 
