@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import multi_device_env, rel
+from helpers import multi_device_env, rel, run_worker
 
 CASES = (
     "ring_causal",
@@ -37,14 +37,7 @@ CASES = (
 
 @pytest.mark.parametrize("case", CASES)
 def test_fused_context_parallel(case):
-    r = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), case],
-        env=multi_device_env(4),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
+    run_worker(__file__, case)
 
 
 @pytest.mark.slow
