@@ -106,17 +106,18 @@ size_t bias_bytes(const GemmParams& p) {
 
 // ---- candidates, measurement, table ----------------------------------------------------------
 
-enum Backend : int { kCublasLt = 0, kCutlass = 1 };
+enum Backend : int { kCublasLt = 0, kCutlass = 1, kSm90 = 2 };
 struct Choice {
   int backend = kCublasLt;
   int variant = 0;
-  int swizzle = 1;
+  int swizzle = 1;  // CUTLASS: tile-scheduler swizzle; sm90own: the tile-order group
 };
 constexpr int kSwizzles[] = {1, 4};
+constexpr int kSm90Groups[] = {8, 16};  // sm90own: M tiles per run of the tile order
 
 // LOWBIT_BLOCK_GEMM, read at every call (a benchmark may switch it between calls).
 struct Mode {
-  bool cublas = true, cutlass = true;
+  bool cublas = true, cutlass = true, own = true;
   std::string variant;  // "cutlass:<variant>": only that variant
   std::string text;
 };
@@ -126,16 +127,18 @@ Status read_mode(Mode* m) {
   m->text = e ? e : "auto";
   if (m->text.empty() || m->text == "auto") return Status::Ok();
   if (m->text == "cublaslt") {
-    m->cutlass = false;
+    m->cutlass = m->own = false;
   } else if (m->text == "cutlass") {
-    m->cublas = false;
+    m->cublas = m->own = false;
   } else if (m->text.rfind("cutlass:", 0) == 0) {
-    m->cublas = false;
+    m->cublas = m->own = false;
     m->variant = m->text.substr(8);
+  } else if (m->text == "sm90own") {
+    m->cublas = m->cutlass = false;
   } else {
     return Status::Invalid(
-        "LOWBIT_BLOCK_GEMM must be auto, cublaslt, cutlass or cutlass:<variant>, got '" + m->text +
-        "'");
+        "LOWBIT_BLOCK_GEMM must be auto, cublaslt, cutlass, cutlass:<variant> or sm90own, got '" +
+        m->text + "'");
   }
   return Status::Ok();
 }
@@ -152,17 +155,21 @@ std::vector<Choice> candidates(const GemmParams& p, const Mode& mode) {
       for (int sw : kSwizzles) c.push_back(Choice{kCutlass, v, sw});
     }
   }
+  if (mode.own && block_gemm_sm90_eligible(p))
+    for (int g : kSm90Groups) c.push_back(Choice{kSm90, 0, g});
   return c;
 }
 
 std::string label(const GemmParams& p, const Choice& c) {
   if (c.backend == kCublasLt) return "cublaslt";
+  if (c.backend == kSm90) return "sm90own/group" + std::to_string(c.swizzle);
   return std::string("cutlass:") + family_for(p)->variants[c.variant].name + "/swizzle" +
          std::to_string(c.swizzle);
 }
 
 Status run_choice(const GemmParams& p, const Choice& c, cudaStream_t s) {
   if (c.backend == kCutlass) return block_gemm_cutlass(p, c.variant, c.swizzle, s);
+  if (c.backend == kSm90) return block_gemm_sm90(p, c.swizzle, s);
   if (!p.bias) return gemm_cublaslt(p, s);
   GemmParams q = p;
   q.bias = nullptr;
@@ -192,7 +199,8 @@ double time_choice(const GemmParams& p, const Choice& c, cudaStream_t s, int rep
 
 // Everything a winner depends on.
 using Key =
-    std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, std::string>;
+    std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, bool,
+               std::string>;
 
 struct Table {
   std::mutex mu;
@@ -287,7 +295,7 @@ Status block_gemm_cuda(const GemmParams& p, void* stream_ptr) {
         (p.bias && p.out_dtype != DType::kF32
              ? "; a bias with a BF16 output needs lowbit's CUTLASS kernel"
              : "; CUTLASS needs 1x128 x 128x128 or 1x128 x 1x128 scales, K % 16 == 0, N % 8 == 0 "
-               "and 16-byte aligned pointers") +
+               "and 16-byte aligned pointers; sm90own 1x128 x 128x128 on sm_90") +
         ")");
   if (cands.size() == 1) return run_choice(p, cands[0], stream);
   // Inside a CUDA-graph capture (XLA command buffers): nothing is timed or kept, and cuBLASLt runs
@@ -315,6 +323,7 @@ Status block_gemm_cuda(const GemmParams& p, void* stream_ptr) {
                 p.a_block,
                 p.b_block,
                 cutlass_eligible(p),
+                block_gemm_sm90_eligible(p),
                 mode.text};
   Table& t = table();
   {

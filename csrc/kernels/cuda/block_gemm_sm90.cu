@@ -1,0 +1,322 @@
+// lowbit's own sm_90a FP8 block-scaled GEMM (lowbit/block_gemm.h, block_gemm_sm90): A (M, K) with
+// 1x128 scales, B (N, K) with 128x128 scales (fprop, dgrad), BF16 or F32 out, optional bias.
+//
+// Structure (DeepGEMM's, written for lowbit's scale layouts): a persistent grid (one CTA per SM)
+// walks the 128x128 output tiles in a grouped order (`group` M tiles share each N tile, for L2
+// reuse). Warpgroup 0 is the producer: one thread feeds a kStages-deep shared-memory ring with
+// TMA (A and B tiles 128 x 128 bytes, 128B swizzle; A's 128 scales of the K block), each stage
+// guarded by a "full" mbarrier (TMA bytes) and an "empty" one (8 consumer warps). Warpgroups 1
+// and 2 each own 64 rows x 128 columns of the tile: per 128-deep K block they issue four
+// m64n128k32 wgmmas into a zeroed partial sum, wait for them, free the stage, and promote
+//   acc += partial * (sa[row, kb] * sb[n_block, kb])
+// in float32 registers (one FFMA per element per K block). While one warpgroup promotes, the
+// other's wgmmas keep the tensor cores busy. The epilogue adds the bias in float32, rounds once
+// and stores straight from registers (rows >= M and columns >= N skipped); the producer is
+// already loading the next tile meanwhile.
+//
+// Shapes: TMA clips M and N and zero-fills a partial last K block (K % 16 == 0 for TMA's row
+// stride), so no operand needs padding. Scale padding entries are never read for stored outputs.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "block_gemm_sm90_ptx.cuh"
+#include "lowbit/block_gemm.h"
+#include "lowbit/block_scaling.h"
+
+namespace lowbit {
+namespace {
+
+constexpr int kBM = 128, kBN = 128, kBK = 128;
+constexpr int kStages = 6;
+constexpr uint32_t kTileBytes = kBM * kBK;  // A and B tiles alike (kBN == kBM), 1-byte elements
+constexpr uint32_t kScaleBytes = kBM * 4;   // A's scales of one K block
+constexpr uint32_t kThreads = 384;          // producer + 2 consumer warpgroups
+constexpr uint32_t kConsumerWarps = 8;
+constexpr size_t kSmemBytes = size_t(kStages) * (2 * kTileBytes + kScaleBytes) +
+                              2 * kStages * sizeof(uint64_t) + 1024;  // + alignment slack
+
+struct Args {
+  int m, n, num_m, num_n, nkb, group;
+  int ld_sb;        // B's 128x128 scale array row stride: round_up4(nkb)
+  const float* sb;  // (ceil(N/128), ld_sb)
+  const void* bias;
+  int bias_f32;
+  void* out;
+};
+
+// Tile `t` of the grouped order: runs of `group` M tiles, N tile by N tile.
+__device__ __forceinline__ void tile_coords(int t, const Args& a, int& mb, int& nb) {
+  const int per = a.group * a.num_n;
+  const int g = t / per, first = g * a.group;
+  const int size = min(a.num_m - first, a.group);
+  const int local = t - g * per;
+  mb = first + local % size;
+  nb = local / size;
+}
+
+template <bool kF32Out>
+__device__ __forceinline__ void store_pair(const Args& a, int64_t row, int col, float v0,
+                                           float v1) {
+  if (row >= a.m) return;
+  const int64_t i = row * a.n + col;
+  if constexpr (kF32Out) {
+    *reinterpret_cast<float2*>(static_cast<float*>(a.out) + i) = make_float2(v0, v1);
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(a.out) + i) =
+        __floats2bfloat162_rn(v0, v1);
+  }
+}
+
+template <bool kE5m2A, bool kF32Out>
+__global__ void __launch_bounds__(kThreads, 1)
+    block_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a,
+                           const __grid_constant__ CUtensorMap tma_b,
+                           const __grid_constant__ CUtensorMap tma_sa, const Args args) {
+#if LOWBIT_SM90A
+  using namespace sm90;
+  extern __shared__ uint8_t smem_raw[];
+  // The 128B swizzle's pattern repeats every 1024 bytes: tiles start 1024-aligned.
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+  const uint32_t a0 = raw + pad, b0 = a0 + kStages * kTileBytes, sa0 = b0 + kStages * kTileBytes;
+  const uint32_t bar0 = sa0 + kStages * kScaleBytes;
+  const float* sa_smem = reinterpret_cast<const float*>(smem_raw + pad + 2 * kStages * kTileBytes);
+  auto full = [&](int s) { return bar0 + 8u * s; };
+  auto empty = [&](int s) { return bar0 + 8u * (kStages + s); };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), kConsumerWarps);
+    }
+    mbar_init_fence();
+    tma_prefetch_desc(&tma_a);
+    tma_prefetch_desc(&tma_b);
+    tma_prefetch_desc(&tma_sa);
+  }
+  __syncthreads();
+
+  const int num_tiles = args.num_m * args.num_n;
+  if (threadIdx.x < 128) {
+    // Producer warpgroup: gives registers to the consumers; one thread issues every load.
+    regs_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    int s = 0;
+    uint32_t ph = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      int mb, nb;
+      tile_coords(t, args, mb, nb);
+      for (int kb = 0; kb < args.nkb; ++kb) {
+        mbar_wait(empty(s), ph ^ 1);
+        mbar_arrive_expect_tx(full(s), 2 * kTileBytes + kScaleBytes);
+        tma_load_2d(a0 + s * kTileBytes, &tma_a, full(s), kb * kBK, mb * kBM);
+        tma_load_2d(b0 + s * kTileBytes, &tma_b, full(s), kb * kBK, nb * kBN);
+        tma_load_2d(sa0 + s * kScaleBytes, &tma_sa, full(s), mb * kBM, kb);
+        if (++s == kStages) s = 0, ph ^= 1;
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroups: wg 0 rows 0-63 of the tile, wg 1 rows 64-127.
+  regs_alloc<232>();
+  const int wg = threadIdx.x / 128 - 1;
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+  // wgmma's accumulator layout: register 4i + j holds row r_in (+8 for j >= 2) and column
+  // 8i + 2 (lane % 4) + (j % 2) of the warpgroup's 64 x 128 block.
+  const int r_in = wg * 64 + warp * 16 + lane / 4;
+  float acc[64], part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) part[i] = 0.f;
+  int s = 0;
+  uint32_t ph = 0;
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    int mb, nb;
+    tile_coords(t, args, mb, nb);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    const float* sb_row = args.sb + int64_t(nb) * args.ld_sb;
+    float sb_next = __ldg(sb_row);  // one K block ahead: its latency hides behind the wgmmas
+    for (int kb = 0; kb < args.nkb; ++kb) {
+      const float sb = sb_next;
+      if (kb + 1 < args.nkb) sb_next = __ldg(sb_row + kb + 1);
+      mbar_wait(full(s), ph);
+      const float sa_lo = sa_smem[s * kBM + r_in], sa_hi = sa_smem[s * kBM + r_in + 8];
+      const uint32_t a_tile = a0 + s * kTileBytes + wg * 64 * kBK, b_tile = b0 + s * kTileBytes;
+      fence_regs<64>(part);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBK / 32; ++k) {
+        const uint64_t da = sw128_desc(a_tile + k * 32), db = sw128_desc(b_tile + k * 32);
+        if constexpr (kE5m2A)
+          wgmma_e5m2_e4m3(part, da, db, k);
+        else
+          wgmma_e4m3_e4m3(part, da, db, k);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_regs<64>(part);
+      // The scale reads are consumed before the warp frees the stage.
+      const float s_lo = sa_lo * sb, s_hi = sa_hi * sb;
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(s));
+      if (++s == kStages) s = 0, ph ^= 1;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        acc[4 * i + 0] = fmaf(part[4 * i + 0], s_lo, acc[4 * i + 0]);
+        acc[4 * i + 1] = fmaf(part[4 * i + 1], s_lo, acc[4 * i + 1]);
+        acc[4 * i + 2] = fmaf(part[4 * i + 2], s_hi, acc[4 * i + 2]);
+        acc[4 * i + 3] = fmaf(part[4 * i + 3], s_hi, acc[4 * i + 3]);
+      }
+    }
+    // Epilogue: acc + bias in float32, one rounding. N is even, so col < N implies col + 1 < N.
+    const int64_t row = int64_t(mb) * kBM + r_in;
+    const int col0 = nb * kBN + 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int col = col0 + 8 * i;
+      if (col >= args.n) break;
+      float bias0 = 0.f, bias1 = 0.f;
+      if (args.bias && args.bias_f32) {
+        bias0 = static_cast<const float*>(args.bias)[col];
+        bias1 = static_cast<const float*>(args.bias)[col + 1];
+      } else if (args.bias) {
+        bias0 = __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[col]);
+        bias1 = __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[col + 1]);
+      }
+      store_pair<kF32Out>(args, row, col, __fadd_rn(acc[4 * i + 0], bias0),
+                          __fadd_rn(acc[4 * i + 1], bias1));
+      store_pair<kF32Out>(args, row + 8, col, __fadd_rn(acc[4 * i + 2], bias0),
+                          __fadd_rn(acc[4 * i + 3], bias1));
+    }
+  }
+#endif
+}
+
+// ---- host ----------------------------------------------------------------------------------------
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled through the runtime (the library links no libcuda).
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A 2D map: dim0 contiguous, dim1 `stride1` bytes apart; out-of-bounds boxes read as zeros.
+bool make_map(CUtensorMap* map, CUtensorMapDataType type, const void* base, uint64_t dim0,
+              uint64_t dim1, uint64_t stride1, uint32_t box0, uint32_t box1,
+              CUtensorMapSwizzle swizzle) {
+  const EncodeTiled fn = encode_tiled();
+  if (!fn) return false;
+  const cuuint64_t dims[2] = {dim0, dim1};
+  const cuuint64_t strides[1] = {stride1};
+  const cuuint32_t box[2] = {box0, box1};
+  const cuuint32_t elem[2] = {1, 1};
+  return fn(map, type, 2, const_cast<void*>(base), dims, strides, box, elem,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+template <bool kE5m2A, bool kF32Out>
+Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa,
+              const Args& args, int grid, cudaStream_t stream) {
+  auto kernel = block_gemm_sm90_kernel<kE5m2A, kF32Out>;
+  cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+  if (e == cudaSuccess) {
+    kernel<<<grid, kThreads, kSmemBytes, stream>>>(ta, tb, tsa, args);
+    e = cudaGetLastError();
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return Status::Invalid(std::string("block_gemm sm90own: launch: ") + cudaGetErrorString(e));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+bool block_gemm_sm90_eligible(const GemmParams& p) {
+  const int64_t out_align = p.out_dtype == DType::kF32 ? 4 : 8;
+  const int64_t lim = int64_t(1) << 30;
+  if (p.a_block != abi::kGemmBlock_1d || p.b_block != abi::kGemmBlock_2d) return false;
+  if ((p.a_dtype != DType::kE4M3 && p.a_dtype != DType::kE5M2) || p.b_dtype != DType::kE4M3)
+    return false;
+  if (p.k % 16 != 0 || p.n % out_align != 0 || p.m >= lim || p.n >= lim || p.k >= lim)
+    return false;
+  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out) || !aligned16(p.a_scale_inv))
+    return false;
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9 && encode_tiled() != nullptr;
+}
+
+Status block_gemm_sm90(const GemmParams& p, int group, void* stream) {
+  Status st = validate(p);
+  if (!st.ok()) return st;
+  if (p.m == 0 || p.n == 0) return Status::Ok();
+  if (p.k == 0) return Status::Invalid("gemm: K == 0 must be handled by the caller");
+  if (!block_gemm_sm90_eligible(p))
+    return Status::Invalid(
+        "block_gemm sm90own: needs an sm_90 GPU, 1x128 E4M3/E5M2 A x 128x128 E4M3 B, K a multiple "
+        "of 16, N of 8 (BF16 out) or 4 (F32) and 16-byte aligned A, B, out and A's scales");
+  if (group < 1) return Status::Invalid("block_gemm sm90own: group must be >= 1");
+  const int nkb = int(ceil_div(p.k, kBK));
+  const int64_t ld_sa = round_up4(p.m);
+  CUtensorMap ta, tb, tsa;
+  if (!make_map(&ta, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, p.k, p.m, p.k, kBK, kBM,
+                CU_TENSOR_MAP_SWIZZLE_128B) ||
+      !make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.b, p.k, p.n, p.k, kBK, kBN,
+                CU_TENSOR_MAP_SWIZZLE_128B) ||
+      !make_map(&tsa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.a_scale_inv, ld_sa, nkb, ld_sa * 4, kBM, 1,
+                CU_TENSOR_MAP_SWIZZLE_NONE))
+    return Status::Invalid("block_gemm sm90own: cuTensorMapEncodeTiled failed");
+  Args args{};
+  args.m = int(p.m), args.n = int(p.n);
+  args.num_m = int(ceil_div(p.m, kBM)), args.num_n = int(ceil_div(p.n, kBN));
+  args.nkb = nkb, args.group = group;
+  args.ld_sb = int(round_up4(nkb)), args.sb = p.b_scale_inv;
+  args.bias = p.bias, args.bias_f32 = p.bias && p.bias_dtype == DType::kF32;
+  args.out = p.out;
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return Status::Invalid("block_gemm sm90own: no device");
+  }
+  const int64_t tiles = int64_t(args.num_m) * args.num_n;
+  const int grid = int(std::min<int64_t>(tiles, sms));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const bool e5 = p.a_dtype == DType::kE5M2, f32 = p.out_dtype == DType::kF32;
+  if (e5) return f32 ? launch<true, true>(ta, tb, tsa, args, grid, s)
+                     : launch<true, false>(ta, tb, tsa, args, grid, s);
+  return f32 ? launch<false, true>(ta, tb, tsa, args, grid, s)
+             : launch<false, false>(ta, tb, tsa, args, grid, s);
+}
+
+}  // namespace lowbit
