@@ -405,6 +405,7 @@ void bench_sm90() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines survive a kill (a hung kernel under timeout)
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   if (argc > 1 && std::strcmp(argv[1], "--bench-sm90") == 0) {
     bench_sm90();
