@@ -198,9 +198,8 @@ double time_choice(const GemmParams& p, const Choice& c, cudaStream_t s, int rep
 }
 
 // Everything a winner depends on.
-using Key =
-    std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, bool,
-               std::string>;
+using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, bool,
+                       std::string>;
 
 struct Table {
   std::mutex mu;

@@ -195,10 +195,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                           __fadd_rn(acc[4 * i + 3], bias1));
     }
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the launch fails instead of leaving the output unwritten
 #endif
 }
 
-// ---- host ----------------------------------------------------------------------------------------
+// ---- host
+// ----------------------------------------------------------------------------------------
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
                                  const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
@@ -263,8 +266,7 @@ bool block_gemm_sm90_eligible(const GemmParams& p) {
   if (p.a_block != abi::kGemmBlock_1d || p.b_block != abi::kGemmBlock_2d) return false;
   if ((p.a_dtype != DType::kE4M3 && p.a_dtype != DType::kE5M2) || p.b_dtype != DType::kE4M3)
     return false;
-  if (p.k % 16 != 0 || p.n % out_align != 0 || p.m >= lim || p.n >= lim || p.k >= lim)
-    return false;
+  if (p.k % 16 != 0 || p.n % out_align != 0 || p.m >= lim || p.n >= lim || p.k >= lim) return false;
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out) || !aligned16(p.a_scale_inv))
     return false;
   int dev = 0, major = 0;
@@ -313,8 +315,9 @@ Status block_gemm_sm90(const GemmParams& p, int group, void* stream) {
   const int grid = int(std::min<int64_t>(tiles, sms));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool e5 = p.a_dtype == DType::kE5M2, f32 = p.out_dtype == DType::kF32;
-  if (e5) return f32 ? launch<true, true>(ta, tb, tsa, args, grid, s)
-                     : launch<true, false>(ta, tb, tsa, args, grid, s);
+  if (e5)
+    return f32 ? launch<true, true>(ta, tb, tsa, args, grid, s)
+               : launch<true, false>(ta, tb, tsa, args, grid, s);
   return f32 ? launch<false, true>(ta, tb, tsa, args, grid, s)
              : launch<false, false>(ta, tb, tsa, args, grid, s);
 }

@@ -101,7 +101,8 @@ __device__ __forceinline__ void regs_alloc() {
 #endif
 }
 
-// ---- wgmma ---------------------------------------------------------------------------------------
+// ---- wgmma
+// ---------------------------------------------------------------------------------------
 
 // Shared-memory matrix descriptor of a K-major tile written by TMA with the 128-byte swizzle:
 // rows of 128 bytes, 8-row atoms 1024 bytes apart (SBO), LBO unused (1), layout SWIZZLE_128B.
@@ -138,29 +139,30 @@ __device__ __forceinline__ void fence_regs(float* r) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-#define LOWBIT_WG_D16(i)                                                                           \
+#define LOWBIT_WG_D16(i)                                                                          \
   "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-      "+f"(d[i + 6]), "+f"(d[i + 7]), "+f"(d[i + 8]), "+f"(d[i + 9]), "+f"(d[i + 10]),             \
+      "+f"(d[i + 6]), "+f"(d[i + 7]), "+f"(d[i + 8]), "+f"(d[i + 9]), "+f"(d[i + 10]),            \
       "+f"(d[i + 11]), "+f"(d[i + 12]), "+f"(d[i + 13]), "+f"(d[i + 14]), "+f"(d[i + 15])
 
 // d(64x128 per warpgroup) = A(64x32) . B(128x32)^T (+ d when accumulate != 0), FP8 types TA, TB.
-#define LOWBIT_WGMMA_64x128x32(NAME, TA, TB)                                                      \
-  __device__ __forceinline__ void NAME(float* d, uint64_t da, uint64_t db, int accumulate) {      \
-    asm volatile(                                                                                 \
-        "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                            \
-        " wgmma.mma_async.sync.aligned.m64n128k32.f32." TA "." TB " {"                             \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                  \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "        \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "        \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "       \
-        "%64, %65, p, 1, 1;\n}"                                                                   \
-        : LOWBIT_WG_D16(0), LOWBIT_WG_D16(16), LOWBIT_WG_D16(32), LOWBIT_WG_D16(48)               \
-        : "l"(da), "l"(db), "r"(accumulate));                                                     \
+#define LOWBIT_WGMMA_64x128x32(NAME, TA, TB)                                                 \
+  __device__ __forceinline__ void NAME(float* d, uint64_t da, uint64_t db, int accumulate) { \
+    asm volatile(                                                                            \
+        "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                       \
+        " wgmma.mma_async.sync.aligned.m64n128k32.f32." TA "." TB                            \
+        " {"                                                                                 \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "             \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "   \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "   \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "  \
+        "%64, %65, p, 1, 1;\n}"                                                              \
+        : LOWBIT_WG_D16(0), LOWBIT_WG_D16(16), LOWBIT_WG_D16(32), LOWBIT_WG_D16(48)          \
+        : "l"(da), "l"(db), "r"(accumulate));                                                \
   }
 
 #if LOWBIT_SM90A
 LOWBIT_WGMMA_64x128x32(wgmma_e4m3_e4m3, "e4m3", "e4m3")
-LOWBIT_WGMMA_64x128x32(wgmma_e5m2_e4m3, "e5m2", "e4m3")
+    LOWBIT_WGMMA_64x128x32(wgmma_e5m2_e4m3, "e5m2", "e4m3")
 #else
 __device__ __forceinline__ void wgmma_e4m3_e4m3(float*, uint64_t, uint64_t, int) {}
 __device__ __forceinline__ void wgmma_e5m2_e4m3(float*, uint64_t, uint64_t, int) {}
