@@ -137,9 +137,9 @@ std::string describe(const Case& c) {
 }
 
 // Runs `c` through the CUTLASS variant `variant` (Run::kCutlass), lowbit's own kernel with tile
-// group `swizzle` (Run::kSm90) or gemm_cuda (Run::kRouted, optionally captured in a graph) and
-// compares with the CPU kernel. `expect_error`: the call
-// must refuse with a Status instead.
+// group `swizzle`, multicast when `variant` is 1 (Run::kSm90) or gemm_cuda (Run::kRouted,
+// optionally captured in a graph) and compares with the CPU kernel. `expect_error`: the call must
+// refuse with a Status instead.
 void check(const Case& c, Run run, int variant, int swizzle, bool graph, const std::string& tag,
            bool expect_error = false) {
   ++g_cases;
@@ -215,7 +215,7 @@ void check(const Case& c, Run run, int variant, int swizzle, bool graph, const s
   } else if (run == Run::kCutlass) {
     s = block_gemm_cutlass(pg, variant, swizzle, stream);
   } else if (run == Run::kSm90) {
-    s = block_gemm_sm90(pg, swizzle, stream);
+    s = block_gemm_sm90(pg, swizzle, variant != 0, stream);
   } else {
     s = gemm_cuda(pg, stream);
   }
@@ -378,24 +378,29 @@ void bench_sm90() {
     if (!st.ok()) std::printf(" FAIL %s", st.message.c_str()), ++g_failures;
     GemmParams po = p;
     po.out = out_own;
-    for (int group : {8, 16}) {
-      const double t = time_ms([&] { st = block_gemm_sm90(po, group, nullptr); }, 20);
-      std::printf("  sm90own/group%-2d %6.0f (%.3f)", group, flop / (t * 1e9), t_ref / t);
-      if (!st.ok()) std::printf(" FAIL %s", st.message.c_str()), ++g_failures;
-    }
     CK(cudaDeviceSynchronize());
     std::vector<uint16_t> r(size_t(M * N)), o(size_t(M * N));
     CK(cudaMemcpy(r.data(), out_ref, r.size() * 2, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(o.data(), out_own, o.size() * 2, cudaMemcpyDeviceToHost));
-    double num = 0, den = 0;
-    for (size_t i = 0; i < r.size(); ++i) {
-      const double a = bf16_to_float(r[i]), b = bf16_to_float(o[i]);
-      num += (a - b) * (a - b), den += a * a;
-    }
-    const double rel = std::sqrt(num / std::max(den, 1e-300));
-    const bool ok = std::isfinite(rel) && rel <= 6e-3;
-    if (!ok) ++g_failures;
-    std::printf("  vs cublaslt rel=%.2e %s\n", rel, ok ? "PASS" : "FAIL");
+    std::printf("\n");
+    for (int mc = 0; mc < 2; ++mc)
+      for (int group : {8, 16}) {
+        CK(cudaMemset(out_own, 0xFF, M * N * 2));  // NaN: an unwritten element fails
+        const double t = time_ms([&] { st = block_gemm_sm90(po, group, mc != 0, nullptr); }, 20);
+        std::printf("    %-18s group%-2d %6.0f (%.3f of cublaslt)",
+                    mc ? "sm90own:multicast" : "sm90own", group, flop / (t * 1e9), t_ref / t);
+        if (!st.ok()) std::printf(" FAIL %s", st.message.c_str()), ++g_failures;
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemcpy(o.data(), out_own, o.size() * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0;
+        for (size_t i = 0; i < r.size(); ++i) {
+          const double a = bf16_to_float(r[i]), b = bf16_to_float(o[i]);
+          num += (a - b) * (a - b), den += a * a;
+        }
+        const double rel = std::sqrt(num / std::max(den, 1e-300));
+        const bool ok = std::isfinite(rel) && rel <= 6e-3;
+        if (!ok) ++g_failures;
+        std::printf("  vs cublaslt rel=%.2e %s\n", rel, ok ? "PASS" : "FAIL");
+      }
     for (void* ptr : {(void*)da, (void*)db, (void*)dsa, (void*)dsb, out_ref, out_own, ws})
       CK(cudaFree(ptr));
   }
@@ -439,19 +444,23 @@ int main(int argc, char** argv) {
                 std::string("cutlass:") + block_gemm_cutlass_name(q, v));
       }
 
-  // lowbit's own kernel (1x128 x 128x128 only) on the same ragged shapes, tile groups 3 (runs of
-  // unequal length) and 8; the full run adds shapes with more tiles than SMs (each CTA walks
-  // several tiles) and more K blocks than pipeline stages.
+  // lowbit's own kernel (1x128 x 128x128 only), with and without multicast, on the same ragged
+  // shapes (odd and even N tile counts: a multicast pair's second CTA past N), tile groups 3
+  // (runs of unequal length) and 8; the full run adds shapes with more tiles than SMs (each CTA
+  // walks several tiles) and more K blocks than pipeline stages.
   std::vector<std::array<int64_t, 3>> own = ragged;
   if (!quick) own.push_back({2200, 2056, 400}), own.push_back({1300, 2184, 1040});
   for (const auto& sh : own)
     for (const Combo& cb : kCombos) {
       if (cb.b_block != abi::kGemmBlock_2d) continue;
-      for (DType o : outs) {
-        const Case c{sh[0], sh[1], sh[2], &cb, o, idx++ % 3};
-        const int group = idx % 2 ? 3 : 8;
-        check(c, Run::kSm90, 0, group, false, "sm90own/group" + std::to_string(group));
-      }
+      for (DType o : outs)
+        for (int mc = 0; mc < 2; ++mc) {
+          const Case c{sh[0], sh[1], sh[2], &cb, o, idx++ % 3};
+          const int group = idx % 2 ? 3 : 8;
+          check(
+              c, Run::kSm90, mc, group, false,
+              std::string(mc ? "sm90own:multicast" : "sm90own") + "/group" + std::to_string(group));
+        }
     }
 
   // The routed GEMM on what lowbit.gemm passes (M, N multiples of 16, K of 128).

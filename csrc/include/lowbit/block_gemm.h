@@ -52,10 +52,11 @@ const char* block_gemm_cutlass_name(const GemmParams& p, int v);
 Status block_gemm_cutlass(const GemmParams& p, int v, int swizzle, void* stream);
 
 // lowbit's own sm_90a kernel (block_gemm_sm90.cu; "sm90own"): 1x128 E4M3/E5M2 A x 128x128 E4M3 B,
-// 128x128 tiles, persistent, tiles in runs of `group` M tiles per N tile. Eligible on compute
-// capability 9.x with K % 16 == 0, N % 8 (BF16 out) or % 4 (F32) and 16-byte aligned A, B, out
-// and A's scales; no workspace.
+// 128x128 tiles, persistent, tiles in runs of `group` M tiles per N tile; `multicast`: clusters
+// of two CTAs sharing A's tile through TMA multicast. Eligible on compute capability 9.x with
+// K % 16 == 0, N % 8 (BF16 out) or % 4 (F32) and 16-byte aligned A, B, out and A's scales; no
+// workspace.
 bool block_gemm_sm90_eligible(const GemmParams& p);
-Status block_gemm_sm90(const GemmParams& p, int group, void* stream);
+Status block_gemm_sm90(const GemmParams& p, int group, bool multicast, void* stream);
 
 }  // namespace lowbit

@@ -109,7 +109,7 @@ size_t bias_bytes(const GemmParams& p) {
 enum Backend : int { kCublasLt = 0, kCutlass = 1, kSm90 = 2 };
 struct Choice {
   int backend = kCublasLt;
-  int variant = 0;
+  int variant = 0;  // CUTLASS: the family's variant; sm90own: 1 with TMA multicast
   int swizzle = 1;  // CUTLASS: tile-scheduler swizzle; sm90own: the tile-order group
 };
 constexpr int kSwizzles[] = {1, 4};
@@ -156,20 +156,23 @@ std::vector<Choice> candidates(const GemmParams& p, const Mode& mode) {
     }
   }
   if (mode.own && block_gemm_sm90_eligible(p))
-    for (int g : kSm90Groups) c.push_back(Choice{kSm90, 0, g});
+    for (int mc = 0; mc < 2; ++mc)
+      for (int g : kSm90Groups) c.push_back(Choice{kSm90, mc, g});
   return c;
 }
 
 std::string label(const GemmParams& p, const Choice& c) {
   if (c.backend == kCublasLt) return "cublaslt";
-  if (c.backend == kSm90) return "sm90own/group" + std::to_string(c.swizzle);
+  if (c.backend == kSm90)
+    return std::string(c.variant ? "sm90own:multicast" : "sm90own") + "/group" +
+           std::to_string(c.swizzle);
   return std::string("cutlass:") + family_for(p)->variants[c.variant].name + "/swizzle" +
          std::to_string(c.swizzle);
 }
 
 Status run_choice(const GemmParams& p, const Choice& c, cudaStream_t s) {
   if (c.backend == kCutlass) return block_gemm_cutlass(p, c.variant, c.swizzle, s);
-  if (c.backend == kSm90) return block_gemm_sm90(p, c.swizzle, s);
+  if (c.backend == kSm90) return block_gemm_sm90(p, c.swizzle, c.variant != 0, s);
   if (!p.bias) return gemm_cublaslt(p, s);
   GemmParams q = p;
   q.bias = nullptr;

@@ -14,6 +14,11 @@
 // and stores straight from registers (rows >= M and columns >= N skipped); the producer is
 // already loading the next tile meanwhile.
 //
+// Multicast variant (kMc): clusters of 2 CTAs on N-adjacent tiles of the same M tile; each loads
+// half of A's tile rows with TMA multicast into both (L2 -> SM traffic per K block 24 KB instead
+// of 32 KB per CTA). A stage's "empty" barrier then counts both CTAs' 16 consumer warps (remote
+// arrivals through mapa), and each producer stays until every stage is freed before it exits.
+//
 // Shapes: TMA clips M and N and zero-fills a partial last K block (K % 16 == 0 for TMA's row
 // stride), so no operand needs padding. Scale padding entries are never read for stored outputs.
 #include <cuda.h>
@@ -21,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -49,15 +55,31 @@ struct Args {
   void* out;
 };
 
-// Tile `t` of the grouped order: runs of `group` M tiles, N tile by N tile.
-__device__ __forceinline__ void tile_coords(int t, const Args& a, int& mb, int& nb) {
-  const int per = a.group * a.num_n;
-  const int g = t / per, first = g * a.group;
-  const int size = min(a.num_m - first, a.group);
-  const int local = t - g * per;
-  mb = first + local % size;
-  nb = local / size;
-}
+// The tiles a CTA walks. Unicast: tile t of num_m x num_n from blockIdx.x in steps of gridDim.x.
+// Multicast (clusters of 2 along N): cluster blockIdx.x / 2 walks pairs of N tiles (num_m x
+// ceil(num_n / 2)), CTA rank r taking N tile 2 * pair + r (past N for the last pair of an odd
+// num_n: it loads zeros and stores nothing, but keeps its peer's barriers going). Both orders are
+// grouped: runs of `group` M tiles, N tile (pair) by N tile (pair).
+template <bool kMc>
+struct Walk {
+  int first, step, count, cols, rank;
+  __device__ __forceinline__ explicit Walk(const Args& a) {
+    cols = kMc ? (a.num_n + 1) / 2 : a.num_n;
+    count = a.num_m * cols;
+    first = kMc ? blockIdx.x / 2 : blockIdx.x;
+    step = kMc ? gridDim.x / 2 : gridDim.x;
+    rank = kMc ? blockIdx.x % 2 : 0;
+  }
+  __device__ __forceinline__ void coords(int t, const Args& a, int& mb, int& nb) const {
+    const int per = a.group * cols;
+    const int g = t / per, first_m = g * a.group;
+    const int size = min(a.num_m - first_m, a.group);
+    const int local = t - g * per;
+    mb = first_m + local % size;
+    nb = local / size;
+    if (kMc) nb = 2 * nb + rank;
+  }
+};
 
 template <bool kF32Out>
 __device__ __forceinline__ void store_pair(const Args& a, int64_t row, int col, float v0,
@@ -72,7 +94,7 @@ __device__ __forceinline__ void store_pair(const Args& a, int64_t row, int col, 
   }
 }
 
-template <bool kE5m2A, bool kF32Out>
+template <bool kE5m2A, bool kF32Out, bool kMc>
 __global__ void __launch_bounds__(kThreads, 1)
     block_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a,
                            const __grid_constant__ CUtensorMap tma_b,
@@ -89,34 +111,54 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int s) { return bar0 + 8u * s; };
   auto empty = [&](int s) { return bar0 + 8u * (kStages + s); };
 
+  const Walk<kMc> walk(args);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), 1);
-      mbar_init(empty(s), kConsumerWarps);
+      // Multicast: a stage is refilled (in both CTAs at once) when both CTAs' consumers freed it.
+      mbar_init(empty(s), kMc ? 2 * kConsumerWarps : kConsumerWarps);
     }
     mbar_init_fence();
     tma_prefetch_desc(&tma_a);
     tma_prefetch_desc(&tma_b);
     tma_prefetch_desc(&tma_sa);
   }
-  __syncthreads();
+  if constexpr (kMc)
+    cluster_sync();
+  else
+    __syncthreads();
 
-  const int num_tiles = args.num_m * args.num_n;
   if (threadIdx.x < 128) {
     // Producer warpgroup: gives registers to the consumers; one thread issues every load.
     regs_dealloc<40>();
     if (threadIdx.x != 0) return;
     int s = 0;
     uint32_t ph = 0;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    for (int t = walk.first; t < walk.count; t += walk.step) {
       int mb, nb;
-      tile_coords(t, args, mb, nb);
+      walk.coords(t, args, mb, nb);
       for (int kb = 0; kb < args.nkb; ++kb) {
         mbar_wait(empty(s), ph ^ 1);
+        // A's and B's tiles and A's scales: the same bytes either way (multicast: half of A's
+        // tile comes from the peer CTA's load).
         mbar_arrive_expect_tx(full(s), 2 * kTileBytes + kScaleBytes);
-        tma_load_2d(a0 + s * kTileBytes, &tma_a, full(s), kb * kBK, mb * kBM);
+        if constexpr (kMc) {
+          const int half = walk.rank * (kBM / 2);
+          tma_load_2d_multicast(a0 + s * kTileBytes + half * kBK, &tma_a, full(s), kb * kBK,
+                                mb * kBM + half, 0x3);
+        } else {
+          tma_load_2d(a0 + s * kTileBytes, &tma_a, full(s), kb * kBK, mb * kBM);
+        }
         tma_load_2d(b0 + s * kTileBytes, &tma_b, full(s), kb * kBK, nb * kBN);
         tma_load_2d(sa0 + s * kScaleBytes, &tma_sa, full(s), mb * kBM, kb);
+        if (++s == kStages) s = 0, ph ^= 1;
+      }
+    }
+    if constexpr (kMc) {
+      // Stay until both CTAs' consumers freed every stage: no remote arrival may reach this
+      // CTA's barriers after it exits.
+      for (int i = 0; i < kStages; ++i) {
+        mbar_wait(empty(s), ph ^ 1);
         if (++s == kStages) s = 0, ph ^= 1;
       }
     }
@@ -135,12 +177,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < 64; ++i) part[i] = 0.f;
   int s = 0;
   uint32_t ph = 0;
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  for (int t = walk.first; t < walk.count; t += walk.step) {
     int mb, nb;
-    tile_coords(t, args, mb, nb);
+    walk.coords(t, args, mb, nb);
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    const float* sb_row = args.sb + int64_t(nb) * args.ld_sb;
+    // (A multicast CTA past N reads the last row's scales; it stores nothing.)
+    const float* sb_row = args.sb + int64_t(min(nb, args.num_n - 1)) * args.ld_sb;
     float sb_next = __ldg(sb_row);  // one K block ahead: its latency hides behind the wgmmas
     for (int kb = 0; kb < args.nkb; ++kb) {
       const float sb = sb_next;
@@ -164,7 +207,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The scale reads are consumed before the warp frees the stage.
       const float s_lo = sa_lo * sb, s_hi = sa_hi * sb;
       __syncwarp();
-      if (lane == 0) mbar_arrive(empty(s));
+      if (lane == 0) {
+        mbar_arrive(empty(s));
+        if constexpr (kMc) mbar_arrive_cluster(empty(s), walk.rank ^ 1);
+      }
       if (++s == kStages) s = 0, ph ^= 1;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
@@ -241,16 +287,38 @@ bool make_map(CUtensorMap* map, CUtensorMapDataType type, const void* base, uint
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-template <bool kE5m2A, bool kF32Out>
+// Persistent grid: one CTA per SM, or (multicast) as many 2-CTA clusters as fit at once (an SM
+// pair of one GPC each; cudaOccupancyMaxActiveClusters, cached per device), never more than the
+// work.
+template <bool kE5m2A, bool kF32Out, bool kMc>
 Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa,
-              const Args& args, int grid, cudaStream_t stream) {
-  auto kernel = block_gemm_sm90_kernel<kE5m2A, kF32Out>;
+              const Args& args, int dev, int sms, cudaStream_t stream) {
+  auto kernel = block_gemm_sm90_kernel<kE5m2A, kF32Out, kMc>;
   cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
-  if (e == cudaSuccess) {
-    kernel<<<grid, kThreads, kSmemBytes, stream>>>(ta, tb, tsa, args);
-    e = cudaGetLastError();
+  const int64_t work = int64_t(args.num_m) * (kMc ? (args.num_n + 1) / 2 : args.num_n);
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1] = {};
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  if constexpr (kMc) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr, cfg.numAttrs = 1;
+    static std::atomic<int> fit[64];
+    int clusters = dev >= 0 && dev < 64 ? fit[dev].load() : 0;
+    if (e == cudaSuccess && clusters == 0) {
+      cfg.gridDim = dim3(2 * std::max(1, sms / 2));
+      e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+      if (e == cudaSuccess && clusters < 1) e = cudaErrorInvalidConfiguration;
+      if (e == cudaSuccess && dev >= 0 && dev < 64) fit[dev].store(clusters);
+    }
+    cfg.gridDim = dim3(unsigned(2 * std::min<int64_t>(work, clusters)));
+  } else {
+    cfg.gridDim = dim3(unsigned(std::min<int64_t>(work, sms)));
   }
+  if (e == cudaSuccess) e = cudaLaunchKernelEx(&cfg, kernel, ta, tb, tsa, args);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return Status::Invalid(std::string("block_gemm sm90own: launch: ") + cudaGetErrorString(e));
@@ -278,7 +346,7 @@ bool block_gemm_sm90_eligible(const GemmParams& p) {
   return major == 9 && encode_tiled() != nullptr;
 }
 
-Status block_gemm_sm90(const GemmParams& p, int group, void* stream) {
+Status block_gemm_sm90(const GemmParams& p, int group, bool multicast, void* stream) {
   Status st = validate(p);
   if (!st.ok()) return st;
   if (p.m == 0 || p.n == 0) return Status::Ok();
@@ -291,7 +359,9 @@ Status block_gemm_sm90(const GemmParams& p, int group, void* stream) {
   const int nkb = int(ceil_div(p.k, kBK));
   const int64_t ld_sa = round_up4(p.m);
   CUtensorMap ta, tb, tsa;
-  if (!make_map(&ta, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, p.k, p.m, p.k, kBK, kBM,
+  // Multicast: each CTA of a pair loads half of A's tile rows for both.
+  const uint32_t a_rows = multicast ? kBM / 2 : kBM;
+  if (!make_map(&ta, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, p.k, p.m, p.k, kBK, a_rows,
                 CU_TENSOR_MAP_SWIZZLE_128B) ||
       !make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.b, p.k, p.n, p.k, kBK, kBN,
                 CU_TENSOR_MAP_SWIZZLE_128B) ||
@@ -311,15 +381,19 @@ Status block_gemm_sm90(const GemmParams& p, int group, void* stream) {
     cudaGetLastError();
     return Status::Invalid("block_gemm sm90own: no device");
   }
-  const int64_t tiles = int64_t(args.num_m) * args.num_n;
-  const int grid = int(std::min<int64_t>(tiles, sms));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool e5 = p.a_dtype == DType::kE5M2, f32 = p.out_dtype == DType::kF32;
-  if (e5)
-    return f32 ? launch<true, true>(ta, tb, tsa, args, grid, s)
-               : launch<true, false>(ta, tb, tsa, args, grid, s);
-  return f32 ? launch<false, true>(ta, tb, tsa, args, grid, s)
-             : launch<false, false>(ta, tb, tsa, args, grid, s);
+  const int code = (e5 ? 4 : 0) + (f32 ? 2 : 0) + (multicast ? 1 : 0);
+  switch (code) {
+    case 0: return launch<false, false, false>(ta, tb, tsa, args, dev, sms, s);
+    case 1: return launch<false, false, true>(ta, tb, tsa, args, dev, sms, s);
+    case 2: return launch<false, true, false>(ta, tb, tsa, args, dev, sms, s);
+    case 3: return launch<false, true, true>(ta, tb, tsa, args, dev, sms, s);
+    case 4: return launch<true, false, false>(ta, tb, tsa, args, dev, sms, s);
+    case 5: return launch<true, false, true>(ta, tb, tsa, args, dev, sms, s);
+    case 6: return launch<true, true, false>(ta, tb, tsa, args, dev, sms, s);
+    default: return launch<true, true, true>(ta, tb, tsa, args, dev, sms, s);
+  }
 }
 
 }  // namespace lowbit

@@ -49,6 +49,25 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 #endif
 }
 
+// One arrival on the barrier at the same shared-memory offset in cluster CTA `cta`.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+#if LOWBIT_SM90A
+  asm volatile(
+      "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
+      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+#endif
+}
+
+// Every thread of every CTA of the cluster (barriers initialised before any remote use).
+__device__ __forceinline__ void cluster_sync() {
+#if LOWBIT_SM90A
+  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::
+                   : "memory");
+#endif
+}
+
 // Waits until the phase of parity `parity` has completed (a fresh barrier counts parity 1 as
 // completed, so a producer's first pass over the "empty" barriers does not block).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
@@ -82,6 +101,19 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, uint
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#endif
+}
+
+// The same box into shared memory at `dst` of every cluster CTA in `mask`, completing on the
+// barrier at `bar`'s offset in each of them.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const void* tmap, uint32_t bar,
+                                                      int c0, int c1, uint16_t mask) {
+#if LOWBIT_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
       : "memory");
 #endif
 }
