@@ -246,8 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// ---- host
-// ----------------------------------------------------------------------------------------
+// ---- host --------------------------------------------------------------------------------------
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
                                  const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,

@@ -133,8 +133,7 @@ __device__ __forceinline__ void regs_alloc() {
 #endif
 }
 
-// ---- wgmma
-// ---------------------------------------------------------------------------------------
+// ---- wgmma -------------------------------------------------------------------------------------
 
 // Shared-memory matrix descriptor of a K-major tile written by TMA with the 128-byte swizzle:
 // rows of 128 bytes, 8-row atoms 1024 bytes apart (SBO), LBO unused (1), layout SWIZZLE_128B.
