@@ -118,6 +118,20 @@ double ulp(double x, DType t) {
 
 enum class Run { kCutlass, kSm90, kRouted };
 
+// lowbit's own kernel's configuration `v` (bit 0 multicast, bit 1 BLOCK_N 192) with tile group
+// `group`, and its name as LOWBIT_BLOCK_GEMM=sm90own:<name> spells it.
+BlockGemmSm90Config sm90_config(int v, int group) {
+  BlockGemmSm90Config c;
+  c.block_n = v & 2 ? 192 : 128;
+  c.multicast = v & 1;
+  c.group = group;
+  return c;
+}
+std::string sm90_label(int v, int group) {
+  return std::string("sm90own:n") + (v & 2 ? "192" : "128") + (v & 1 ? "_mc" : "") + "/group" +
+         std::to_string(group);
+}
+
 struct Case {
   int64_t m, n, k;
   const Combo* combo;
@@ -136,8 +150,8 @@ std::string describe(const Case& c) {
   return buf;
 }
 
-// Runs `c` through the CUTLASS variant `variant` (Run::kCutlass), lowbit's own kernel with tile
-// group `swizzle`, multicast when `variant` is 1 (Run::kSm90) or gemm_cuda (Run::kRouted,
+// Runs `c` through the CUTLASS variant `variant` (Run::kCutlass), lowbit's own kernel in
+// configuration sm90_config(variant, swizzle) (Run::kSm90) or gemm_cuda (Run::kRouted,
 // optionally captured in a graph) and compares with the CPU kernel. `expect_error`: the call must
 // refuse with a Status instead.
 void check(const Case& c, Run run, int variant, int swizzle, bool graph, const std::string& tag,
@@ -215,7 +229,7 @@ void check(const Case& c, Run run, int variant, int swizzle, bool graph, const s
   } else if (run == Run::kCutlass) {
     s = block_gemm_cutlass(pg, variant, swizzle, stream);
   } else if (run == Run::kSm90) {
-    s = block_gemm_sm90(pg, swizzle, variant != 0, stream);
+    s = block_gemm_sm90(pg, sm90_config(variant, swizzle), stream);
   } else {
     s = gemm_cuda(pg, stream);
   }
@@ -382,12 +396,13 @@ void bench_sm90() {
     std::vector<uint16_t> r(size_t(M * N)), o(size_t(M * N));
     CK(cudaMemcpy(r.data(), out_ref, r.size() * 2, cudaMemcpyDeviceToHost));
     std::printf("\n");
-    for (int mc = 0; mc < 2; ++mc)
+    for (int v = 0; v < 4; ++v)
       for (int group : {8, 16}) {
         CK(cudaMemset(out_own, 0xFF, M * N * 2));  // NaN: an unwritten element fails
-        const double t = time_ms([&] { st = block_gemm_sm90(po, group, mc != 0, nullptr); }, 20);
-        std::printf("    %-18s group%-2d %6.0f (%.3f of cublaslt)",
-                    mc ? "sm90own:multicast" : "sm90own", group, flop / (t * 1e9), t_ref / t);
+        const BlockGemmSm90Config cfg = sm90_config(v, group);
+        const double t = time_ms([&] { st = block_gemm_sm90(po, cfg, nullptr); }, 20);
+        std::printf("    %-26s %6.0f (%.3f of cublaslt)", sm90_label(v, group).c_str(),
+                    flop / (t * 1e9), t_ref / t);
         if (!st.ok()) std::printf(" FAIL %s", st.message.c_str()), ++g_failures;
         CK(cudaDeviceSynchronize());
         CK(cudaMemcpy(o.data(), out_own, o.size() * 2, cudaMemcpyDeviceToHost));
@@ -444,22 +459,21 @@ int main(int argc, char** argv) {
                 std::string("cutlass:") + block_gemm_cutlass_name(q, v));
       }
 
-  // lowbit's own kernel (1x128 x 128x128 only), with and without multicast, on the same ragged
-  // shapes (odd and even N tile counts: a multicast pair's second CTA past N), tile groups 3
-  // (runs of unequal length) and 8; the full run adds shapes with more tiles than SMs (each CTA
-  // walks several tiles) and more K blocks than pipeline stages.
+  // lowbit's own kernel (1x128 x 128x128 only), BLOCK_N 128 and 192 (tiles straddling two B
+  // scale blocks), with and without multicast, on the same ragged shapes (odd and even N tile
+  // counts: a multicast pair's second CTA past N), tile groups 3 (runs of unequal length) and 8;
+  // the full run adds shapes with more tiles than SMs (each CTA walks several tiles) and more K
+  // blocks than pipeline stages.
   std::vector<std::array<int64_t, 3>> own = ragged;
   if (!quick) own.push_back({2200, 2056, 400}), own.push_back({1300, 2184, 1040});
   for (const auto& sh : own)
     for (const Combo& cb : kCombos) {
       if (cb.b_block != abi::kGemmBlock_2d) continue;
       for (DType o : outs)
-        for (int mc = 0; mc < 2; ++mc) {
+        for (int v = 0; v < 4; ++v) {
           const Case c{sh[0], sh[1], sh[2], &cb, o, idx++ % 3};
           const int group = idx % 2 ? 3 : 8;
-          check(
-              c, Run::kSm90, mc, group, false,
-              std::string(mc ? "sm90own:multicast" : "sm90own") + "/group" + std::to_string(group));
+          check(c, Run::kSm90, v, group, false, sm90_label(v, group));
         }
     }
 

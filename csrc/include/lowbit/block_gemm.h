@@ -12,9 +12,10 @@
 // candidate runs a few times on the caller's stream between events, and the fastest is kept in
 // a process-wide table (one mutex; entries per device). LOWBIT_BLOCK_GEMM picks the backend:
 // "auto" (default: the measurement), "cublaslt", "cutlass" (the fastest CUTLASS variant),
-// "cutlass:<variant>" (that variant, e.g. for benchmarks) or "sm90own" (lowbit's own kernel,
-// block_gemm_sm90 below). LOWBIT_BLOCK_GEMM_LOG=1 prints each
-// measurement to stderr.
+// "cutlass:<variant>" (that variant, e.g. for benchmarks), "sm90own" (lowbit's own kernel,
+// block_gemm_sm90 below: the fastest of its configurations) or "sm90own:<config>" (one of them:
+// n128/group8, n128/group16, n128_mc/group8, ..., n192_mc/group16). LOWBIT_BLOCK_GEMM_LOG=1 prints
+// each measurement to stderr.
 //
 // Scale layouts are lowbit's (lowbit/block_scaling.h) as they are: the 1x128 array
 // (ceil(K/128), round_up(rows, 4)) is CUTLASS's M/N-major scale layout with k-block stride
@@ -52,11 +53,16 @@ const char* block_gemm_cutlass_name(const GemmParams& p, int v);
 Status block_gemm_cutlass(const GemmParams& p, int v, int swizzle, void* stream);
 
 // lowbit's own sm_90a kernel (block_gemm_sm90.cu; "sm90own"): 1x128 E4M3/E5M2 A x 128x128 E4M3 B,
-// 128x128 tiles, persistent, tiles in runs of `group` M tiles per N tile; `multicast`: clusters
-// of two CTAs sharing A's tile through TMA multicast. Eligible on compute capability 9.x with
-// K % 16 == 0, N % 8 (BF16 out) or % 4 (F32) and 16-byte aligned A, B, out and A's scales; no
-// workspace.
+// persistent over 128 x block_n tiles (block_n 128 or 192) in runs of `group` M tiles per N tile;
+// `multicast`: clusters of two CTAs sharing A's tile through TMA multicast. Eligible on compute
+// capability 9.x with K % 16 == 0, N % 8 (BF16 out) or % 4 (F32) and 16-byte aligned A, B, out
+// and A's scales; no workspace.
+struct BlockGemmSm90Config {
+  int block_n = 128;
+  bool multicast = false;
+  int group = 8;
+};
 bool block_gemm_sm90_eligible(const GemmParams& p);
-Status block_gemm_sm90(const GemmParams& p, int group, bool multicast, void* stream);
+Status block_gemm_sm90(const GemmParams& p, const BlockGemmSm90Config& c, void* stream);
 
 }  // namespace lowbit

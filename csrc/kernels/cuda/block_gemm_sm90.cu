@@ -37,19 +37,28 @@
 namespace lowbit {
 namespace {
 
-constexpr int kBM = 128, kBN = 128, kBK = 128;
-constexpr int kStages = 6;
-constexpr uint32_t kTileBytes = kBM * kBK;  // A and B tiles alike (kBN == kBM), 1-byte elements
-constexpr uint32_t kScaleBytes = kBM * 4;   // A's scales of one K block
-constexpr uint32_t kThreads = 384;          // producer + 2 consumer warpgroups
+constexpr int kBM = 128, kBK = 128;
+constexpr uint32_t kATile = kBM * kBK;     // 1-byte elements
+constexpr uint32_t kScaleBytes = kBM * 4;  // A's scales of one K block
+constexpr uint32_t kThreads = 384;         // producer + 2 consumer warpgroups
 constexpr uint32_t kConsumerWarps = 8;
-constexpr size_t kSmemBytes = size_t(kStages) * (2 * kTileBytes + kScaleBytes) +
-                              2 * kStages * sizeof(uint64_t) + 1024;  // + alignment slack
+
+// BLOCK_N 128 or 192 (a 192-column tile straddles two of B's 128-row scale blocks); as many
+// stages as fit in 227 KB of shared memory (+ 1 KB alignment slack).
+template <int kBN>
+struct Tiles {
+  static constexpr uint32_t kBTile = kBN * kBK;
+  static constexpr int kStages = kBN == 128 ? 6 : 5;
+  static constexpr int kAcc = kBN / 2;  // accumulator registers per thread (per set)
+  static constexpr size_t kSmem =
+      size_t(kStages) * (kATile + kBTile + kScaleBytes) + 2 * kStages * sizeof(uint64_t) + 1024;
+  static_assert(kSmem <= 227 * 1024, "shared memory");
+};
 
 struct Args {
-  int m, n, num_m, num_n, nkb, group;
-  int ld_sb;        // B's 128x128 scale array row stride: round_up4(nkb)
-  const float* sb;  // (ceil(N/128), ld_sb)
+  int m, n, num_m, num_n, nkb, group;  // num_n: BLOCK_N tiles
+  int ld_sb, sb_rows;                  // B's 128x128 scales: round_up4(nkb), ceil(N / 128)
+  const float* sb;                     // (sb_rows, ld_sb)
   const void* bias;
   int bias_f32;
   void* out;
@@ -94,20 +103,22 @@ __device__ __forceinline__ void store_pair(const Args& a, int64_t row, int col, 
   }
 }
 
-template <bool kE5m2A, bool kF32Out, bool kMc>
+template <bool kE5m2A, bool kF32Out, bool kMc, int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
     block_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a,
                            const __grid_constant__ CUtensorMap tma_b,
                            const __grid_constant__ CUtensorMap tma_sa, const Args args) {
 #if LOWBIT_SM90A
   using namespace sm90;
+  using T = Tiles<kBN>;
+  constexpr int kStages = T::kStages, kAcc = T::kAcc;
   extern __shared__ uint8_t smem_raw[];
   // The 128B swizzle's pattern repeats every 1024 bytes: tiles start 1024-aligned.
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
-  const uint32_t a0 = raw + pad, b0 = a0 + kStages * kTileBytes, sa0 = b0 + kStages * kTileBytes;
+  const uint32_t a0 = raw + pad, b0 = a0 + kStages * kATile, sa0 = b0 + kStages * T::kBTile;
   const uint32_t bar0 = sa0 + kStages * kScaleBytes;
-  const float* sa_smem = reinterpret_cast<const float*>(smem_raw + pad + 2 * kStages * kTileBytes);
+  const float* sa_smem = reinterpret_cast<const float*>(smem_raw + (sa0 - raw));
   auto full = [&](int s) { return bar0 + 8u * s; };
   auto empty = [&](int s) { return bar0 + 8u * (kStages + s); };
 
@@ -141,15 +152,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(empty(s), ph ^ 1);
         // A's and B's tiles and A's scales: the same bytes either way (multicast: half of A's
         // tile comes from the peer CTA's load).
-        mbar_arrive_expect_tx(full(s), 2 * kTileBytes + kScaleBytes);
+        mbar_arrive_expect_tx(full(s), kATile + T::kBTile + kScaleBytes);
         if constexpr (kMc) {
           const int half = walk.rank * (kBM / 2);
-          tma_load_2d_multicast(a0 + s * kTileBytes + half * kBK, &tma_a, full(s), kb * kBK,
+          tma_load_2d_multicast(a0 + s * kATile + half * kBK, &tma_a, full(s), kb * kBK,
                                 mb * kBM + half, 0x3);
         } else {
-          tma_load_2d(a0 + s * kTileBytes, &tma_a, full(s), kb * kBK, mb * kBM);
+          tma_load_2d(a0 + s * kATile, &tma_a, full(s), kb * kBK, mb * kBM);
         }
-        tma_load_2d(b0 + s * kTileBytes, &tma_b, full(s), kb * kBK, nb * kBN);
+        tma_load_2d(b0 + s * T::kBTile, &tma_b, full(s), kb * kBK, nb * kBN);
         tma_load_2d(sa0 + s * kScaleBytes, &tma_sa, full(s), mb * kBM, kb);
         if (++s == kStages) s = 0, ph ^= 1;
       }
@@ -170,42 +181,46 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128 - 1;
   const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
   // wgmma's accumulator layout: register 4i + j holds row r_in (+8 for j >= 2) and column
-  // 8i + 2 (lane % 4) + (j % 2) of the warpgroup's 64 x 128 block.
+  // 8i + 2 (lane % 4) + (j % 2) of the warpgroup's 64 x BLOCK_N block.
   const int r_in = wg * 64 + warp * 16 + lane / 4;
-  float acc[64], part[64];
+  float acc[kAcc], part[kAcc];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) part[i] = 0.f;
+  for (int i = 0; i < kAcc; ++i) part[i] = 0.f;
   int s = 0;
   uint32_t ph = 0;
   for (int t = walk.first; t < walk.count; t += walk.step) {
     int mb, nb;
     walk.coords(t, args, mb, nb);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    // (A multicast CTA past N reads the last row's scales; it stores nothing.)
-    const float* sb_row = args.sb + int64_t(min(nb, args.num_n - 1)) * args.ld_sb;
-    float sb_next = __ldg(sb_row);  // one K block ahead: its latency hides behind the wgmmas
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+    // B's scale rows: the tile's first column's 128-block, and the next one for the columns from
+    // `split` on (192-wide tiles; clamped at the last row: a multicast CTA past N, or a tile that
+    // ends before the next block, reads a real row and stores nothing from it).
+    const int n0 = nb * kBN, split = 128 - n0 % 128;
+    const float* sb_row0 = args.sb + int64_t(min(n0 / 128, args.sb_rows - 1)) * args.ld_sb;
+    const float* sb_row1 = args.sb + int64_t(min(n0 / 128 + 1, args.sb_rows - 1)) * args.ld_sb;
+    // One K block ahead: the loads' latency hides behind the wgmmas.
+    float sb0_next = __ldg(sb_row0), sb1_next = kBN % 128 ? __ldg(sb_row1) : 0.f;
     for (int kb = 0; kb < args.nkb; ++kb) {
-      const float sb = sb_next;
-      if (kb + 1 < args.nkb) sb_next = __ldg(sb_row + kb + 1);
+      const float sb0 = sb0_next, sb1 = sb1_next;
+      if (kb + 1 < args.nkb) {
+        sb0_next = __ldg(sb_row0 + kb + 1);
+        if (kBN % 128) sb1_next = __ldg(sb_row1 + kb + 1);
+      }
       mbar_wait(full(s), ph);
       const float sa_lo = sa_smem[s * kBM + r_in], sa_hi = sa_smem[s * kBM + r_in + 8];
-      const uint32_t a_tile = a0 + s * kTileBytes + wg * 64 * kBK, b_tile = b0 + s * kTileBytes;
-      fence_regs<64>(part);
+      const uint32_t a_tile = a0 + s * kATile + wg * 64 * kBK, b_tile = b0 + s * T::kBTile;
+      fence_regs<kAcc>(part);
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kBK / 32; ++k) {
-        const uint64_t da = sw128_desc(a_tile + k * 32), db = sw128_desc(b_tile + k * 32);
-        if constexpr (kE5m2A)
-          wgmma_e5m2_e4m3(part, da, db, k);
-        else
-          wgmma_e4m3_e4m3(part, da, db, k);
-      }
+      for (int k = 0; k < kBK / 32; ++k)
+        wgmma<kE5m2A, kBN>(part, sw128_desc(a_tile + k * 32), sw128_desc(b_tile + k * 32), k);
       wgmma_commit();
       wgmma_wait_all();
-      fence_regs<64>(part);
+      fence_regs<kAcc>(part);
       // The scale reads are consumed before the warp frees the stage.
-      const float s_lo = sa_lo * sb, s_hi = sa_hi * sb;
+      const float s0_lo = sa_lo * sb0, s0_hi = sa_hi * sb0;
+      const float s1_lo = sa_lo * sb1, s1_hi = sa_hi * sb1;
       __syncwarp();
       if (lane == 0) {
         mbar_arrive(empty(s));
@@ -213,7 +228,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (++s == kStages) s = 0, ph ^= 1;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < kBN / 8; ++i) {
+        // Columns 8i .. 8i + 7 lie in one 128-block (split is a multiple of 64).
+        const bool first = kBN % 128 == 0 || 8 * i < split;
+        const float s_lo = first ? s0_lo : s1_lo, s_hi = first ? s0_hi : s1_hi;
         acc[4 * i + 0] = fmaf(part[4 * i + 0], s_lo, acc[4 * i + 0]);
         acc[4 * i + 1] = fmaf(part[4 * i + 1], s_lo, acc[4 * i + 1]);
         acc[4 * i + 2] = fmaf(part[4 * i + 2], s_hi, acc[4 * i + 2]);
@@ -222,9 +240,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Epilogue: acc + bias in float32, one rounding. N is even, so col < N implies col + 1 < N.
     const int64_t row = int64_t(mb) * kBM + r_in;
-    const int col0 = nb * kBN + 2 * (lane % 4);
+    const int col0 = n0 + 2 * (lane % 4);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kBN / 8; ++i) {
       const int col = col0 + 8 * i;
       if (col >= args.n) break;
       float bias0 = 0.f, bias1 = 0.f;
@@ -289,10 +307,11 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 // Persistent grid: one CTA per SM, or (multicast) as many 2-CTA clusters as fit at once (an SM
 // pair of one GPC each; cudaOccupancyMaxActiveClusters, cached per device), never more than the
 // work.
-template <bool kE5m2A, bool kF32Out, bool kMc>
+template <bool kE5m2A, bool kF32Out, bool kMc, int kBN>
 Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa,
               const Args& args, int dev, int sms, cudaStream_t stream) {
-  auto kernel = block_gemm_sm90_kernel<kE5m2A, kF32Out, kMc>;
+  auto kernel = block_gemm_sm90_kernel<kE5m2A, kF32Out, kMc, kBN>;
+  constexpr size_t kSmemBytes = Tiles<kBN>::kSmem;
   cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
   const int64_t work = int64_t(args.num_m) * (kMc ? (args.num_n + 1) / 2 : args.num_n);
@@ -325,6 +344,21 @@ Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& t
   return Status::Ok();
 }
 
+template <int kBN>
+Status dispatch(bool e5, bool f32, bool mc, const CUtensorMap& ta, const CUtensorMap& tb,
+                const CUtensorMap& tsa, const Args& args, int dev, int sms, cudaStream_t s) {
+  switch ((e5 ? 4 : 0) + (f32 ? 2 : 0) + (mc ? 1 : 0)) {
+    case 0: return launch<false, false, false, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 1: return launch<false, false, true, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 2: return launch<false, true, false, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 3: return launch<false, true, true, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 4: return launch<true, false, false, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 5: return launch<true, false, true, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 6: return launch<true, true, false, kBN>(ta, tb, tsa, args, dev, sms, s);
+    default: return launch<true, true, true, kBN>(ta, tb, tsa, args, dev, sms, s);
+  }
+}
+
 }  // namespace
 
 bool block_gemm_sm90_eligible(const GemmParams& p) {
@@ -345,7 +379,7 @@ bool block_gemm_sm90_eligible(const GemmParams& p) {
   return major == 9 && encode_tiled() != nullptr;
 }
 
-Status block_gemm_sm90(const GemmParams& p, int group, bool multicast, void* stream) {
+Status block_gemm_sm90(const GemmParams& p, const BlockGemmSm90Config& c, void* stream) {
   Status st = validate(p);
   if (!st.ok()) return st;
   if (p.m == 0 || p.n == 0) return Status::Ok();
@@ -354,24 +388,27 @@ Status block_gemm_sm90(const GemmParams& p, int group, bool multicast, void* str
     return Status::Invalid(
         "block_gemm sm90own: needs an sm_90 GPU, 1x128 E4M3/E5M2 A x 128x128 E4M3 B, K a multiple "
         "of 16, N of 8 (BF16 out) or 4 (F32) and 16-byte aligned A, B, out and A's scales");
-  if (group < 1) return Status::Invalid("block_gemm sm90own: group must be >= 1");
+  if (c.group < 1) return Status::Invalid("block_gemm sm90own: group must be >= 1");
+  if (c.block_n != 128 && c.block_n != 192)
+    return Status::Invalid("block_gemm sm90own: block_n must be 128 or 192");
   const int nkb = int(ceil_div(p.k, kBK));
   const int64_t ld_sa = round_up4(p.m);
   CUtensorMap ta, tb, tsa;
   // Multicast: each CTA of a pair loads half of A's tile rows for both.
-  const uint32_t a_rows = multicast ? kBM / 2 : kBM;
+  const uint32_t a_rows = c.multicast ? kBM / 2 : kBM;
   if (!make_map(&ta, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, p.k, p.m, p.k, kBK, a_rows,
                 CU_TENSOR_MAP_SWIZZLE_128B) ||
-      !make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.b, p.k, p.n, p.k, kBK, kBN,
+      !make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.b, p.k, p.n, p.k, kBK, uint32_t(c.block_n),
                 CU_TENSOR_MAP_SWIZZLE_128B) ||
       !make_map(&tsa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.a_scale_inv, ld_sa, nkb, ld_sa * 4, kBM, 1,
                 CU_TENSOR_MAP_SWIZZLE_NONE))
     return Status::Invalid("block_gemm sm90own: cuTensorMapEncodeTiled failed");
   Args args{};
   args.m = int(p.m), args.n = int(p.n);
-  args.num_m = int(ceil_div(p.m, kBM)), args.num_n = int(ceil_div(p.n, kBN));
-  args.nkb = nkb, args.group = group;
-  args.ld_sb = int(round_up4(nkb)), args.sb = p.b_scale_inv;
+  args.num_m = int(ceil_div(p.m, kBM)), args.num_n = int(ceil_div(p.n, c.block_n));
+  args.nkb = nkb, args.group = c.group;
+  args.ld_sb = int(round_up4(nkb)), args.sb_rows = int(ceil_div(p.n, 128));
+  args.sb = p.b_scale_inv;
   args.bias = p.bias, args.bias_f32 = p.bias && p.bias_dtype == DType::kF32;
   args.out = p.out;
   int dev = 0, sms = 0;
@@ -382,17 +419,8 @@ Status block_gemm_sm90(const GemmParams& p, int group, bool multicast, void* str
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool e5 = p.a_dtype == DType::kE5M2, f32 = p.out_dtype == DType::kF32;
-  const int code = (e5 ? 4 : 0) + (f32 ? 2 : 0) + (multicast ? 1 : 0);
-  switch (code) {
-    case 0: return launch<false, false, false>(ta, tb, tsa, args, dev, sms, s);
-    case 1: return launch<false, false, true>(ta, tb, tsa, args, dev, sms, s);
-    case 2: return launch<false, true, false>(ta, tb, tsa, args, dev, sms, s);
-    case 3: return launch<false, true, true>(ta, tb, tsa, args, dev, sms, s);
-    case 4: return launch<true, false, false>(ta, tb, tsa, args, dev, sms, s);
-    case 5: return launch<true, false, true>(ta, tb, tsa, args, dev, sms, s);
-    case 6: return launch<true, true, false>(ta, tb, tsa, args, dev, sms, s);
-    default: return launch<true, true, true>(ta, tb, tsa, args, dev, sms, s);
-  }
+  return c.block_n == 192 ? dispatch<192>(e5, f32, c.multicast, ta, tb, tsa, args, dev, sms, s)
+                          : dispatch<128>(e5, f32, c.multicast, ta, tb, tsa, args, dev, sms, s);
 }
 
 }  // namespace lowbit

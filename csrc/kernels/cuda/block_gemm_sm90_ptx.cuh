@@ -1,7 +1,7 @@
 // The sm_90a instructions lowbit's own block-scaled GEMM (block_gemm_sm90.cu) is built from, as
-// small inline-PTX wrappers: mbarriers, TMA 2D loads, wgmma (m64n128k32, FP8 x FP8 -> F32, both
-// operands from shared memory through descriptors) and setmaxnreg. Only the sm_90a pass emits
-// them; other targets get empty bodies (the host never launches the kernel there).
+// small inline-PTX wrappers: mbarriers, TMA 2D loads, wgmma (m64n128k32 / m64n192k32, FP8 x FP8 ->
+// F32, both operands from shared memory through descriptors) and setmaxnreg. Only the sm_90a pass
+// emits them; other targets get empty bodies (the host never launches the kernel there).
 #pragma once
 
 #include <cstdint>
@@ -174,32 +174,59 @@ __device__ __forceinline__ void fence_regs(float* r) {
   "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7]), "+f"(d[i + 8]), "+f"(d[i + 9]), "+f"(d[i + 10]),            \
       "+f"(d[i + 11]), "+f"(d[i + 12]), "+f"(d[i + 13]), "+f"(d[i + 14]), "+f"(d[i + 15])
+#define LOWBIT_WG_D64 LOWBIT_WG_D16(0), LOWBIT_WG_D16(16), LOWBIT_WG_D16(32), LOWBIT_WG_D16(48)
+#define LOWBIT_WG_D96 LOWBIT_WG_D64, LOWBIT_WG_D16(64), LOWBIT_WG_D16(80)
+#define LOWBIT_WG_R64                                                                \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+  "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, " \
+  "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
+  "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define LOWBIT_WG_R96                                                                    \
+  LOWBIT_WG_R64                                                                          \
+      ", "                                                                               \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 
-// d(64x128 per warpgroup) = A(64x32) . B(128x32)^T (+ d when accumulate != 0), FP8 types TA, TB.
-#define LOWBIT_WGMMA_64x128x32(NAME, TA, TB)                                                 \
+// d(64 x N per warpgroup) = A(64x32) . B(Nx32)^T (+ d when accumulate != 0), FP8 types TA, TB;
+// REGS/OUTS the N/2 accumulator operands, then the descriptors and the flag (%D, %D+1, %D+2).
+#define LOWBIT_WGMMA(NAME, N, TA, TB, REGS, OUTS, D, D1, D2)                                 \
   __device__ __forceinline__ void NAME(float* d, uint64_t da, uint64_t db, int accumulate) { \
-    asm volatile(                                                                            \
-        "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                       \
-        " wgmma.mma_async.sync.aligned.m64n128k32.f32." TA "." TB                            \
-        " {"                                                                                 \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "             \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "   \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "   \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "  \
-        "%64, %65, p, 1, 1;\n}"                                                              \
-        : LOWBIT_WG_D16(0), LOWBIT_WG_D16(16), LOWBIT_WG_D16(32), LOWBIT_WG_D16(48)          \
-        : "l"(da), "l"(db), "r"(accumulate));                                                \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" #D2                                  \
+                 ", 0;\n"                                                                    \
+                 " wgmma.mma_async.sync.aligned.m64n" #N "k32.f32." TA "." TB " {" REGS      \
+                 "}, "                                                                       \
+                 "%" #D ", %" #D1 ", p, 1, 1;\n}"                                            \
+                 : OUTS                                                                      \
+                 : "l"(da), "l"(db), "r"(accumulate));                                       \
   }
 
 #if LOWBIT_SM90A
-LOWBIT_WGMMA_64x128x32(wgmma_e4m3_e4m3, "e4m3", "e4m3")
-    LOWBIT_WGMMA_64x128x32(wgmma_e5m2_e4m3, "e5m2", "e4m3")
+LOWBIT_WGMMA(wgmma_n128_e4m3_e4m3, 128, "e4m3", "e4m3", LOWBIT_WG_R64, LOWBIT_WG_D64, 64, 65, 66)
+LOWBIT_WGMMA(wgmma_n128_e5m2_e4m3, 128, "e5m2", "e4m3", LOWBIT_WG_R64, LOWBIT_WG_D64, 64, 65, 66)
+LOWBIT_WGMMA(wgmma_n192_e4m3_e4m3, 192, "e4m3", "e4m3", LOWBIT_WG_R96, LOWBIT_WG_D96, 96, 97, 98)
+LOWBIT_WGMMA(wgmma_n192_e5m2_e4m3, 192, "e5m2", "e4m3", LOWBIT_WG_R96, LOWBIT_WG_D96, 96, 97, 98)
 #else
-__device__ __forceinline__ void wgmma_e4m3_e4m3(float*, uint64_t, uint64_t, int) {}
-__device__ __forceinline__ void wgmma_e5m2_e4m3(float*, uint64_t, uint64_t, int) {}
+__device__ __forceinline__ void wgmma_n128_e4m3_e4m3(float*, uint64_t, uint64_t, int) {}
+__device__ __forceinline__ void wgmma_n128_e5m2_e4m3(float*, uint64_t, uint64_t, int) {}
+__device__ __forceinline__ void wgmma_n192_e4m3_e4m3(float*, uint64_t, uint64_t, int) {}
+__device__ __forceinline__ void wgmma_n192_e5m2_e4m3(float*, uint64_t, uint64_t, int) {}
 #endif
-#undef LOWBIT_WGMMA_64x128x32
+#undef LOWBIT_WGMMA
+#undef LOWBIT_WG_R96
+#undef LOWBIT_WG_R64
+#undef LOWBIT_WG_D96
+#undef LOWBIT_WG_D64
 #undef LOWBIT_WG_D16
+
+// One m64nNk32 wgmma with A E5M2 or E4M3 and B E4M3, N 128 or 192.
+template <bool kE5m2A, int N>
+__device__ __forceinline__ void wgmma(float* d, uint64_t da, uint64_t db, int accumulate) {
+  static_assert(N == 128 || N == 192, "BLOCK_N 128 or 192");
+  if constexpr (N == 128 && kE5m2A) wgmma_n128_e5m2_e4m3(d, da, db, accumulate);
+  if constexpr (N == 128 && !kE5m2A) wgmma_n128_e4m3_e4m3(d, da, db, accumulate);
+  if constexpr (N == 192 && kE5m2A) wgmma_n192_e5m2_e4m3(d, da, db, accumulate);
+  if constexpr (N == 192 && !kE5m2A) wgmma_n192_e4m3_e4m3(d, da, db, accumulate);
+}
 
 }  // namespace sm90
 }  // namespace lowbit
