@@ -2,22 +2,24 @@
 // 1x128 scales, B (N, K) with 128x128 scales (fprop, dgrad), BF16 or F32 out, optional bias.
 //
 // Structure (DeepGEMM's, written for lowbit's scale layouts): a persistent grid (one CTA per SM)
-// walks the 128x128 output tiles in a grouped order (`group` M tiles share each N tile, for L2
-// reuse). Warpgroup 0 is the producer: one thread feeds a kStages-deep shared-memory ring with
-// TMA (A and B tiles 128 x 128 bytes, 128B swizzle; A's 128 scales of the K block), each stage
-// guarded by a "full" mbarrier (TMA bytes) and an "empty" one (8 consumer warps). Warpgroups 1
-// and 2 each own 64 rows x 128 columns of the tile: per 128-deep K block they issue four
-// m64n128k32 wgmmas into a zeroed partial sum, wait for them, free the stage, and promote
-//   acc += partial * (sa[row, kb] * sb[n_block, kb])
+// walks the 128 x BLOCK_N output tiles (BLOCK_N 128 or 192) in a grouped order (`group` M tiles
+// share each N tile, for L2 reuse). Warpgroup 0 is the producer: one thread feeds a kStages-deep
+// shared-memory ring with TMA (A's 128 x 128-byte and B's BLOCK_N x 128-byte tiles, 128B
+// swizzle; A's 128 scales of the K block), each stage guarded by a "full" mbarrier (TMA bytes)
+// and an "empty" one (8 consumer warps). Warpgroups 1 and 2 each own 64 rows x BLOCK_N columns
+// of the tile: per 128-deep K block they issue four m64nBLOCK_Nk32 wgmmas into a zeroed partial
+// sum, wait for them, free the stage, and promote
+//   acc += partial * (sa[row, kb] * sb[column's 128-block, kb])
 // in float32 registers (one FFMA per element per K block). While one warpgroup promotes, the
 // other's wgmmas keep the tensor cores busy. The epilogue adds the bias in float32, rounds once
 // and stores straight from registers (rows >= M and columns >= N skipped); the producer is
 // already loading the next tile meanwhile.
 //
 // Multicast variant (kMc): clusters of 2 CTAs on N-adjacent tiles of the same M tile; each loads
-// half of A's tile rows with TMA multicast into both (L2 -> SM traffic per K block 24 KB instead
-// of 32 KB per CTA). A stage's "empty" barrier then counts both CTAs' 16 consumer warps (remote
-// arrivals through mapa), and each producer stays until every stage is freed before it exits.
+// half of A's tile rows with TMA multicast into both (L2 -> SM traffic per K block and CTA 8 KB
+// less: 24 instead of 32 KB at BLOCK_N 128). A stage's "empty" barrier then counts both CTAs' 16
+// consumer warps (remote arrivals through mapa), and each producer stays until every stage is freed
+// before it exits.
 //
 // Shapes: TMA clips M and N and zero-fills a partial last K block (K % 16 == 0 for TMA's row
 // stride), so no operand needs padding. Scale padding entries are never read for stored outputs.
