@@ -464,9 +464,7 @@ int main(int argc, char** argv) {
   // counts: a multicast pair's second CTA past N), tile groups 3 (runs of unequal length) and 8;
   // the full run adds shapes with more tiles than SMs (each CTA walks several tiles) and more K
   // blocks than pipeline stages.
-  std::vector<std::array<int64_t, 3>> own = ragged;
-  if (!quick) own.push_back({2200, 2056, 400}), own.push_back({1300, 2184, 1040});
-  for (const auto& sh : own)
+  for (const auto& sh : ragged)
     for (const Combo& cb : kCombos) {
       if (cb.b_block != abi::kGemmBlock_2d) continue;
       for (DType o : outs)
@@ -476,6 +474,14 @@ int main(int argc, char** argv) {
           check(c, Run::kSm90, v, group, false, sm90_label(v, group));
         }
     }
+  // The large shapes once per configuration (their CPU reference takes seconds), dtypes rotating.
+  if (!quick)
+    for (const auto& sh : {std::array<int64_t, 3>{2200, 2056, 400}, {1300, 2184, 1040}})
+      for (int v = 0; v < 4; ++v) {
+        const Case c{sh[0], sh[1], sh[2], &kCombos[v % 2], outs[(v / 2 + idx) % 2], idx % 3};
+        ++idx;
+        check(c, Run::kSm90, v, 16, false, sm90_label(v, 16));
+      }
 
   // The routed GEMM on what lowbit.gemm passes (M, N multiples of 16, K of 128).
   // Every bias on the small shapes of the full run; one bias per case otherwise (--quick keeps
