@@ -314,8 +314,13 @@ Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& t
               const Args& args, int dev, int sms, cudaStream_t stream) {
   auto kernel = block_gemm_sm90_kernel<kE5m2A, kF32Out, kMc, kBN>;
   constexpr size_t kSmemBytes = Tiles<kBN>::kSmem;
-  cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+  // The shared-memory opt-in once per device (a driver call per launch costs small GEMMs).
+  static std::atomic<bool> smem_set[64];
+  cudaError_t e = cudaSuccess;
+  if (dev < 0 || dev >= 64 || !smem_set[dev].load()) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+    if (e == cudaSuccess && dev >= 0 && dev < 64) smem_set[dev].store(true);
+  }
   const int64_t work = int64_t(args.num_m) * (kMc ? (args.num_n + 1) / 2 : args.num_n);
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1] = {};
