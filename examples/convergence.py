@@ -12,7 +12,9 @@ held-out loss and its gap to BF16 in percent.
 Recipe names: bf16 (no recipe), delayed, current, mxfp8, block (Float8BlockScaling), nvfp4 (the
 default NVFP4 recipe: first and last transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in
 NVFP4), nvfp4-last (only the last layer BF16), nvfp4-last2 (the last two), nvfp4-nosr,
-nvfp4-norht, nvfp4-no2d (the default with one TE feature disabled).
+nvfp4-norht, nvfp4-no2d (the default with one TE feature disabled); delayed-dpa, current-dpa
+(DelayedScaling / Float8CurrentScaling with ``fp8_dpa=True``: the attention runs in FP8 through
+lowbit's DotProductAttention, the cuDNN kernel on a GPU, its emulation elsewhere).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ RECIPES = {
     "nvfp4-nosr": lambda: lowbit.NVFP4BlockScaling(disable_stochastic_rounding=True),
     "nvfp4-norht": lambda: lowbit.NVFP4BlockScaling(disable_rht=True),
     "nvfp4-no2d": lambda: lowbit.NVFP4BlockScaling(disable_2d_quantization=True),
+    # FP8 attention (issue 26): the recipe's GEMMs plus lowbit's FP8 attention (fp8_dpa).
+    "delayed-dpa": lambda: lowbit.DelayedScaling(fp8_dpa=True),
+    "current-dpa": lambda: lowbit.Float8CurrentScaling(fp8_dpa=True),
 }
 DEFAULT_RECIPES = ("bf16", "delayed", "current", "mxfp8", "nvfp4")
 
@@ -133,12 +138,24 @@ class Block(nn.Module):
         b, t, _ = x.shape
         h = nn.LayerNorm(dtype=dt)(x)
         q, k, v = jnp.split(dense(3 * c.d_model, "qkv")(h).reshape(b, t, 3 * c.n_heads, -1), 3, axis=2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(dt), v).reshape(b, t, -1)
+        if getattr(self.recipe, "fp8_dpa", False):  # the same attention with FP8 tensors
+            a = fp8_attention(self.recipe, q, k, v).reshape(b, t, -1)
+        else:
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
+            s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+            a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(dt), v).reshape(b, t, -1)
         x = x + dense(c.d_model, "out")(a)
         h = nn.LayerNorm(dtype=dt)(x)
         return x + dense(c.d_model, "fc2")(nn.gelu(dense(c.d_ff, "fc1")(h)))
+
+
+def fp8_attention(recipe, q, k, v):
+    """Causal attention of (b, t, h, d) q, k, v in FP8 under ``recipe`` (its ``fp8_dpa``)."""
+    from lowbit.flax import DotProductAttention
+
+    h, d = q.shape[2], q.shape[3]
+    with lowbit.autocast(recipe=recipe, enabled=True):
+        return DotProductAttention(d, h, attn_mask_type="causal", name="attention")(q, k, v)
 
 
 class ByteLM(nn.Module):
