@@ -18,7 +18,9 @@ DotProductAttention, and the FP8 recipes set ``fp8_dpa=True`` (FP8 attention; BF
 Recipe names: bf16 (no recipe), delayed, current, mxfp8, block (Float8BlockScaling), nvfp4 (the
 default NVFP4 recipe: first and last transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in
 NVFP4), nvfp4-last (only the last layer BF16), nvfp4-last2 (the last two), nvfp4-nosr,
-nvfp4-norht, nvfp4-no2d (the default with one TE feature disabled).
+nvfp4-norht, nvfp4-no2d (the default with one TE feature disabled); delayed-dpa, current-dpa
+(DelayedScaling / Float8CurrentScaling with ``fp8_dpa=True``: the attention runs in FP8 through
+lowbit's DotProductAttention, the cuDNN kernel on a GPU, its emulation elsewhere).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ RECIPES = {
     "nvfp4-nosr": lambda: lowbit.NVFP4BlockScaling(disable_stochastic_rounding=True),
     "nvfp4-norht": lambda: lowbit.NVFP4BlockScaling(disable_rht=True),
     "nvfp4-no2d": lambda: lowbit.NVFP4BlockScaling(disable_2d_quantization=True),
+    # FP8 attention (issue 26): the recipe's GEMMs plus lowbit's FP8 attention (fp8_dpa).
+    "delayed-dpa": lambda: lowbit.DelayedScaling(fp8_dpa=True),
+    "current-dpa": lambda: lowbit.Float8CurrentScaling(fp8_dpa=True),
 }
 DEFAULT_RECIPES = ("bf16", "delayed", "current", "mxfp8", "nvfp4")
 
@@ -143,7 +148,7 @@ class Block(nn.Module):
         b, t, _ = x.shape
         h = nn.LayerNorm(dtype=dt)(x)
         q, k, v = jnp.split(dense(3 * c.d_model, "qkv")(h).reshape(b, t, 3 * c.n_heads, -1), 3, axis=2)
-        if c.fp8_attention:  # FP8 where the recipe (autocast in train) says fp8_dpa
+        if c.fp8_attention or getattr(self.recipe, "fp8_dpa", False):  # FP8 where the recipe says fp8_dpa
             dpa = lowbit.flax.DotProductAttention(
                 head_dim=q.shape[-1], num_attention_heads=c.n_heads, attn_mask_type="causal", name="attn"
             )
