@@ -130,9 +130,11 @@ std::string sm90_name(const Choice& c) {
          std::to_string(k.group);
 }
 
-// LOWBIT_BLOCK_GEMM, read at every call (a benchmark may switch it between calls).
+// LOWBIT_BLOCK_GEMM, read at every call (a benchmark may switch it between calls). lowbit's own
+// sm90 kernel is asked for by name only until its check program has passed on a GPU: the auto
+// router keeps the fastest candidate without comparing results (session 11: written, not run).
 struct Mode {
-  bool cublas = true, cutlass = true, own = true;
+  bool cublas = true, cutlass = true, own = false;
   std::string variant;  // "cutlass:<variant>" / "sm90own:<name>": only that variant
   std::string text;
 };
@@ -150,8 +152,10 @@ Status read_mode(Mode* m) {
     m->variant = m->text.substr(8);
   } else if (m->text == "sm90own") {
     m->cublas = m->cutlass = false;
+    m->own = true;
   } else if (m->text.rfind("sm90own:", 0) == 0) {
     m->cublas = m->cutlass = false;
+    m->own = true;
     m->variant = m->text.substr(8);
   } else {
     return Status::Invalid(

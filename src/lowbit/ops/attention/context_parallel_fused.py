@@ -280,7 +280,9 @@ def _runner(kernels):
     return run
 
 
-register_implementation("cudnn_cp", _runner("cudnn"), lambda spec: fits(spec) and handler_runs(spec), 10)
+# By name only (priority < 0) until its gpu tests have passed (written in session 11 without a
+# GPU; its cuDNN stats premise is checked by test_cudnn_block_kernels_match_the_jnp_ones).
+register_implementation("cudnn_cp", _runner("cudnn"), lambda spec: fits(spec) and handler_runs(spec), -1)
 register_implementation("blockwise_cp", _runner("reference"), fits, priority=-2)
 
 __all__ = ["fits", "fused_context_parallel"]
