@@ -14,12 +14,10 @@ the FP8 re-rounding that bf16 partial sums of the row-parallel GEMMs cause.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
-from helpers import multi_device_env
+from helpers import run_worker
 
 N_DEV = 4
 CASES = ("op_delayed", "op_current", "dropout", "module", "layer")
@@ -27,14 +25,7 @@ CASES = ("op_delayed", "op_current", "dropout", "module", "layer")
 
 @pytest.mark.parametrize("case", CASES)
 def test_fp8_attention_sharded(case):
-    r = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), case],
-        env=multi_device_env(N_DEV),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
+    run_worker(__file__, case, N_DEV)
 
 
 # ---------------------------------------------------------------------------------------------
