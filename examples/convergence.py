@@ -9,18 +9,22 @@ held-out loss and its gap to BF16 in percent.
     python examples/convergence.py --seeds 0 1 2 --recipes bf16 nvfp4 nvfp4-all
     python examples/convergence.py --small --steps 30  # seconds: what the test runs
     python examples/convergence.py --model moe --steps 300 --seeds 0 1  # MoE decoder, FP8 recipes
+    python examples/convergence.py --fp8-attention --steps 300 --recipes bf16 delayed current
 
-``--model moe`` swaps every block's MLP for lowbit.flax.MoEBlock (8 experts, top-2, SwiGLU
-experts, softmax router with TE's load-balancing aux loss added to the training loss); its
-expert GEMMs are lowbit's grouped GEMMs under the block's recipe, the attention projections
-lowbit's dense as in the dense model. Recipes for it (the grouped GEMM's): bf16, delayed,
-delayed-h16, current, block (the default set: all but delayed-h16).
+``--model moe``: the MoE decoder (MOE below: 2 layers, d 128, every block's MLP lowbit's
+MoEBlock of 8 experts of ffn 128, top-2, SwiGLU, softmax router with TE's load-balancing aux
+loss in the training loss), its expert grouped GEMMs under the recipe; default recipes bf16,
+delayed, current, block (the grouped GEMM's). ``--moe E``: E experts (in either model).
+``--fp8-attention``: every run's attention is lowbit's DotProductAttention, and the FP8 recipes
+set ``fp8_dpa=True`` (FP8 attention; BF16 stays BF16).
 
-Recipe names: bf16 (no recipe), delayed, delayed-h16 (amax history of 16 steps instead of
-1024), current, mxfp8, block (Float8BlockScaling), nvfp4 (the default NVFP4 recipe: first and
-last transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in NVFP4),
-nvfp4-last (only the last layer BF16), nvfp4-last2 (the last two), nvfp4-nosr, nvfp4-norht,
-nvfp4-no2d (the default with one TE feature disabled).
+Recipe names: bf16 (no recipe), delayed, delayed-h16 (amax history of 16 steps, not 1024),
+current, mxfp8, block (Float8BlockScaling), nvfp4 (the default NVFP4 recipe: first and last
+transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in NVFP4), nvfp4-last
+(only the last layer BF16), nvfp4-last2 (the last two), nvfp4-nosr, nvfp4-norht, nvfp4-no2d
+(the default with one TE feature disabled); delayed-dpa, current-dpa (DelayedScaling /
+Float8CurrentScaling with ``fp8_dpa=True``: the attention runs in FP8 through
+lowbit's DotProductAttention, the cuDNN kernel on a GPU, its emulation elsewhere).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {
     "bf16": lambda: None,
     "delayed": lowbit.DelayedScaling,
-    "delayed-h16": lambda: lowbit.DelayedScaling(amax_history_len=16),  # TE's default history is 1024
+    "delayed-h16": lambda: lowbit.DelayedScaling(amax_history_len=16),
     "current": lowbit.Float8CurrentScaling,
     "mxfp8": lowbit.MXFP8BlockScaling,
     "block": lowbit.Float8BlockScaling,
@@ -60,6 +64,9 @@ RECIPES = {
     "nvfp4-nosr": lambda: lowbit.NVFP4BlockScaling(disable_stochastic_rounding=True),
     "nvfp4-norht": lambda: lowbit.NVFP4BlockScaling(disable_rht=True),
     "nvfp4-no2d": lambda: lowbit.NVFP4BlockScaling(disable_2d_quantization=True),
+    # FP8 attention (issue 26): the recipe's GEMMs plus lowbit's FP8 attention (fp8_dpa).
+    "delayed-dpa": lambda: lowbit.DelayedScaling(fp8_dpa=True),
+    "current-dpa": lambda: lowbit.Float8CurrentScaling(fp8_dpa=True),
 }
 DEFAULT_RECIPES = ("bf16", "delayed", "current", "mxfp8", "nvfp4")
 MOE_RECIPES = ("bf16", "delayed", "current", "block")  # the grouped GEMM's recipes
@@ -76,14 +83,15 @@ class Config:
     lr: float = 3e-3
     warmup: int = 50
     eval_batches: int = 8
-    experts: int = 0  # > 0: every block's MLP is an MoE block of this many experts (d_ff each)
-    top_k: int = 2
-    aux_loss_coeff: float = 1e-2
+    moe_experts: int = 0  # > 0: MoE MLPs (lowbit.flax.MoEBlock) with this many experts
+    moe_top_k: int = 2
+    aux_loss: float = 0.01
+    fp8_attention: bool = False  # lowbit's DotProductAttention, fp8_dpa under FP8 recipes
 
 
 SMALL = Config(d_model=32, n_layers=3, n_heads=2, d_ff=64, seq=32, batch=8, warmup=5, eval_batches=2)
-# d and d_ff multiples of 128: Float8BlockScaling's 128-wide blocks tile every expert GEMM exactly.
-MOE = Config(d_model=128, n_layers=2, n_heads=4, d_ff=128, experts=8)
+# Experts of ffn d_ff / 2 = 128 and d 128: Float8BlockScaling's 128-wide blocks tile every expert GEMM.
+MOE = Config(d_model=128, n_layers=2, n_heads=4, d_ff=256, moe_experts=8)
 SMALL_MOE = dataclasses.replace(MOE, n_layers=1, n_heads=2, seq=16, batch=8, warmup=2, eval_batches=1)
 CONFIGS = {"dense": (Config(), SMALL, DEFAULT_RECIPES), "moe": (MOE, SMALL_MOE, MOE_RECIPES)}
 
@@ -135,8 +143,6 @@ def eval_batches(data: np.ndarray, cfg: Config) -> np.ndarray:
 # Model: pre-LN decoder; every block Dense takes the dot_general its layer's recipe gives
 # ---------------------------------------------------------------------------------------------
 class Block(nn.Module):
-    """(x, aux loss): the aux loss is the MoE router's (0 for a dense MLP)."""
-
     cfg: Config
     recipe: lowbit.recipe.Recipe | None
     index: int
@@ -152,28 +158,33 @@ class Block(nn.Module):
         b, t, _ = x.shape
         h = nn.LayerNorm(dtype=dt)(x)
         q, k, v = jnp.split(dense(3 * c.d_model, "qkv")(h).reshape(b, t, 3 * c.n_heads, -1), 3, axis=2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(dt), v).reshape(b, t, -1)
+        if c.fp8_attention or getattr(self.recipe, "fp8_dpa", False):  # FP8 where the recipe says fp8_dpa
+            dpa = lowbit.flax.DotProductAttention(
+                head_dim=q.shape[-1], num_attention_heads=c.n_heads, attn_mask_type="causal", name="attn"
+            )
+            a = dpa(q, k, v).reshape(b, t, -1)
+        else:
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
+            s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+            a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s).astype(dt), v).reshape(b, t, -1)
         x = x + dense(c.d_model, "out")(a)
         h = nn.LayerNorm(dtype=dt)(x)
-        if not c.experts:
-            return x + dense(c.d_model, "fc2")(nn.gelu(dense(c.d_ff, "fc1")(h))), 0.0
-        recipe = None if self.recipe is None else self.recipe.layer_recipe(self.index, c.n_layers)
-        y, aux, _ = lowbit.flax.MoEBlock(
-            num_experts=c.experts,
-            num_experts_per_tok=c.top_k,
-            intermediate_size=c.d_ff,
-            aux_loss_coeff=c.aux_loss_coeff,
-            quantization_recipe=recipe,
+        if not c.moe_experts:
+            return x + dense(c.d_model, "fc2")(nn.gelu(dense(c.d_ff, "fc1")(h))), jnp.float32(0)
+        moe = lowbit.flax.MoEBlock(
+            num_experts=c.moe_experts,
+            num_experts_per_tok=c.moe_top_k,
+            intermediate_size=c.d_ff // 2,  # SwiGLU: two halves, about the dense MLP's parameters per expert
+            aux_loss_coeff=c.aux_loss,
+            quantization_recipe=self.recipe,
             name="moe",
-        )(h)
-        return x + y.astype(dt), aux
+        )
+        y, aux, _ = moe(h)
+        return x + y.astype(x.dtype), aux.astype(jnp.float32)
 
 
 class ByteLM(nn.Module):
-    """(logits, summed aux loss). Embedding and output head stay in BF16 for every recipe (as
-    in the NVFP4 papers)."""
+    """Embedding and output head stay in BF16 for every recipe (as in the NVFP4 papers)."""
 
     cfg: Config
     recipe: lowbit.recipe.Recipe | None
@@ -184,7 +195,7 @@ class ByteLM(nn.Module):
         x = nn.Embed(256, c.d_model)(tokens) + self.param(
             "pos", nn.initializers.normal(0.02), (c.seq, c.d_model)
         )
-        x, aux = x.astype(jnp.bfloat16), 0.0
+        x, aux = x.astype(jnp.bfloat16), jnp.float32(0)
         for i in range(c.n_layers):
             x, a = Block(c, self.recipe, i, name=f"block{i}")(x)
             aux = aux + a
@@ -202,9 +213,17 @@ def xent(logits, targets):
 def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
     train_data, held = data
     recipe = RECIPES[name]()
+    if cfg.fp8_attention and recipe is not None:
+        recipe = dataclasses.replace(recipe, fp8_dpa=True)
     model = ByteLM(cfg, recipe)
     batches = train_batches(train_data, cfg, steps, seed)
-    variables = model.init(jax.random.PRNGKey(seed), batches[0, :, :-1])
+
+    def apply(variables, tokens, **kw):  # the recipe in context: lowbit's attention reads it there
+        with lowbit.autocast(recipe=recipe, enabled=recipe is not None):
+            return model.apply(variables, tokens, **kw)
+
+    with lowbit.autocast(recipe=recipe, enabled=recipe is not None):
+        variables = model.init(jax.random.PRNGKey(seed), batches[0, :, :-1])
     params = variables.pop("params")
     state = variables  # DelayedScaling's amax histories and scales (else empty)
     total = max(steps, cfg.warmup + 1)
@@ -214,7 +233,7 @@ def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
     sr_key = jax.random.PRNGKey(1000 + seed)
 
     def loss_fn(params, state, batch, key):
-        logits, aux = model.apply({"params": params, **state}, batch[:, :-1], rngs={SR_RNG: key})
+        logits, aux = apply({"params": params, **state}, batch[:, :-1], rngs={SR_RNG: key})
         loss = xent(logits, batch[:, 1:])
         return loss + aux, loss  # trains on both, reports the cross-entropy
 
@@ -230,7 +249,7 @@ def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
 
     @jax.jit
     def eval_loss(params, state, batch):
-        return xent(model.apply({"params": params, **state}, batch[:, :-1])[0], batch[:, 1:])
+        return xent(apply({"params": params, **state}, batch[:, :-1])[0], batch[:, 1:])
 
     t0, losses = time.time(), []
     for i in range(steps):
@@ -289,9 +308,13 @@ def main(argv=None):
     p.add_argument("--recipes", nargs="+", choices=list(RECIPES), help="default: the model's set")
     p.add_argument("--model", choices=list(CONFIGS), default="dense", help="dense MLPs or MoE blocks")
     p.add_argument("--small", action="store_true", help="tiny shapes (seconds; for tests)")
+    p.add_argument("--moe", type=int, default=None, metavar="E", help="MoE MLPs with E experts (top-2)")
+    p.add_argument("--fp8-attention", action="store_true", help="lowbit's attention, fp8_dpa for FP8 recipes")
     a = p.parse_args(argv)
     full, small, default = CONFIGS[a.model]
-    cfg = small if a.small else full
+    cfg = dataclasses.replace(small if a.small else full, fp8_attention=a.fp8_attention)
+    if a.moe is not None:
+        cfg = dataclasses.replace(cfg, moe_experts=a.moe)
     recipes = ["bf16"] + [r for r in (a.recipes or default) if r != "bf16"]  # the gaps need the baseline
     print(f"{cfg}\n{a.steps} steps, seeds {a.seeds}, jax {jax.__version__} on {jax.devices()[0].platform}")
     rows = run(recipes, a.seeds, a.steps, cfg)

@@ -77,9 +77,7 @@ def state_errors():
                 )
                 am = {r_: float(nxt[f"{r_}_amax_history"][0]) for r_ in fs.ROLES}
                 sc = {r_: float(st[f"{r_}_scale"][0]) for r_ in ("s", "o")}
-                print(
-                    f"causal={causal} {impl} step {step}: err vs bf16 {err:.4f} amax {am} scales {sc}"
-                )
+                print(f"causal={causal} {impl} step {step}: err vs bf16 {err:.4f} amax {am} scales {sc}")
                 st = nxt
     print("true amax o", float(jnp.max(jnp.abs(ref.astype(jnp.float32)))))
 

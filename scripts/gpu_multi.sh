@@ -2,7 +2,7 @@
 # One stage of the multi-device benchmark (lowbit.bench.multi_device) on a multi-GPU host, made to
 # fit one device call: the stage runs under `timeout`, logs and JSON go under $OUT.
 #   scripts/gpu_multi.sh STAGE [extra multi_device arguments]
-# STAGE: seed | layer | moe | collectives | overlap | all           one process over all GPUs
+# STAGE: seed | layer | moe | collectives | overlap | cp | all          one process over all GPUs
 #        mp-seed | mp-layer | mp-moe | mp-all one process per GPU joined by jax.distributed
 #                                             (LOWBIT_PROCESSES, default: every GPU)
 # e.g.   scripts/gpu_multi.sh layer --models TransformerLayer --parallel dp_tp,fsdp
@@ -33,13 +33,13 @@ nvidia-smi topo -m 2>/dev/null | head -8 || true
 
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 case $STAGE in
-  seed | layer | moe | collectives | overlap | all)
+  seed | layer | moe | collectives | overlap | cp | all)
     cmd=("$PY" -m lowbit.bench multi_device --stage "$STAGE" --out "$OUT/results" "$@") ;;
   mp-seed | mp-layer | mp-moe | mp-all)
     n=${LOWBIT_PROCESSES:-$GPUS}
     cmd=("$PY" -m lowbit.bench multi_device --stage "${STAGE#mp-}" --out "$OUT/results"
       --processes "$n" --local-devices 1 --timeout $((LIMIT - 20)) "$@") ;;
-  *) echo "unknown stage $STAGE (seed, layer, moe, collectives, overlap, all, mp-seed, mp-layer, mp-moe, mp-all)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (seed, layer, moe, collectives, overlap, cp, all, mp-seed, mp-layer, mp-moe, mp-all)"; exit 2 ;;
 esac
 echo "=== $STAGE: ${cmd[*]} ($(date +%T), limit ${LIMIT} s)"
 timeout --kill-after=15 "$LIMIT" "${cmd[@]}" 2>&1 | grep -v "^W0000\|^I0000\|^\[Gloo\]" | tee "$OUT/$STAGE.log"

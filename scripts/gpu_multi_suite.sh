@@ -3,8 +3,10 @@
 # cases (the seed tutorial's flow, expert parallelism), then the multi_device stages seed, layer,
 # moe, collectives and overlap (scripts/gpu_multi.sh, one time limit each), TransformerEngine's rows where
 # it is installed (source /tmp/te-site/env.sh first: ../shared/tepeer). Logs and JSON under $OUT.
-#   scripts/gpu_multi_suite.sh [pytest] [probe] [seed] [layer] [moe] [collectives] [overlap] [mp-seed]
-#   (default: all but probe and mp-seed)
+#   scripts/gpu_multi_suite.sh [pytest] [probe] [seed] [layer] [moe] [collectives] [overlap] [cp] [mp-seed]
+#   (default: all but probe, cp and mp-seed)
+# cp: context parallelism at 32k/128k tokens (issue 26; LIMIT_CP) after its gpu tests
+#   (tests/test_attention_cp_fused.py, LIMIT_CP_PYTEST).
 # probe: scripts/dp_overlap_probe.py once per variant in PROBE_FLAGS (';'-separated "XLA flags|probe args"), each in a
 # fresh process: the DP TransformerLayer step's time and the all-reduce MB its schedule overlaps.
 # LAYER_ARGS: extra layer-stage arguments (default: TransformerLayer, every layout, delayed).
@@ -41,11 +43,19 @@ run_stage() {
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 # Stage time limits (seconds): LIMIT_SEED, LIMIT_LAYER, LIMIT_MOE, LIMIT_COLLECTIVES, LIMIT_OVERLAP,
-# LIMIT_MP.
+# LIMIT_CP, LIMIT_MP.
 has seed && run_stage "${LIMIT_SEED:-200}" seed
 has layer && run_stage "${LIMIT_LAYER:-420}" layer ${LAYER_ARGS:---models TransformerLayer --recipe delayed}
 has moe && run_stage "${LIMIT_MOE:-240}" moe
 has collectives && run_stage "${LIMIT_COLLECTIVES:-200}" collectives
 has overlap && run_stage "${LIMIT_OVERLAP:-240}" overlap
+if has cp; then
+  echo "=== CP gpu tests ($(date +%T))"
+  PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} LOWBIT_LIBRARY_DIR=$(realpath -m "$BUILD") \
+    timeout "${LIMIT_CP_PYTEST:-180}" python3 -m pytest tests/test_attention_cp_fused.py -m gpu -q -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_cp.log" | tail -8
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  TAIL=${TAIL:-20} run_stage "${LIMIT_CP:-300}" cp
+fi
 has mp-seed && run_stage "${LIMIT_MP:-240}" mp-seed
 exit $status

@@ -41,6 +41,22 @@ def multi_device_env(devices: int) -> dict:
     return env
 
 
+def run_worker(script: str, case: str, devices: int = 4, timeout: float = 900) -> None:
+    """Runs ``script case`` (a test file as its own worker) in a subprocess that sees ``devices``
+    CPU devices; fails with its output's tail unless it exits 0 printing ``OK case``."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, os.path.abspath(script), case],
+        env=multi_device_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
+
+
 def jaxpr_eqns(jaxpr):
     """Every equation of ``jaxpr`` and of the jaxprs nested in it (jit, shard_map, custom VJPs:
     lowbit's shard_map is jitted, so its body sits one level down)."""

@@ -8,11 +8,10 @@ before the current block's attention; a context axis of size 1 is ignored."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
-from helpers import multi_device_env
+from helpers import run_worker
 
 CASES = (
     "all_gather_causal",
@@ -31,14 +30,7 @@ CASES = (
 
 @pytest.mark.parametrize("case", CASES)
 def test_context_parallel(case):
-    r = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), case],
-        env=multi_device_env(4),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
+    run_worker(__file__, case)
 
 
 # ---------------------------------------------------------------------------------------------

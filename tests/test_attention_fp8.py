@@ -181,7 +181,7 @@ def test_current_scales_bound_the_tensors():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: DelayedScaling(fp8_mha=True), "fp8_mha"),
+        (lambda: MXFP8BlockScaling(fp8_mha=True), "fp8_mha"),
         (lambda: MXFP8BlockScaling(fp8_dpa=True), "fp8_dpa"),
         (lambda: Float8BlockScaling(fp8_dpa=True), "attention"),
     ],

@@ -6,32 +6,26 @@ the same scales; XLA may sum a shard's dots in another float32 order, which flip
 FP8 rounding and moves an amax by an ulp: outputs and gradients agree but for <= 0.1% of the
 elements, the next state to float32 rounding); with dropout each shard draws its
 own mask, and the result stays within the FP8 bounds of a float64 reference with those masks'
-statistics. The Flax module keeps FP8 attention under the mesh (no fallback warning).
+statistics. The sharded op also stays within test_attention_fp8's float64 bounds. The Flax
+modules (DotProductAttention, MultiHeadAttention, TransformerLayer) keep FP8 attention under the
+mesh (no fallback warning); the layer's output and input gradient agree with one device's up to
+the FP8 re-rounding that bf16 partial sums of the row-parallel GEMMs cause.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
-from helpers import multi_device_env
+from helpers import run_worker
 
 N_DEV = 4
-CASES = ("op_delayed", "op_current", "dropout", "module")
+CASES = ("op_delayed", "op_current", "dropout", "module", "layer")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_fp8_attention_sharded(case):
-    r = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), case],
-        env=multi_device_env(N_DEV),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0 and f"OK {case}" in r.stdout, r.stdout[-4000:] + r.stderr[-8000:]
+    run_worker(__file__, case, N_DEV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,6 +77,7 @@ def _close(a, b, what):
 def _worker(case: str) -> None:
     import jax
     import numpy as np
+    import test_attention_fp8 as ref  # the float64 reference and bounds (this file's folder)
 
     import lowbit
     from lowbit.bench import multi_device as md
@@ -115,6 +110,8 @@ def _worker(case: str) -> None:
                 text = step.lower(q, k, v, do, state).as_text()
             assert "shard_map" in text or "sdy.manual_computation" in text, "not run per shard"
             _close(got[:4], want[:4], f"{case} causal={causal}: output / gradients")
+            want_o, want_g = ref._f64(q, k, v, do, causal)  # float64, FP8 bounds as one device's
+            ref._check_errors(got[0], got[1:4], want_o, want_g)
             if delayed:  # amaxes of unquantized gradients: XLA's dots may sum a shard in another order
                 for key in want[4]:
                     np.testing.assert_allclose(got[4][key], want[4][key], rtol=2e-7, err_msg=key)
@@ -156,9 +153,54 @@ def _worker(case: str) -> None:
                 warnings.simplefilter("error")  # a fallback to BF16 warns
                 got = jax.jit(dpa.apply)(variables, qf, kf, vf)
         _equal(got, want, "module output")
+    elif case == "layer":
+        _layer_case(mesh, res)
     else:
         raise SystemExit(f"unknown case {case}")
     print(f"OK {case}")
+
+
+def _layer_case(mesh, res):
+    """MultiHeadAttention and TransformerLayer with fp8_dpa on dp=2 x tp=2 (heads over tp, batch
+    over dp): no fallback, and output and input gradient close to one device's."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import lowbit
+    from lowbit.flax import MultiHeadAttention, TransformerLayer
+    from lowbit.sharding import global_shard_guard
+
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((4, 32, 64)), jnp.float32)
+    mods = (
+        MultiHeadAttention(head_dim=16, num_attention_heads=4, attn_mask_type="causal"),
+        TransformerLayer(
+            hidden_size=64, mlp_hidden_size=128, num_attention_heads=4,
+            enable_relative_embedding=False, hidden_dropout=0.0, attention_dropout=0.0,
+        ),
+    )  # fmt: skip
+    for recipe in (lowbit.DelayedScaling(fp8_dpa=True), lowbit.Float8CurrentScaling(fp8_dpa=True)):
+        for mod in mods:
+
+            def loss(v, x, mod=mod):
+                out = mod.apply(v, x)
+                out = out[0] if isinstance(out, tuple) else out
+                return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+
+            step = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True))
+            with lowbit.autocast(recipe=recipe, enabled=True):
+                v = mod.init(jax.random.PRNGKey(0), x)
+                (_, want), want_dx = step(v, x)
+                with jax.set_mesh(mesh), global_shard_guard(res), warnings.catch_warnings():
+                    warnings.simplefilter("error")  # a fallback to BF16 would warn
+                    (_, got), got_dx = step(v, x)
+            what = f"{type(mod).__name__} {type(recipe).__name__}"
+            for g, w in ((got, want), (got_dx, want_dx)):
+                g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+                err = np.linalg.norm(g - w) / np.linalg.norm(w)
+                assert err < 2.0**-10, (what, err)
 
 
 if __name__ == "__main__":

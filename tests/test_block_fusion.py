@@ -1,6 +1,7 @@
 """FP8 block scaling (Float8BlockScaling's 1x128 / 128x128) fused into the norm and activation
 kernels: their block-scaled copies, scales and amax equal lowbit.quantize of the unfused output
-bit for bit (forward norms, forward activations, the activation gradient with its dbias), the
+bit for bit (forward norms, forward activations, the activation gradient; its dbias too on the
+CPU, within the float32 order bound on the GPU: tests/test_block_dbias.py), the
 fused mlp / split_dense with a norm equal the composition bit for bit (loss and every gradient)
 and stay near a float64 reference; LOWBIT_BLOCK_FUSION=0 and shapes that are not whole 16x16
 tiles take the unfused path with the same results."""
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_on, to_cpu
+from conftest import is_gpu, run_on, to_cpu
 
 import lowbit
 from lowbit import flax as lf
@@ -122,7 +123,8 @@ def _acts_param(i, a):
 @pytest.mark.parametrize("spec", SPECS[:3], ids=SPEC_IDS[:3])
 def test_activation_block_fused_equals_quantize(device, rng, acts, spec):
     """Forward: the fused copies equal quantize(activation(x)); backward: the fused gradient's
-    copies and dbias equal quantize_dbias(dact(dy, x))."""
+    copies equal quantize_dbias(dact(dy, x))'s, and its dbias too on the CPU (the GPU sums per
+    128-row tile: tests/test_block_dbias.py holds it to the float32 order bound)."""
     mode, q, layout, pow2, eps = spec
     gated = len(acts) == 2
     H = 144
@@ -144,7 +146,8 @@ def test_activation_block_fused_equals_quantize(device, rng, acts, spec):
 
     want_q, want_db = run_on(device, composed, dy, x)
     _assert_same_tensor(got_q, want_q)
-    np.testing.assert_array_equal(_bits(got_db), _bits(want_db))
+    if not is_gpu(device):
+        np.testing.assert_array_equal(_bits(got_db), _bits(want_db))
 
 
 def test_is_fused_rules(on_cpu, monkeypatch):
@@ -209,11 +212,16 @@ def _value_and_grads(fn, acts):
 @pytest.mark.parametrize("acts", [("gelu",), ("silu", "linear")], ids=["gelu", "swiglu"])
 def test_mlp_block_fused_equals_composition(device, rng, acts):
     """LayerNorm + mlp under Float8BlockScaling: loss and every gradient (x, gamma, beta, both
-    kernels and biases) are the composition's bits."""
+    kernels and biases) are the composition's bits; on the GPU bias_1's gradient (the fused
+    block dbias, another summation order) within 2^-7 of it (a bf16 sum re-rounded)."""
     assert fusable(RECIPE, acts)
     ops = _mlp_operands(rng, 160, 144, 176, 128, len(acts) == 2)
     got = to_cpu(run_on(device, _value_and_grads(_mlp_fused, acts), *ops))
     want = to_cpu(run_on(device, _value_and_grads(_mlp_composed, acts), *ops))
+    got, want = (got[0], list(got[1])), (want[0], list(want[1]))
+    if is_gpu(device):  # 1 bf16 ulp (rounding flips), plus float32 order noise near zero sums
+        g, w = got[1].pop(4), want[1].pop(4)
+        np.testing.assert_allclose(g, w, rtol=2.0**-7, atol=1e-3 * np.abs(w).max())
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_array_equal(g, w)
     assert np.isfinite(got[0]) and abs(got[0]) > 0
@@ -300,29 +308,3 @@ def test_layernorm_mlp_block_takes_fused_path(on_cpu, monkeypatch):
     assert _quantize_calls(m, v, x) == 3
     monkeypatch.setenv("LOWBIT_BLOCK_FUSION", "0")
     assert _quantize_calls(m, v, x) == 6
-
-
-def test_block_activation_backward_with_bias_stays_unfused(on_cpu):
-    """With a bias, the activation gradient under Float8BlockScaling is quantized (with its dbias)
-    after the kernel (the fused kernel's dbias column sum was 3x slower on the
-    H100), while the forward stays fused."""
-    x = jnp.ones((2, 16, 128), jnp.bfloat16)
-    m = lf.LayerNormMLP(
-        intermediate_dim=256,
-        activations=("gelu",),
-        intermediate_dropout_rate=0.0,
-        use_bias=True,
-        dtype=jnp.bfloat16,
-    )
-    with lowbit.autocast(RECIPE):
-        v = nn.unbox(m.init(jax.random.PRNGKey(0), x))
-
-    def loss(variables, x):
-        return m.apply(variables, x)[0].astype(jnp.float32).sum()
-
-    with lowbit.autocast(RECIPE):
-        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(v, x).as_text()
-    names = re.findall(r"lowbit_(\w+)", text)
-    # Two kernels, the output's gradient and the activation's gradient (3 when it was fused).
-    assert names.count("quantize") == 4, names
-    assert names.count("act_fwd") == 1 and names.count("norm_fwd") == 1

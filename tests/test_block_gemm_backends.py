@@ -1,5 +1,6 @@
 """The routed FP8 block-scaled GEMM (csrc/kernels/cuda/block_gemm.cu): lowbit.gemm on
-Float8BlockScaling operands with each backend forced (LOWBIT_BLOCK_GEMM=cublaslt / cutlass) and
+Float8BlockScaling operands with each backend forced (LOWBIT_BLOCK_GEMM=cublaslt / cutlass /
+sm90own) and
 chosen by measurement (auto), against the float64 product of the decoded operands plus the bias.
 
 The bias goes to the GEMM's epilogue where a kernel has one (the CPU kernel, lowbit's CUTLASS
@@ -82,6 +83,31 @@ def test_each_cutlass_variant(gpu_device, rng, monkeypatch, variant):
     monkeypatch.setenv("LOWBIT_BLOCK_GEMM", f"cutlass:{variant}")
     for combo in COMBOS:
         _case(gpu_device, rng, combo, (200, 136, 640), BF16, F32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [
+        "sm90own",
+        "sm90own:n128/group8",
+        "sm90own:n128_mc/group16",
+        "sm90own:n192/group8",
+        "sm90own:n192_mc/group8",
+    ],
+)
+@pytest.mark.parametrize("combo", ["fprop", "dgrad_e5m2"])
+@pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bias_dtype", [None, BF16, F32], ids=["nobias", "bias_bf16", "bias_f32"])
+def test_sm90own_vs_float64(gpu_device, rng, monkeypatch, config, combo, out_dtype, bias_dtype):
+    """lowbit's own sm_90a kernel (1x128 . 128x128 only), forced: the router's pick among its
+    configurations, and single ones (BLOCK_N 128/192, TMA multicast). The last shape has more
+    tiles than an H100/H200 has SMs, so each persistent CTA walks several."""
+    if not str(getattr(gpu_device, "compute_capability", "9.0")).startswith("9."):
+        pytest.skip("sm90own needs compute capability 9.x")
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", config)
+    for shape in [(130, 200, 300), (7, 129, 1000), (2100, 2200, 512)]:
+        _case(gpu_device, rng, combo, shape, out_dtype, bias_dtype)
 
 
 @pytest.mark.gpu

@@ -87,9 +87,8 @@ def test_recipe_fields_and_predicates():
     [
         (recipe.DelayedScaling, "scaling_factor_compute_algo", lambda *a: 1.0),
         (recipe.DelayedScaling, "reduce_amax", False),
-        (recipe.DelayedScaling, "fp8_mha", True),
         (recipe.MXFP8BlockScaling, "fp8_dpa", True),
-        (recipe.Float8CurrentScaling, "fp8_mha", True),
+        (recipe.MXFP8BlockScaling, "fp8_mha", True),
         (recipe.Float8CurrentScaling, "use_power_2_scales", True),
         (recipe.Float8CurrentScaling, "fp8_gemm_fprop", recipe.MMParams(use_split_accumulator=True)),
         (recipe.Float8CurrentScaling, "fp8_quant_fwd_inp", recipe.QParams(amax_epsilon=1e-3)),

@@ -4,28 +4,34 @@
 // Run:
 //   check_block_gemm            every case
 //   check_block_gemm --quick    small cases only (for compute-sanitizer memcheck)
-//   check_block_gemm --bench    the routed GEMM's measurement on the layer shapes (each candidate's
-//                               time, then the winner), as LOWBIT_BLOCK_GEMM_LOG prints it
+//   check_block_gemm --bench    lowbit's own kernel (sm90own) timed beside cuBLASLt on the layer
+//                               shapes (20 runs each, outputs compared), then the routed GEMM's
+//                               measurement (each candidate's time, then the winner), as
+//                               LOWBIT_BLOCK_GEMM_LOG prints it
+//   check_block_gemm --bench-sm90   the first part only
 // Exit status: 0 when every comparison passed.
 //
 // Every CUTLASS variant runs on ragged shapes (M, N, K not multiples of the 128-wide tiles; K a
-// multiple of 16, N of 8, what TMA needs), with no bias, a BF16 or an F32 bias; then the routed
-// GEMM (gemm_cuda) under LOWBIT_BLOCK_GEMM=cublaslt, cutlass and auto on the shapes lowbit.gemm
-// hands it (M, N padded to 16, K to 128), once inside a CUDA-graph capture.
+// multiple of 16, N of 8, what TMA needs), with no bias, a BF16 or an F32 bias; so does lowbit's
+// own kernel (block_gemm_sm90, called directly, 1x128 x 128x128 only); then the routed GEMM
+// (gemm_cuda) under LOWBIT_BLOCK_GEMM=cublaslt, cutlass, sm90own and auto on the shapes
+// lowbit.gemm hands it (M, N padded to 16, K to 128), and inside CUDA-graph captures.
 //
 // Bound (elementwise, stated from the kernel's arithmetic): per 128-deep K block the GPU sums the
 // exact FP8 products in the tensor core, whose internal adder keeps ~14 significant bits
 // (undocumented; DeepSeek-V3's measurement) across each k32 wgmma (4 per block, each truncating
 // the 32 aligned products and the running partial sum: <= 2 x 2^-13 of the block's sum of
 // |products|), then adds partial * (sa * sb) (1x128 x 1x128: (partial * sa) * sb) to a float32
-// accumulator; the CPU reference sums the block in float32 (~K/128 x 2^-24, negligible). So
+// accumulator (the CUTLASS collective and sm90own alike: four m64nNk32 wgmmas into a zeroed
+// partial, then one FFMA per element); the CPU reference sums the block in float32 (~K/128 x
+// 2^-24, negligible). So
 //   |gpu - cpu| <= 2^-8 * S + ulp_out(max(|gpu|, |cpu|)),   S = sum_kb |sa sb| sum_k |a b|,
 // 2^-8 = 4 wgmmas x 2 x 2^-13 = 2^-10, times 4 for the adder's unknown width; one output ulp
 // covers the two sides' final roundings (and the bias, added in float32 by both). On top,
 // the relative Frobenius error must be <= 2e-3 (F32 out) / 6e-3 (BF16 out), which a wrong scale
 // layout (errors of the size of the result) cannot meet. Outputs start as NaN (unwritten elements
-// fail); scale padding entries are NaN for the CUTLASS runs (a stored element never depends on
-// them) and 1.0 (lowbit's value) where cuBLASLt may run.
+// fail); scale padding entries are NaN for the CUTLASS and sm90own runs (a stored element never
+// depends on them) and 1.0 (lowbit's value) where cuBLASLt may run.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -110,7 +116,21 @@ double ulp(double x, DType t) {
   return std::ldexp(1.0, std::ilogb(a) - mant);
 }
 
-enum class Run { kCutlass, kRouted };
+enum class Run { kCutlass, kSm90, kRouted };
+
+// lowbit's own kernel's configuration `v` (bit 0 multicast, bit 1 BLOCK_N 192) with tile group
+// `group`, and its name as LOWBIT_BLOCK_GEMM=sm90own:<name> spells it.
+BlockGemmSm90Config sm90_config(int v, int group) {
+  BlockGemmSm90Config c;
+  c.block_n = v & 2 ? 192 : 128;
+  c.multicast = v & 1;
+  c.group = group;
+  return c;
+}
+std::string sm90_label(int v, int group) {
+  return std::string("sm90own:n") + (v & 2 ? "192" : "128") + (v & 1 ? "_mc" : "") + "/group" +
+         std::to_string(group);
+}
 
 struct Case {
   int64_t m, n, k;
@@ -130,15 +150,16 @@ std::string describe(const Case& c) {
   return buf;
 }
 
-// Runs `c` through the CUTLASS variant `variant` (Run::kCutlass) or gemm_cuda (Run::kRouted,
-// optionally captured in a graph) and compares with the CPU kernel. `expect_error`: the call
-// must refuse with a Status instead.
+// Runs `c` through the CUTLASS variant `variant` (Run::kCutlass), lowbit's own kernel in
+// configuration sm90_config(variant, swizzle) (Run::kSm90) or gemm_cuda (Run::kRouted,
+// optionally captured in a graph) and compares with the CPU kernel. `expect_error`: the call must
+// refuse with a Status instead.
 void check(const Case& c, Run run, int variant, int swizzle, bool graph, const std::string& tag,
            bool expect_error = false) {
   ++g_cases;
   std::mt19937_64 rng(uint64_t(c.m * 1000003 + c.n * 1009 + c.k + c.bias));
   const ScalingMode mb = gemm_block_mode(c.combo->b_block);
-  const float pad = run == Run::kCutlass ? NAN : 1.0f;
+  const float pad = run == Run::kRouted ? 1.0f : NAN;
   const auto ha = random_codes(c.combo->a, c.m * c.k, rng);
   const auto hb = random_codes(c.combo->b, c.n * c.k, rng);
   const auto sa = random_scales(ScalingMode::kBlock1d, c.m, c.k, pad, rng);
@@ -207,6 +228,8 @@ void check(const Case& c, Run run, int variant, int swizzle, bool graph, const s
     CK(cudaGraphDestroy(g));
   } else if (run == Run::kCutlass) {
     s = block_gemm_cutlass(pg, variant, swizzle, stream);
+  } else if (run == Run::kSm90) {
+    s = block_gemm_sm90(pg, sm90_config(variant, swizzle), stream);
   } else {
     s = gemm_cuda(pg, stream);
   }
@@ -308,11 +331,108 @@ void bench() {
   }
 }
 
+// Mean ms of `reps` runs of f after two warm-ups (events on the legacy stream).
+template <class F>
+double time_ms(F f, int reps) {
+  for (int i = 0; i < 2; ++i) f();
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < reps; ++i) f();
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return double(ms) / reps;
+}
+
+// lowbit's own kernel beside cuBLASLt on the 1x128 x 128x128 layer shapes, each timed alone (not
+// the router's short first-call measurement), on random codes (no NaN: bit 6 clear) and random
+// block scales; the two BF16 outputs must agree (relative Frobenius difference <= 6e-3).
+void bench_sm90() {
+  const int64_t shapes[][3] = {{8192, 8192, 8192},
+                               {8192, 4096, 16384},
+                               {4096, 16384, 8192},
+                               {16384, 4096, 8192},
+                               {8192, 16384, 4096}};
+  std::mt19937_64 rng(7);
+  std::printf("--- sm90own vs cuBLASLt, 1x128 e4m3 . 128x128 e4m3, BF16 out (TFLOP/s)\n");
+  for (const auto& sh : shapes) {
+    const int64_t M = sh[0], N = sh[1], K = sh[2];
+    std::vector<uint8_t> ha(size_t(M * K)), hb(size_t(N * K));
+    for (auto* v : {&ha, &hb})
+      for (size_t i = 0; i < v->size(); i += 8) {
+        const uint64_t r = rng() & 0xBFBFBFBFBFBFBFBFull;
+        std::memcpy(v->data() + i, &r, std::min<size_t>(8, v->size() - i));
+      }
+    GemmParams p;
+    p.a_dtype = DType::kE4M3, p.b_dtype = DType::kE4M3, p.m = M, p.n = N, p.k = K;
+    p.a_block = abi::kGemmBlock_1d, p.b_block = abi::kGemmBlock_2d, p.out_dtype = DType::kBF16;
+    const auto sa = random_scales(ScalingMode::kBlock1d, M, K, 1.0f, rng);
+    const auto sb = random_scales(ScalingMode::kBlock2d, N, K, 1.0f, rng);
+    uint8_t *da = to_device(ha), *db = to_device(hb);
+    float *dsa = to_device(sa), *dsb = to_device(sb);
+    void *out_ref, *out_own, *ws;
+    CK(cudaMalloc(&out_ref, M * N * 2));
+    CK(cudaMalloc(&out_own, M * N * 2));
+    CK(cudaMalloc(&ws, kGemmWorkspaceBytes));
+    p.a = da, p.b = db, p.a_scale_inv = dsa, p.b_scale_inv = dsb;
+    p.workspace = ws, p.workspace_bytes = kGemmWorkspaceBytes;
+    const double flop = 2.0 * double(M) * double(N) * double(K);
+    set_mode("cublaslt");
+    GemmParams pr = p;
+    pr.out = out_ref;
+    Status st = Status::Ok();
+    const double t_ref = time_ms([&] { st = gemm_cuda(pr, nullptr); }, 20);
+    std::printf("%5lld x %5lld x %5lld  cublaslt %6.0f", (long long)M, (long long)N, (long long)K,
+                flop / (t_ref * 1e9));
+    if (!st.ok()) std::printf(" FAIL %s", st.message.c_str()), ++g_failures;
+    GemmParams po = p;
+    po.out = out_own;
+    CK(cudaDeviceSynchronize());
+    std::vector<uint16_t> r(size_t(M * N)), o(size_t(M * N));
+    CK(cudaMemcpy(r.data(), out_ref, r.size() * 2, cudaMemcpyDeviceToHost));
+    std::printf("\n");
+    for (int v = 0; v < 4; ++v)
+      for (int group : {8, 16}) {
+        CK(cudaMemset(out_own, 0xFF, M * N * 2));  // NaN: an unwritten element fails
+        const BlockGemmSm90Config cfg = sm90_config(v, group);
+        const double t = time_ms([&] { st = block_gemm_sm90(po, cfg, nullptr); }, 20);
+        std::printf("    %-26s %6.0f (%.3f of cublaslt)", sm90_label(v, group).c_str(),
+                    flop / (t * 1e9), t_ref / t);
+        if (!st.ok()) std::printf(" FAIL %s", st.message.c_str()), ++g_failures;
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemcpy(o.data(), out_own, o.size() * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0;
+        for (size_t i = 0; i < r.size(); ++i) {
+          const double a = bf16_to_float(r[i]), b = bf16_to_float(o[i]);
+          num += (a - b) * (a - b), den += a * a;
+        }
+        const double rel = std::sqrt(num / std::max(den, 1e-300));
+        const bool ok = std::isfinite(rel) && rel <= 6e-3;
+        if (!ok) ++g_failures;
+        std::printf("  vs cublaslt rel=%.2e %s\n", rel, ok ? "PASS" : "FAIL");
+      }
+    for (void* ptr : {(void*)da, (void*)db, (void*)dsa, (void*)dsb, out_ref, out_own, ws})
+      CK(cudaFree(ptr));
+  }
+  set_mode("auto");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines survive a kill (a hung kernel under timeout)
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  if (argc > 1 && std::strcmp(argv[1], "--bench-sm90") == 0) {
+    bench_sm90();
+    return g_failures ? 1 : 0;
+  }
   if (argc > 1 && std::strcmp(argv[1], "--bench") == 0) {
+    bench_sm90();
     bench();
     return g_failures ? 1 : 0;
   }
@@ -339,17 +459,43 @@ int main(int argc, char** argv) {
                 std::string("cutlass:") + block_gemm_cutlass_name(q, v));
       }
 
+  // lowbit's own kernel (1x128 x 128x128 only), BLOCK_N 128 and 192 (tiles straddling two B
+  // scale blocks), with and without multicast, on the same ragged shapes (odd and even N tile
+  // counts: a multicast pair's second CTA past N), tile groups 3 (runs of unequal length) and 8;
+  // the full run adds shapes with more tiles than SMs (each CTA walks several tiles) and more K
+  // blocks than pipeline stages.
+  for (const auto& sh : ragged)
+    for (const Combo& cb : kCombos) {
+      if (cb.b_block != abi::kGemmBlock_2d) continue;
+      for (DType o : outs)
+        for (int v = 0; v < 4; ++v) {
+          const Case c{sh[0], sh[1], sh[2], &cb, o, idx++ % 3};
+          const int group = idx % 2 ? 3 : 8;
+          check(c, Run::kSm90, v, group, false, sm90_label(v, group));
+        }
+    }
+  // The large shapes once per configuration (their CPU reference takes seconds), dtypes rotating.
+  if (!quick)
+    for (const auto& sh : {std::array<int64_t, 3>{2200, 2056, 400}, {1300, 2184, 1040}})
+      for (int v = 0; v < 4; ++v) {
+        const Case c{sh[0], sh[1], sh[2], &kCombos[v % 2], outs[(v / 2 + idx) % 2], idx % 3};
+        ++idx;
+        check(c, Run::kSm90, v, 16, false, sm90_label(v, 16));
+      }
+
   // The routed GEMM on what lowbit.gemm passes (M, N multiples of 16, K of 128).
   // Every bias on the small shapes of the full run; one bias per case otherwise (--quick keeps
   // memcheck's share of the measurement's launches small; the large shape's reference is slow).
   std::vector<std::array<int64_t, 3>> padded = {{64, 128, 128}};
   if (!quick) padded.push_back({208, 144, 512}), padded.push_back({1024, 1536, 2048});
   int n_case = 0;
-  for (const char* mode : {"cublaslt", "cutlass", "auto"}) {
+  for (const char* mode : {"cublaslt", "cutlass", "sm90own", "auto"}) {
     set_mode(mode);
+    const bool own_only = std::strcmp(mode, "sm90own") == 0;
     for (const auto& sh : padded)
       for (const Combo& cb : kCombos)
         for (DType o : outs) {
+          if (own_only && cb.b_block != abi::kGemmBlock_2d) continue;
           const bool every_bias = !quick && sh[0] * sh[1] * sh[2] < (int64_t(1) << 26);
           const int pick = n_case++ % 3;
           for (int bias = 0; bias < 3; ++bias) {
@@ -365,6 +511,9 @@ int main(int argc, char** argv) {
   set_mode("auto");
   check(Case{96, 160, 384, &kCombos[0], DType::kBF16, 1}, Run::kRouted, 0, 1, true,
         "routed auto graph");
+  set_mode("sm90own");  // one candidate: it runs inside the capture
+  check(Case{96, 160, 384, &kCombos[1], DType::kF32, 2}, Run::kRouted, 0, 1, true,
+        "routed sm90own graph");
   set_mode("bogus");
   check(Case{64, 128, 128, &kCombos[0], DType::kBF16, 0}, Run::kRouted, 0, 1, false, "bad env",
         true);

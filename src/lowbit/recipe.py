@@ -155,19 +155,10 @@ def _refuse_unless_default(recipe, fields: dict, why: str) -> None:
 
 _NO_FP8_ATTENTION = "lowbit has no FP8 attention (attention runs in the input precision)"
 _BACKWARD = "lowbit's backward always uses the quantized operands"
-# fp8_mha would keep the QKV projection's output and the output projection's input in FP8 across
-# the attention boundary: lowbit's dense GEMMs return high-precision outputs and take no
-# pre-quantized input from attention, so only fp8_dpa (FP8 inside attention) is honoured.
-_NO_FP8_MHA = (
-    "lowbit's FP8 attention quantizes inside attention only (fp8_dpa=True); the projections do "
-    "not hand FP8 tensors across the attention boundary"
-)
 
 
 def _check_common(recipe) -> None:
-    if isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):  # FP8 attention (fp8_dpa)
-        _refuse_unless_default(recipe, {"fp8_mha": False}, _NO_FP8_MHA)
-    else:
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):  # FP8 attention: fp8_dpa, fp8_mha
         _refuse_unless_default(recipe, {"fp8_dpa": False, "fp8_mha": False}, _NO_FP8_ATTENTION)
     _refuse_unless_default(recipe, {"backward_override": None}, _BACKWARD)
 

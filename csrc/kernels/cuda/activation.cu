@@ -436,12 +436,17 @@ struct ActBlockLoad {
   }
 };
 
-// FP8 block scaling: the block cast writes the copies and amax (one read of the inputs); y / dx
-// in x's dtype, when asked for too, and dbias come from the elementwise kernels (dbias: one
-// thread per column, rows in order: the same sums as lowbit.quantize_dbias's block path).
+// FP8 block scaling: the block cast writes the copies and amax (one read of the inputs) and, for
+// dbias, each 128-row tile's column sums of dx into the workspace (no second read of dy and x),
+// summed over the tiles by launch_dbias_reduce: float32 in a fixed order, deterministic, within
+// float32 accumulation-order bounds of lowbit.quantize_dbias (not its bits). y / dx in x's
+// dtype, when asked for too, come from the elementwise kernels. The workspace
+// (act_bwd_workspace_bytes: 64-row tiles) holds the 128-row tiles' partials.
 // Python sends only whole 16x16 tiles (lowbit.ops.fused_quantize).
+static_assert(kRows <= kBlk, "the workspace's tile rows must cover the block cast's");
+
 template <int IN, bool BWD, bool GATED>
-Status run_block_one(Args a, bool two_d, float* amax, void* dbias, cudaStream_t st) {
+Status run_block_one(Args a, bool two_d, float* amax, void* dbias, void* ws, cudaStream_t st) {
   const int64_t R = a.R, W = GATED ? 2 * a.H : a.H, OC = BWD ? W : a.H;
   const bool fits = aligned16(a.x) && (!BWD || aligned16(a.dy)) &&
                     block_cast_fits(R, OC, true, a.q_row, a.q_col) && a.H % 16 == 0;
@@ -452,6 +457,9 @@ Status run_block_one(Args a, bool two_d, float* amax, void* dbias, cudaStream_t 
   if (auto s = api_status(cudaMemsetAsync(amax, 0, sizeof(float), st), "activation: memset amax");
       !s.ok())
     return s;
+  const bool with_dbias = BWD && dbias && W > 0;
+  if (with_dbias && R > 0 && ws == nullptr)
+    return Status::Invalid("activation_bwd: workspace missing");
   if (R > 0 && OC > 0) {
     BlockCastArgs c{};
     c.R = R;
@@ -463,9 +471,17 @@ Status run_block_one(Args a, bool two_d, float* amax, void* dbias, cudaStream_t 
     c.eps = a.eps;
     c.pow2 = a.pow2;
     c.amax_out = amax;
+    c.dbias_part = with_dbias ? static_cast<float*>(ws) : nullptr;
     const ActBlockLoad<BWD, GATED> load{a.x, a.dy, a.H, a.act};
-    const Status s = a.e5 ? launch_fp8_block_cast<IN, kFmtE5M2>(c, two_d, load, st)
-                          : launch_fp8_block_cast<IN, kFmtE4M3>(c, two_d, load, st);
+    Status s;
+    if constexpr (BWD) {
+      if (with_dbias)
+        s = a.e5 ? launch_fp8_block_cast<IN, kFmtE5M2, true>(c, two_d, load, st)
+                 : launch_fp8_block_cast<IN, kFmtE4M3, true>(c, two_d, load, st);
+    }
+    if (!with_dbias)
+      s = a.e5 ? launch_fp8_block_cast<IN, kFmtE5M2>(c, two_d, load, st)
+               : launch_fp8_block_cast<IN, kFmtE4M3>(c, two_d, load, st);
     if (!s.ok()) return s;
   }
   if (a.hp) {  // the unquantized output as well: the elementwise kernels, nothing quantized
@@ -475,15 +491,15 @@ Status run_block_one(Args a, bool two_d, float* amax, void* dbias, cudaStream_t 
     hp.amax_out = nullptr;
     if (auto s = launch_one<IN, BWD, GATED>(hp, tile_path<IN>(hp), st); !s.ok()) return s;
   }
-  if (!dbias || W == 0) return Status::Ok();
-  dbias_generic_kernel<IN, GATED><<<grid_for(W, 256), 256, 0, st>>>(a, dbias);
-  return launch_status("dbias_generic_kernel");
+  if (!with_dbias) return Status::Ok();
+  return launch_dbias_reduce<IN>(static_cast<const float*>(ws), R, W, dbias, st);
 }
 
 template <int IN, bool BWD>
-Status run_block(const Args& a, bool gated, bool two_d, float* amax, void* dbias, cudaStream_t st) {
-  return gated ? run_block_one<IN, BWD, true>(a, two_d, amax, dbias, st)
-               : run_block_one<IN, BWD, false>(a, two_d, amax, dbias, st);
+Status run_block(const Args& a, bool gated, bool two_d, float* amax, void* dbias, void* ws,
+                 cudaStream_t st) {
+  return gated ? run_block_one<IN, BWD, true>(a, two_d, amax, dbias, ws, st)
+               : run_block_one<IN, BWD, false>(a, two_d, amax, dbias, ws, st);
 }
 
 // Runs the (two-pass for current scaling) sequence for one direction; `dbias` optional (bwd).
@@ -491,7 +507,7 @@ template <int IN, bool BWD>
 Status run(Args a, bool gated, ScalingMode mode, float* amax, void* dbias, void* workspace,
            cudaStream_t st) {
   if (is_fp8_block(mode))
-    return run_block<IN, BWD>(a, gated, mode == ScalingMode::kBlock2d, amax, dbias, st);
+    return run_block<IN, BWD>(a, gated, mode == ScalingMode::kBlock2d, amax, dbias, workspace, st);
   const bool tile = tile_path<IN>(a);
   const int64_t W = gated ? 2 * a.H : a.H, tiles_r = (a.R + kRows - 1) / kRows;
   const bool dbias_tiles = dbias && tile && a.R > 0 && a.H > 0;

@@ -40,6 +40,9 @@ namespace cuda {
 // The scale and encode arithmetic is the CPU kernel's, element for element: max of |v| ignoring
 // NaN, s = fp8_block_scale(amax, fmax, eps, pow2), q = enc(v * s) (product rounded, not fused),
 // scale_inv = 1 / s. fp8_block_cast_generic_kernel below takes every other shape.
+// DBIAS: the column phase also sums each of its columns over the tile's 128 rows (the values it
+// already holds: 0 extra bytes read): its 16 rows in order, then the 8 row groups by a shuffle
+// butterfly (every lane ends with the same bits), one float per column to a.dbias_part.
 constexpr int kBlk = 128, kBlkThreads = 512;
 
 struct BlockCastArgs {
@@ -53,6 +56,9 @@ struct BlockCastArgs {
   bool pow2;
   int64_t tiles_c;
   float* amax_out;  // fast kernel: amax(x) folded in (atomicMax, zeroed before), or null
+  // Fast kernel with DBIAS: this tile's column sums of x (float32) at [tile row][column] of a
+  // (ceil(R / 128), C) array; launch_dbias_reduce sums them over the tile rows.
+  float* dbias_part = nullptr;
 };
 
 // Dynamic shared memory of the fast kernel: the 128x128 tile in x's dtype.
@@ -100,7 +106,7 @@ constexpr int blk_min_blocks_of() {
     return Load::kMinBlocks;
 }
 
-template <int IN, int FMT, bool TWO_D, typename Load = PlainBlockLoad>
+template <int IN, int FMT, bool TWO_D, typename Load = PlainBlockLoad, bool DBIAS = false>
 __global__ void __launch_bounds__(kBlkThreads, blk_min_blocks_of<IN, Load>())
     fp8_block_cast_kernel(const BlockCastArgs a, const Load load = Load{}) {
   using T = typename In<IN>::T;
@@ -249,7 +255,7 @@ __global__ void __launch_bounds__(kBlkThreads, blk_min_blocks_of<IN, Load>())
 
   // 3. column phase: lane 8q+g, word q of chunk column cu, rows 16g..16g+15 (chunk cu of those
   // rows sits at cu ^ g: the 8 row groups hit 8 different bank groups).
-  if (a.q_col) {
+  if (DBIAS || a.q_col) {
     const uint32_t* tw = reinterpret_cast<const uint32_t*>(tile);
     const int q = lane >> 3, g = lane & 7;
     const int64_t gr = r0 + 16 * g;
@@ -261,7 +267,7 @@ __global__ void __launch_bounds__(kBlkThreads, blk_min_blocks_of<IN, Load>())
       // column g % CPW and writes its scale_inv (g < CPW); the others fetch it (shuffle). The
       // words are read again for the encode, so none is live across the division.
       float sc = s2;
-      if constexpr (!TWO_D) {
+      if (!TWO_D && a.q_col) {  // uniform over the block
         float bm = 0.0f;
 #pragma unroll
         for (int e = 0; e < CPW; ++e) {
@@ -281,6 +287,22 @@ __global__ void __launch_bounds__(kBlkThreads, blk_min_blocks_of<IN, Load>())
       uint32_t w[16];
 #pragma unroll
       for (int k = 0; k < 16; ++k) w[k] = word(k);
+      if constexpr (DBIAS) {  // lane g < CPW writes the sum of the word's column g
+        float mine = 0.0f;
+#pragma unroll
+        for (int e = 0; e < CPW; ++e) {
+          float v = 0.0f;
+#pragma unroll
+          for (int k = 0; k < 16; ++k) v = __fadd_rn(v, word_elem<IN>(w[k], e));
+          v = __fadd_rn(v, __shfl_xor_sync(kFull, v, 1));
+          v = __fadd_rn(v, __shfl_xor_sync(kFull, v, 2));
+          v = __fadd_rn(v, __shfl_xor_sync(kFull, v, 4));
+          if (g == e) mine = v;
+        }
+        const int64_t gc = c0 + cu * CH + q * CPW + g;
+        if (g < CPW && gc < C) a.dbias_part[int64_t(tr) * C + gc] = mine;
+      }
+      if (!a.q_col) continue;
 #pragma unroll
       for (int e = 0; e < CPW; ++e) {
         const int64_t gc = c0 + cu * CH + q * CPW + e;
@@ -306,14 +328,17 @@ inline bool block_cast_fits(int64_t R, int64_t C, bool x_ok, const void* q_row, 
 
 // Launches the fast block cast over the (a.R, a.C) output with `load` (a.tiles_c set here); the
 // scale padding needs no fill (the kernel writes it for whole 16-row/column chunks).
-template <int IN, int FMT, typename Load>
+// DBIAS: also the per-tile column sums into a.dbias_part (needed non-null).
+template <int IN, int FMT, bool DBIAS = false, typename Load>
 Status launch_fp8_block_cast(BlockCastArgs a, bool two_d, const Load& load, cudaStream_t st) {
   a.tiles_c = (a.C + kBlk - 1) / kBlk;
   const int64_t tiles = ((a.R + kBlk - 1) / kBlk) * a.tiles_c;
   if (tiles > INT32_MAX || tiles < 1)
     return Status::Invalid("block cast: tensor too large or empty");
-  auto kernel = two_d ? fp8_block_cast_kernel<IN, FMT, true, Load>
-                      : fp8_block_cast_kernel<IN, FMT, false, Load>;
+  if (DBIAS && a.dbias_part == nullptr)
+    return Status::Invalid("block cast: dbias workspace missing");
+  auto kernel = two_d ? fp8_block_cast_kernel<IN, FMT, true, Load, DBIAS>
+                      : fp8_block_cast_kernel<IN, FMT, false, Load, DBIAS>;
   const size_t smem = blk_fast_smem<IN>();
   // Only above the 48 KB default (f32): a host-side call, legal during capture.
   if (smem > 48 * 1024)
@@ -324,6 +349,55 @@ Status launch_fp8_block_cast(BlockCastArgs a, bool two_d, const Load& load, cuda
       return s;
   kernel<<<unsigned(tiles), kBlkThreads, smem, st>>>(a, load);
   return launch_status("fp8_block_cast_kernel");
+}
+
+// dbias from the block cast's per-tile column sums, rounded once to x's dtype. A block takes 32
+// columns; its 8 warps take contiguous runs of tile rows (8 loads in flight per lane, each warp
+// load one 128-byte row segment) and their sums add in warp order: a fixed order, deterministic.
+// tiles == 0 (no rows) writes zeros. Floor: 4 B per tile row and column (64 x 16384: 4 MB, read
+// right after the cast wrote it, mostly from L2), ~2-3 us with 512 blocks; one thread per column
+// would give 64 blocks of 256 for 132 SMs, each thread 64 dependent adds.
+constexpr int kDbiasRedWarps = 8, kDbiasRedUnroll = 8;
+
+template <int IN>
+__global__ void __launch_bounds__(32 * kDbiasRedWarps)
+    block_dbias_reduce_kernel(const float* __restrict__ part, int64_t tiles, int64_t C, void* out) {
+  __shared__ float red[kDbiasRedWarps][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t c = int64_t(blockIdx.x) * 32 + lane;
+  const int64_t per = (tiles + kDbiasRedWarps - 1) / kDbiasRedWarps;
+  const int64_t t1 = min(tiles, (warp + 1) * per);
+  float s = 0.0f;
+  if (c < C) {
+    int64_t t = warp * per;
+    for (; t + kDbiasRedUnroll <= t1; t += kDbiasRedUnroll) {
+      float v[kDbiasRedUnroll];
+#pragma unroll
+      for (int u = 0; u < kDbiasRedUnroll; ++u) v[u] = part[(t + u) * C + c];
+#pragma unroll
+      for (int u = 0; u < kDbiasRedUnroll; ++u) s = __fadd_rn(s, v[u]);
+    }
+    for (; t < t1; ++t) s = __fadd_rn(s, part[t * C + c]);
+  }
+  red[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0 && c < C) {
+    float r = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kDbiasRedWarps; ++w) r = __fadd_rn(r, red[w][lane]);
+    store_out<IN>(out, c, r);
+  }
+}
+
+// dbias (C,) in x's dtype from the (ceil(R / 128), C) partials of a DBIAS block cast of R rows.
+template <int IN>
+Status launch_dbias_reduce(const float* part, int64_t R, int64_t C, void* dbias, cudaStream_t st) {
+  if (C <= 0) return Status::Ok();
+  const int64_t blocks = (C + 31) / 32;
+  if (blocks > INT32_MAX) return Status::Invalid("block dbias: too many columns");
+  block_dbias_reduce_kernel<IN>
+      <<<unsigned(blocks), 32 * kDbiasRedWarps, 0, st>>>(part, (R + kBlk - 1) / kBlk, C, dbias);
+  return launch_status("block_dbias_reduce_kernel");
 }
 
 }  // namespace cuda

@@ -106,18 +106,36 @@ size_t bias_bytes(const GemmParams& p) {
 
 // ---- candidates, measurement, table ----------------------------------------------------------
 
-enum Backend : int { kCublasLt = 0, kCutlass = 1 };
+enum Backend : int { kCublasLt = 0, kCutlass = 1, kSm90 = 2 };
 struct Choice {
   int backend = kCublasLt;
-  int variant = 0;
-  int swizzle = 1;
+  int variant = 0;  // CUTLASS: the family's variant; sm90own: bit 0 multicast, bit 1 BLOCK_N 192
+  int swizzle = 1;  // CUTLASS: tile-scheduler swizzle; sm90own: the tile-order group
 };
 constexpr int kSwizzles[] = {1, 4};
+constexpr int kSm90Groups[] = {8, 16};  // sm90own: M tiles per run of the tile order
 
-// LOWBIT_BLOCK_GEMM, read at every call (a benchmark may switch it between calls).
+BlockGemmSm90Config sm90_config(const Choice& c) {
+  BlockGemmSm90Config k;
+  k.block_n = c.variant & 2 ? 192 : 128;
+  k.multicast = c.variant & 1;
+  k.group = c.swizzle;
+  return k;
+}
+
+// "n128/group8", "n192_mc/group16", ...
+std::string sm90_name(const Choice& c) {
+  const BlockGemmSm90Config k = sm90_config(c);
+  return "n" + std::to_string(k.block_n) + (k.multicast ? "_mc" : "") + "/group" +
+         std::to_string(k.group);
+}
+
+// LOWBIT_BLOCK_GEMM, read at every call (a benchmark may switch it between calls). lowbit's own
+// sm90 kernel is asked for by name only until its check program has passed on a GPU: the auto
+// router keeps the fastest candidate without comparing results (session 11: written, not run).
 struct Mode {
-  bool cublas = true, cutlass = true;
-  std::string variant;  // "cutlass:<variant>": only that variant
+  bool cublas = true, cutlass = true, own = false;
+  std::string variant;  // "cutlass:<variant>" / "sm90own:<name>": only that variant
   std::string text;
 };
 
@@ -126,16 +144,24 @@ Status read_mode(Mode* m) {
   m->text = e ? e : "auto";
   if (m->text.empty() || m->text == "auto") return Status::Ok();
   if (m->text == "cublaslt") {
-    m->cutlass = false;
+    m->cutlass = m->own = false;
   } else if (m->text == "cutlass") {
-    m->cublas = false;
+    m->cublas = m->own = false;
   } else if (m->text.rfind("cutlass:", 0) == 0) {
-    m->cublas = false;
+    m->cublas = m->own = false;
+    m->variant = m->text.substr(8);
+  } else if (m->text == "sm90own") {
+    m->cublas = m->cutlass = false;
+    m->own = true;
+  } else if (m->text.rfind("sm90own:", 0) == 0) {
+    m->cublas = m->cutlass = false;
+    m->own = true;
     m->variant = m->text.substr(8);
   } else {
     return Status::Invalid(
-        "LOWBIT_BLOCK_GEMM must be auto, cublaslt, cutlass or cutlass:<variant>, got '" + m->text +
-        "'");
+        "LOWBIT_BLOCK_GEMM must be auto, cublaslt, cutlass, cutlass:<variant>, sm90own or "
+        "sm90own:<n128|n192>[_mc]/group<G>, got '" +
+        m->text + "'");
   }
   return Status::Ok();
 }
@@ -152,17 +178,25 @@ std::vector<Choice> candidates(const GemmParams& p, const Mode& mode) {
       for (int sw : kSwizzles) c.push_back(Choice{kCutlass, v, sw});
     }
   }
+  if (mode.own && block_gemm_sm90_eligible(p))
+    for (int v = 0; v < 4; ++v)
+      for (int g : kSm90Groups) {
+        const Choice o{kSm90, v, g};
+        if (mode.variant.empty() || mode.variant == sm90_name(o)) c.push_back(o);
+      }
   return c;
 }
 
 std::string label(const GemmParams& p, const Choice& c) {
   if (c.backend == kCublasLt) return "cublaslt";
+  if (c.backend == kSm90) return "sm90own:" + sm90_name(c);
   return std::string("cutlass:") + family_for(p)->variants[c.variant].name + "/swizzle" +
          std::to_string(c.swizzle);
 }
 
 Status run_choice(const GemmParams& p, const Choice& c, cudaStream_t s) {
   if (c.backend == kCutlass) return block_gemm_cutlass(p, c.variant, c.swizzle, s);
+  if (c.backend == kSm90) return block_gemm_sm90(p, sm90_config(c), s);
   if (!p.bias) return gemm_cublaslt(p, s);
   GemmParams q = p;
   q.bias = nullptr;
@@ -191,8 +225,8 @@ double time_choice(const GemmParams& p, const Choice& c, cudaStream_t s, int rep
 }
 
 // Everything a winner depends on.
-using Key =
-    std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, std::string>;
+using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, bool,
+                       std::string>;
 
 struct Table {
   std::mutex mu;
@@ -287,7 +321,7 @@ Status block_gemm_cuda(const GemmParams& p, void* stream_ptr) {
         (p.bias && p.out_dtype != DType::kF32
              ? "; a bias with a BF16 output needs lowbit's CUTLASS kernel"
              : "; CUTLASS needs 1x128 x 128x128 or 1x128 x 1x128 scales, K % 16 == 0, N % 8 == 0 "
-               "and 16-byte aligned pointers") +
+               "and 16-byte aligned pointers; sm90own 1x128 x 128x128 on sm_90") +
         ")");
   if (cands.size() == 1) return run_choice(p, cands[0], stream);
   // Inside a CUDA-graph capture (XLA command buffers): nothing is timed or kept, and cuBLASLt runs
@@ -315,6 +349,7 @@ Status block_gemm_cuda(const GemmParams& p, void* stream_ptr) {
                 p.a_block,
                 p.b_block,
                 cutlass_eligible(p),
+                block_gemm_sm90_eligible(p),
                 mode.text};
   Table& t = table();
   {

@@ -21,7 +21,10 @@ SUITES = {
     "gemm": ("lowbit.bench.gemm", ["shape", "format", "ms", "tflops", "vs_bf16", "vs_fp8"]),
     "dense": ("lowbit.bench.dense", None),
     "grouped": ("lowbit.bench.grouped", None),
-    "moe": ("lowbit.bench.moe", ["name", "ms", "TFLOPs", "vs_xla", "vs_bf16", "floor_ms", "weight_GB"]),
+    "moe": (
+        "lowbit.bench.moe",
+        ["name", "ms", "TFLOPs", "vs_xla", "vs_bf16", "floor_ms", "weight_GB", "weights"],
+    ),
     "layer": ("lowbit.bench.layer", ["model", "name", "ms", "speedup", "sm_mhz", "power_w", "note"]),
     "attention": ("lowbit.bench.attention", ["model", "name", "shape", "ms", "speedup", "goal"]),
 }

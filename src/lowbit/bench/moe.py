@@ -2,10 +2,16 @@
 combine), forward+backward, next to an all-XLA block (jax.lax.ragged_dot, the same sort-based
 dispatch) in one process.
 
-Cases: ``xla bf16``; ``lowbit bf16``; ``fp8 current`` / ``fp8 delayed`` / ``fp8 block``
-(every cast inside the step); ``... primary`` (FP8 primary weights: the weights' FP8 copies
-made outside the step, as an optimizer update that writes them would; the step casts tokens
-and gradients only). TFLOP/s counts the expert GEMMs: 2 * T * k * H * 3F per forward (fc1 with
+Cases (the ``weights`` column says where the weights' FP8 copies come from): ``xla bf16``;
+``lowbit bf16``; ``fp8 current`` / ``fp8 delayed`` / ``fp8 block`` (``cast in step``: every
+cast inside the step, the old default); ``... primary`` (``copies, untimed``: the copies made
+outside the timed step, as an optimizer kernel that writes them would; the step casts tokens
+and gradients only); ``... primary refresh`` (``copies + refresh``: the Flax MoEBlock's
+default with ``lowbit.flax.refresh_fp8_weights`` in the loop: the step reads the copies and
+then remakes them, the refresh's cast timed with it; the optimizer update itself is in no row);
+``... fused`` rows trace the block under ``lowbit.moe.kernels("fused")``, FP8 ones with the
+fused FP8 dispatch feeding fc1 (``lowbit.moe.permute_quantize``: no bf16 gather, no token
+cast in fc1). TFLOP/s counts the expert GEMMs: 2 * T * k * H * 3F per forward (fc1 with
 its two halves, fc2), three times that for forward+backward; ``floor_ms`` is that work at the
 card's dense peak for the case's operand type (H100 SXM: 989 TFLOP/s BF16, 1979 FP8), and
 ``weight_GB`` the expert weights' bytes one step moves (BF16: read by fprop and dgrad, dW
@@ -51,6 +57,10 @@ CASES = (
     "fp8 delayed primary",
     "fp8 block primary",
     "fp8 delayed primary fused",
+    "fp8 delayed fused",
+    "fp8 current primary refresh",
+    "fp8 delayed primary refresh",
+    "fp8 block primary refresh",
 )
 PIECE_IMPLS = ("xla", "fused")
 PEAK = {"bf16": 989e12, "fp8": 1979e12}  # H100 SXM dense
@@ -85,13 +95,36 @@ def _step(case, k):
         if case == "xla bf16":
             y = _xla_block(x, gate, wi, wo, k)
         else:
-            with kernels("fused" if case.endswith("fused") else "xla"):  # entered while tracing
+            with kernels("fused" if "fused" in case else "xla"):  # entered while tracing
                 y = moe_block(
                     x, gate, wi, wo, num_experts_per_tok=k, recipe=recipe, state=state, quantized_weights=qws
                 )[0]
         return jnp.sum(y.astype(jnp.float32))
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))), recipe
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    if not case.endswith("refresh"):
+        return jax.jit(grad), recipe
+
+    def refreshed(x, gate, wi, wo, state, qws):  # the step, then the next step's copies
+        s1, s2 = (None, None) if state is None else state
+        return grad(x, gate, wi, wo, state, qws), (
+            quantize_experts(wi, recipe, s1),
+            quantize_experts(wo, recipe, s2),
+        )
+
+    return jax.jit(refreshed), recipe
+
+
+def weights_source(case) -> str:
+    if recipe_free(case):
+        return "bf16"
+    if case.endswith("refresh"):
+        return "copies + refresh"
+    return "copies, untimed" if "primary" in case else "cast in step"
+
+
+def recipe_free(case) -> bool:
+    return case.startswith(("xla bf16", "lowbit bf16"))
 
 
 def _extras(case, recipe, wi, wo):
@@ -140,9 +173,9 @@ def _pieces(x, gate, E, k, impl):
 
 def weight_bytes(case, E, H, F) -> float:
     n = E * 3 * H * F  # wi (H, 2F) and wo (F, H) per expert
-    if case.startswith(("xla bf16", "lowbit bf16")):
+    if recipe_free(case):
         return n * (2 + 2 + 2)  # fprop read, dgrad read, dW write (bf16)
-    if "primary" in case:
+    if "primary" in case and not case.endswith("refresh"):
         return n * (1 + 1 + 2)  # the two FP8 copies read, dW write
     return n * (2 + 1 + 1 + 1 + 1 + 2)  # cast: read bf16, write both copies; GEMMs read them; dW
 
@@ -189,6 +222,7 @@ def run(small: bool, progress=None) -> list[dict]:
                     "vs_xla": base / ms if base is not None and base == base else float("nan"),
                     "floor_ms": flops / peak * 1e3,
                     "weight_GB": weight_bytes(case, E, H, F) / 1e9,
+                    "weights": weights_source(case),
                 }
             )
             if progress:
@@ -204,7 +238,7 @@ def run(small: bool, progress=None) -> list[dict]:
     for r in rows:  # against lowbit's own BF16 block, the issue's goal
         bf = next(b for b in rows if b["shape"] == r["shape"] and b["case"] == "lowbit bf16")
         r["vs_bf16"] = None if r["case"].startswith("pieces") else bf["ms"] / r["ms"]
-        for key in ("TFLOPs", "vs_xla", "floor_ms", "weight_GB"):
+        for key in ("TFLOPs", "vs_xla", "floor_ms", "weight_GB", "weights"):
             r.setdefault(key, None)
     return rows
 

@@ -1,6 +1,6 @@
 """Multiple devices: the seed's DP x TP Dense, sharded layers, expert-parallel MoE (issue 16).
 
-    python -m lowbit.bench multi_device --stage {seed,layer,moe,collectives,overlap,all} [--small|--full]
+    python -m lowbit.bench multi_device --stage {seed,layer,moe,collectives,overlap,cp,all} [--small|--full]
     python -m lowbit.bench multi_device --stage seed --processes 2   # jax.distributed, one host
 
 Stages (each prints a table and writes ``multi_device-<stage>-<size>.json`` under ``--out``,
@@ -27,6 +27,8 @@ default ``benchmarks/results/<device>/``):
   as every EP row whose ``dropped`` is 0. :func:`check_moe_step` audits the capacity rows.
 * ``overlap``: the sequence-parallel MLP and the seed's dense with ``tp_overlap`` off and on
   (lowbit.bench.overlap).
+* ``cp``: context parallelism, causal attention fwd+bwd over every device against one device
+  at 32k and 128k tokens (lowbit.bench.context_parallel); by name only, not in ``all``.
 
 Columns: ``ms`` the sharded fwd+bwd step, ``ms_one_device`` the same global batch on one device,
 ``scaling_eff`` = ms_one_device / (devices x ms) (strong scaling; 1 is ideal), ``rel_diff_vs_one``
@@ -56,7 +58,7 @@ import time
 
 from lowbit.bench.peers import te_peer  # imports neither jax nor TE at module load
 
-STAGES = ("seed", "layer", "moe", "collectives", "overlap")
+STAGES = ("seed", "layer", "moe", "collectives", "overlap", "cp")
 _ENV_ID, _ENV_NUM, _ENV_COORD = "LOWBIT_MP_PROCESS_ID", "LOWBIT_MP_NUM_PROCESSES", "LOWBIT_MP_COORDINATOR"
 
 
@@ -1288,7 +1290,8 @@ def main(argv=None) -> int:
         )
     if len(jax.devices()) < 2:
         raise SystemExit(f"needs at least 2 devices, found {len(jax.devices())}")
-    stages = STAGES if args.stage == "all" else (args.stage,)
+    # "all": issue 24's stages; cp (issue 26) runs by name (its full shapes take minutes)
+    stages = tuple(s for s in STAGES if s != "cp") if args.stage == "all" else (args.stage,)
     status = 0
     for stage in stages:
         t0 = time.perf_counter()
@@ -1315,6 +1318,11 @@ def main(argv=None) -> int:
                 ov.COLUMNS,
             )
             bad = [r for r in rows if r["rel_diff"] > 2.0**-6]
+        elif stage == "cp":
+            from lowbit.bench import context_parallel as cpb
+
+            rows, cols = cpb.cp_rows(small, args.quick, print if main_proc else lambda *a: None), cpb.COLUMNS
+            bad = [dict(r, audit=r["ms"]) for r in rows if str(r["ms"]).startswith("error")]
         else:
             rows, cols = moe_rows(small, quick=args.quick, shape=args.moe_shape), MOE_COLUMNS
             bad = [r for r in rows if r["audit"] not in ("ok", "")]

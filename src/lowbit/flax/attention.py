@@ -1,8 +1,7 @@
 """Attention with TransformerEngine's names, fields, defaults and parameter layout:
 DotProductAttention and MultiHeadAttention (docs/te_modules_attention.md lists every field).
-
-Attention runs in FP8 under a recipe with ``fp8_dpa=True`` (:mod:`lowbit.flax.attention_fp8`), else
-in the input precision; the projections are lowbit GEMMs. Paths (:mod:`lowbit.flax.attention_paths`):
+FP8 under ``fp8_dpa`` / ``fp8_mha`` (``attention_fp8``, ``attention_fp8_mha``), else in the input
+precision; the projections are lowbit GEMMs. Paths (:mod:`lowbit.flax.attention_paths`):
 
 * no dropout (``attention_dropout == 0`` or ``deterministic``): ``jax.nn.dot_product_attention``,
   cuDNN's fused kernel on a GPU when it takes the shapes and dtypes, XLA otherwise;
@@ -14,8 +13,7 @@ in the input precision; the projections are lowbit GEMMs. Paths (:mod:`lowbit.fl
 
 Masks follow TransformerEngine (:mod:`lowbit.flax.attention_masks`): ``True`` means *masked
 out*, shape ``(batch, 1 or heads, sq, sk)``; causal, bottom-right causal and sliding-window masks
-combine with it. A query row with every key masked out has an unspecified output (the paths
-differ there, as TransformerEngine's backends do).
+combine with it (a fully masked row: see docs/te_modules_attention.md).
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.flax.attention_fp8 import fp8_dpa
+from lowbit.flax.attention_fp8_mha import fp8_mha
 from lowbit.flax.attention_masks import (
     MASK_TYPES,
     QKV_LAYOUTS,
@@ -476,10 +475,9 @@ class MultiHeadAttention(nn.Module):
         h, rate = self._deprecated()
         d = self.head_dim
         g = self.num_gqa_groups if self.num_gqa_groups is not None else h
-        if not isinstance(h, (int, np.integer)) or h < 1:
-            raise ValueError(f"num_attention_heads must be a positive int, got {h!r}")
-        if not isinstance(d, (int, np.integer)) or d < 1:
-            raise ValueError(f"head_dim must be a positive int, got {d!r}")
+        for name, n in (("num_attention_heads", h), ("head_dim", d)):
+            if not isinstance(n, (int, np.integer)) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
         if not isinstance(g, (int, np.integer)) or g < 1 or h % g:
             raise ValueError(f"num_gqa_groups ({g}) must be a positive divisor of num_attention_heads ({h})")
         check_norm_type(self.layernorm_type)
@@ -503,6 +501,11 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"inputs_q and inputs_kv must be rank 3 {order}, got {inputs_q.shape} and {inputs_kv.shape}"
             )
+        fused = fp8_mha(
+            self, inputs_q, is_self, mask, bias, decode, deterministic, h, g, d, rate, (lora_qkv, lora_out)
+        )
+        if fused is not None:  # the recipe's fp8_mha: projections and attention as one op
+            return fused
         q, k, v, ln_out = qkv_projections(self, inputs_q, inputs_kv, is_self, h, g, d, lora_qkv)
         dt = inputs_q.dtype
         q = q.astype(dt).reshape(q.shape[:2] + (h, d))
@@ -547,10 +550,8 @@ class MultiHeadAttention(nn.Module):
         return out, ln_out
 
     def _decode_step(self, q, k, v, mask, bias, stepping, h, d):
-        """TransformerEngine's autoregressive cache (collection "cache": ``cached_key``,
-        ``cached_value``, ``cache_index``). The call that creates it (init with the full length)
-        attends normally; each later call takes one position, writes its key/value at
-        ``cache_index`` and attends to keys ``0 .. cache_index`` (and the window)."""
+        """TransformerEngine's autoregressive cache (collection "cache"; docs/te_modules_attention.md:
+        init attends normally, each later call writes one position and attends up to it)."""
         ck = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
         cv = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
         ci = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))

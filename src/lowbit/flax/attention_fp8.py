@@ -36,7 +36,7 @@ def fp8_dpa(module, query, key, value, desc, bias, mask_type, softmax, window, r
     """FP8 attention of DotProductAttention ``module`` on (b, s, h, d) inputs, or None when the
     active recipe asks for none (or the call falls back; then with a warning)."""
     recipe = get_recipe()
-    if recipe is None or not getattr(recipe, "fp8_dpa", False):
+    if recipe is None or not (getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)):
         return None
     b, sq, h, d = query.shape
     why = unsupported(

@@ -58,9 +58,8 @@ def _common(m) -> dict:
     )
 
 
-def qkv_projections(m, inputs_q, inputs_kv, is_self: bool, h: int, g: int, d: int, lora_qkv: bool):
-    """``(q, k, v, ln_out)`` of MultiHeadAttention ``m``: q ``(.., .., h*d)``, k and v
-    ``(.., .., g*d)``, and the norm output (see MultiHeadAttention for when it is None)."""
+def _inits(m, d):
+    """``(kernel init, query init, stacked_init(n, first))`` of MultiHeadAttention ``m``."""
     kinit = _kernel_init(m)
     scaled = m.scaled_query_init
 
@@ -79,8 +78,11 @@ def qkv_projections(m, inputs_q, inputs_kv, is_self: bool, h: int, g: int, d: in
 
         return init
 
-    common = _common(m)
-    norm = dict(
+    return kinit, query_init, stacked_init
+
+
+def _norm(m) -> dict:
+    return dict(
         enable_layernorm=m.input_layernorm,
         layernorm_type=m.layernorm_type,
         epsilon=m.layernorm_epsilon,
@@ -88,20 +90,33 @@ def qkv_projections(m, inputs_q, inputs_kv, is_self: bool, h: int, g: int, d: in
         scale_axes=(W_NO_SHARD_AXES,),
         ln_bias_axes=(W_NO_SHARD_AXES,),
     )
+
+
+def fused_qkv_module(m, h: int, d: int, lora_qkv: bool):
+    """The fused ``qkv`` LayerNormDenseGeneral of MultiHeadAttention ``m`` (self-attention, g == h)."""
+    _, query_init, stacked_init = _inits(m, d)
+    return LayerNormDenseGeneral(
+        features=(3, h * d),
+        kernel_init=stacked_init(3, query_init),
+        kernel_axes=(W_FSDP_AXES, W_JOINED_AXES, W_TP_AXES),
+        bias_axes=(W_JOINED_AXES, W_TP_AXES),
+        return_layernorm_output=bool(m.return_layernorm_output),
+        enable_low_rank_adaptation=lora_qkv,
+        split_features=True,  # q, k, v as three arrays: no split or concat copies
+        name="qkv",
+        **_norm(m),
+        **_common(m),
+    )
+
+
+def qkv_projections(m, inputs_q, inputs_kv, is_self: bool, h: int, g: int, d: int, lora_qkv: bool):
+    """``(q, k, v, ln_out)`` of MultiHeadAttention ``m``: q ``(.., .., h*d)``, k and v
+    ``(.., .., g*d)``, and the norm output (see MultiHeadAttention for when it is None)."""
+    kinit, query_init, stacked_init = _inits(m, d)
+    common, norm = _common(m), _norm(m)
     rlo = bool(m.return_layernorm_output)
     if m.fuse_qkv_params and is_self and g == h:
-        qkv, ln_out = LayerNormDenseGeneral(
-            features=(3, h * d),
-            kernel_init=stacked_init(3, query_init),
-            kernel_axes=(W_FSDP_AXES, W_JOINED_AXES, W_TP_AXES),
-            bias_axes=(W_JOINED_AXES, W_TP_AXES),
-            return_layernorm_output=rlo,
-            enable_low_rank_adaptation=lora_qkv,
-            split_features=True,  # q, k, v as three arrays: no split or concat copies
-            name="qkv",
-            **norm,
-            **common,
-        )(inputs_q)
+        qkv, ln_out = fused_qkv_module(m, h, d, lora_qkv)(inputs_q)
         if isinstance(qkv, tuple):
             q, k, v = (checkpoint_name(t, "combined_qkv_proj") for t in qkv)
         else:
@@ -152,6 +167,11 @@ def qkv_projections(m, inputs_q, inputs_kv, is_self: bool, h: int, g: int, d: in
 
 def out_projection(m, x, features: int, lora_out: bool):
     """The output projection ``out`` of MultiHeadAttention ``m`` on x ``(.., .., h*d)``."""
+    return out_module(m, features, lora_out)(x)
+
+
+def out_module(m, features: int, lora_out: bool):
+    """The output projection's DenseGeneral of MultiHeadAttention ``m``."""
     return DenseGeneral(
         features=features,
         kernel_init=_kernel_init(m),
@@ -161,4 +181,4 @@ def out_projection(m, x, features: int, lora_out: bool):
         tp_layout="row",  # heads split over tp: the output projection is row-parallel
         name="out",
         **_common(m),
-    )(x)
+    )

@@ -8,8 +8,10 @@ MeshResource) and ``split_features`` (the slots of a (n, F) output as a tuple).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
 import jax
@@ -44,6 +46,31 @@ def names_quantized_residuals(method):
             return method(self, *args, **kwargs)
 
     return wrapper
+
+
+_OPERANDS = contextvars.ContextVar("lowbit_dense_operands", default=False)
+
+
+class Operands(NamedTuple):
+    """What a dense module would run its GEMM with (:func:`operands_only`)."""
+
+    x: Any
+    kernel: Any
+    bias: Any
+    norm: Optional[NormInput]
+    ctx: QuantizeContext
+
+
+@contextlib.contextmanager
+def operands_only():
+    """Within it, DenseGeneral / LayerNormDenseGeneral create their parameters and state as
+    always but return :class:`Operands` instead of running the GEMM: for an op that runs several
+    modules' GEMMs in one VJP (the recipes' fp8_mha)."""
+    token = _OPERANDS.set(True)
+    try:
+        yield
+    finally:
+        _OPERANDS.reset(token)
 
 
 def _dense_op(ctx: QuantizeContext, x, kernel, bias, contracting_dims, tp_layout=None, tp_overlap=False):
@@ -100,6 +127,9 @@ def _dense_general(m, x, features, axis, owner: str, norm: Optional[NormInput] =
     bias = param(m, "bias", m.bias_init, features, m.dtype, m.bias_axes) if m.use_bias else None
     k, b = cast_for_math(x, kernel, bias)
     dims = (tuple(range(nd - c, nd)), tuple(range(c)))
+    if _OPERANDS.get():
+        ops = Operands(x, k, b, norm, DenseContext(name="dense_op")())
+        return (ops, None) if norm is not None else ops
     if split:
         return SplitDenseOp(name="dense_op")(x, k, b, norm=norm, tp_layout=tp_layout)
     y = DenseOp(name="dense_op")(x, k, b, dims, tp_layout=tp_layout, tp_overlap=m.tp_overlap)
@@ -238,5 +268,7 @@ __all__ = [
     "DenseGeneral",
     "DenseOp",
     "LayerNormDenseGeneral",
+    "Operands",
     "SplitDenseOp",
+    "operands_only",
 ]

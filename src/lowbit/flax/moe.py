@@ -7,6 +7,13 @@ Parameters: ``gate_kernel`` (H, E), ``wi`` (E, H, 2 F) (the gate half first), ``
 history and scale per expert for each GEMM (submodules ``fc1_state`` / ``fc2_state``, in the
 ``_overwrite_with_gradient`` collection). Expert parallelism runs over the mesh axis that the
 global MeshResource names ``ep_resource`` (when the mesh in context has it with size > 1).
+
+FP8 primary weights (``fp8_primary_weights=True``, lowbit's field, off by default so ``init``
+returns TE's collections; one device): under an FP8 recipe
+``init`` declares the ``"fp8_weights"`` collection; once the training loop fills it with
+:func:`lowbit.flax.refresh_fp8_weights` after each optimizer update, the block reads those FP8
+copies of ``wi`` / ``wo`` and casts no weight in the step (:mod:`lowbit.flax.fp8_weights`).
+Without the refresh it casts in the step, as before.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.autocast import get_recipe
+from lowbit.flax.fp8_weights import expert_copies
 from lowbit.flax.state_module import delayed_state_variables
 from lowbit.moe.block import moe_block
 from lowbit.recipe import DelayedScaling, Recipe
@@ -73,6 +81,7 @@ class MoEBlock(nn.Module):
     expert_bias_init: Callable = nn.initializers.zeros
     use_ffn_bias: bool = False
     quantization_recipe: Optional[Recipe] = None
+    fp8_primary_weights: bool = False  # lowbit's: declare "fp8_weights"; read the copies when filled
 
     @nn.compact
     def __call__(self, inputs: jax.Array):
@@ -101,6 +110,7 @@ class MoEBlock(nn.Module):
         if self.recv_capacity_per_rank is not None:
             tokens = inputs.shape[0] * inputs.shape[1] // (1 if mesh is None else mesh.shape[axis])
             capacity_factor = self.recv_capacity_per_rank / (tokens * self.num_experts_per_tok)
+        qws = expert_copies(self, recipe, wi, wo, self.fp8_primary_weights and mesh is None)
         return moe_block(
             inputs, gate, wi, wo, wi_bias, wo_bias, expert_bias,
             num_experts_per_tok=self.num_experts_per_tok, activation=self.activation_type,
@@ -108,4 +118,5 @@ class MoEBlock(nn.Module):
             num_groups=self.num_groups, group_topk=self.group_topk, scaling_factor=self.scaling_factor,
             aux_loss_coeff=self.aux_loss_coeff, apply_topk_weights_early=self.apply_topk_weights_early,
             recipe=recipe, state=state, mesh=mesh, expert_axis=axis, capacity_factor=capacity_factor,
+            quantized_weights=qws,
         )  # fmt: skip

@@ -8,10 +8,11 @@ entry is ``"linear"`` is gated: ``x``'s last axis holds ``(a, b)`` halves and th
 ``"gelu_exact"`` uses erf.
 
 Numerics (csrc/include/lowbit/activation.h): float32 math, the result rounded once to ``x``'s
-dtype; fused FP8 outputs equal ``lowbit.quantize`` of that rounded result bit for bit (and the
-fused dbias equals ``lowbit.quantize_dbias``'s). Tensor scaling and FP8 block scaling (whole
-16x16 tiles) are fused into the kernel; other modes run the activation, then
-``lowbit.quantize``.
+dtype; fused FP8 outputs equal ``lowbit.quantize`` of that rounded result bit for bit; the fused dbias
+is the float32 column sum of it, rounded once (``lowbit.quantize_dbias``'s bits on the CPU; on
+the GPU another fixed order: per 64- or 128-row tile, then over the tiles). Tensor scaling and FP8
+block scaling (whole 16x16 tiles) are fused into the kernel; other modes run the activation,
+then ``lowbit.quantize``.
 
 Building blocks for fused modules: :func:`act_lu` (forward) and :func:`dact_dbias` (backward
 with optional dbias and quantization of the gradient).
@@ -31,6 +32,7 @@ from lowbit.ops._ffi import activation as ffi
 from lowbit.ops.fused_quantize import (
     QuantizeArg,
     QuantizeSpec,
+    block_dbias_fusion_enabled,
     finish_output,
     fused_scaled_tensor,
     is_fused,
@@ -159,10 +161,11 @@ def act_backward(dy, x, act: int, gated: bool, spec, with_dbias: bool):
     W = shape[-1]
     H = W // 2 if gated else W
     R = prod(shape[:-1])
-    # Block scaling with a bias gradient stays unfused: the fused kernel's column sum of dbias is
-    # latency-bound (H100, 8192x16384 GELU: 4.26 ms fused vs 1.35 ms kernel + quantize_dbias).
+    # Block scaling with a bias gradient: the block cast sums dbias per 128-row tile (fixed order,
+    # float32; not quantize_dbias's order, so equal within accumulation bounds, not bit for bit).
+    # LOWBIT_BLOCK_DBIAS_FUSION=0 keeps this case unfused (kernel, then quantize_dbias).
     block_dbias = with_dbias and spec is not None and spec.scaling_mode.is_fp8_block
-    fused = is_fused(spec, R, W) and not block_dbias
+    fused = is_fused(spec, R, W) and not (block_dbias and not block_dbias_fusion_enabled())
     kernel_dbias = with_dbias and (spec is None or fused)
     dx, *fp8, db = ffi.act_bwd(
         dy.reshape(R, H),

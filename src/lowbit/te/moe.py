@@ -86,12 +86,16 @@ def moe(
     wo_kernel_axes: Tuple[Optional[str], ...] = ("exp", "mlp", "embed"),
     dtype: jnp.dtype = jnp.float32,
     recv_capacity_per_rank: Optional[int] = None,
+    quantized_weights: Optional[tuple] = None,
 ):
     """TE's MoE block: ``(output, aux_loss or None, total_recv_tokens)`` (``dtype`` and the
     logical kernel axes are accepted and unused: lowbit keeps the weights' dtype). Runs on one device
     when the mesh in context lacks ``ep_axis`` (or it has size 1). ``total_recv_tokens``: the
     routed (token, expert) pairs, T * k. ``recv_capacity_per_rank`` caps each rank's receive
-    buffer (pairs past it are dropped); None: dropless."""
+    buffer (pairs past it are dropped); None: dropless. ``quantized_weights`` (lowbit's): FP8
+    primary weights, ``(lowbit.moe.quantize_experts(wi, recipe, fc1_state),
+    quantize_experts(wo, recipe, fc2_state))`` made outside the step (see
+    :func:`lowbit.moe.moe_block`); None: the step casts wi / wo."""
     if gate_kernel.shape[-1] != num_experts or wi.shape[0] != num_experts:
         raise ValueError(
             f"moe: num_experts={num_experts} must match gate_kernel's last dim ({gate_kernel.shape[-1]}) "
@@ -125,6 +129,6 @@ def moe(
         score_function=score_function, use_pre_softmax=use_pre_softmax, num_groups=num_groups,
         group_topk=group_topk, scaling_factor=scaling_factor, aux_loss_coeff=aux_loss_coeff,
         apply_topk_weights_early=apply_topk_weights_early, recipe=r1, state=state, mesh=mesh,
-        expert_axis=axis, capacity_factor=capacity_factor,
+        expert_axis=axis, capacity_factor=capacity_factor, quantized_weights=quantized_weights,
     )  # fmt: skip
     return y.astype(x.dtype), aux, routed

@@ -2,6 +2,7 @@
 attention sinks (:mod:`.core`), context parallelism (:mod:`.context_parallel`) and the one
 function that picks the implementation (:mod:`.dispatch`)."""
 
+from lowbit.ops.attention import context_parallel_fused as _cp_fused  # noqa: F401  (registers "cudnn_cp")
 from lowbit.ops.attention import cudnn_impl as _cudnn_impl  # noqa: F401  (registers "cudnn_ffi")
 from lowbit.ops.attention import cudnn_packed as _cudnn_packed  # noqa: F401  (registers "cudnn_thd")
 from lowbit.ops.attention.context_parallel import (

@@ -17,6 +17,7 @@ masks compare the reordered positions, so the result is the unsplit attention's,
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -169,9 +170,18 @@ def context_parallel(
     laid out as ``q``, ``lse (b, h, sq)``), or None where the axis does not apply (size 1, no
     mesh). Batch and heads stay split as :func:`lowbit.sharding.plan_heads` plans them."""
     body = _ring if strategy == "ring" else _gather
+    return over_context(functools.partial(body, step_fn), q, kv, q_extra, rng, axis=axis)
+
+
+def over_context(body: Callable, q, kv: tuple, q_extra: tuple, rng, *, axis: str, with_lse: bool = True):
+    """``body((q, *q_extra), kv, axis, size, rng)`` run per device with the sequence (axis 1 of
+    every array) split over mesh ``axis`` (batch and heads as :func:`lowbit.sharding.plan_heads`
+    plans them), or called directly inside a shard_map over ``axis``. ``body`` returns
+    ``(out, lse)``, or ``out`` alone with ``with_lse=False``. None where the axis does not
+    apply (size 1, no mesh)."""
     if _inside_manual(axis):  # already per shard (the caller's shard_map)
         size = jax.lax.psum(1, axis)
-        return body(step_fn, (q, *q_extra), kv, axis, size, rng)
+        return body((q, *q_extra), kv, axis, size, rng)
     found = cp_mesh(axis)
     if found is None:
         return None
@@ -191,10 +201,10 @@ def context_parallel(
         return P(bax, axis, *rest)
 
     def run(q, kv, extra, key):
-        return body(step_fn, (q, *extra), kv, axis, size, key)
+        return body((q, *extra), kv, axis, size, key)
 
     in_specs = (spec(q), tuple(spec(a) for a in kv), tuple(spec(a) for a in q_extra), P())
-    out_specs = (spec(q), P(bax, hax, axis))
+    out_specs = (spec(q), P(bax, hax, axis)) if with_lse else spec(q)
     return shard_map(run, mesh, in_specs, out_specs)(q, tuple(kv), tuple(q_extra), rng)
 
 
@@ -205,6 +215,7 @@ __all__ = [
     "cp_mesh",
     "inverse_reorder_causal_load_balancing",
     "load_balance_order",
+    "over_context",
     "reorder_causal_load_balancing",
     "strategy_name",
 ]

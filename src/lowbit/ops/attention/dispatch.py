@@ -101,7 +101,8 @@ def implementations() -> Tuple[str, ...]:
 
 def pick_implementation(spec: AttentionSpec, implementation: Optional[str] = None) -> str:
     """The implementation that runs ``spec``: ``implementation`` if named (it must take the
-    spec), else the highest-priority registered one that takes it ("xla" takes every spec)."""
+    spec), else the highest-priority registered one that takes it ("xla" takes every spec);
+    implementations of negative priority run only when named."""
     if implementation is not None:
         impl = _REGISTRY.get(implementation)
         if impl is None:
@@ -111,8 +112,8 @@ def pick_implementation(spec: AttentionSpec, implementation: Optional[str] = Non
         if not impl.supports(spec):
             raise ValueError(f"implementation={implementation!r} does not support this attention: {spec}")
         return implementation
-    for name in implementations():
-        if _REGISTRY[name].supports(spec):
+    for name in implementations():  # a negative priority: by name only
+        if _REGISTRY[name].priority >= 0 and _REGISTRY[name].supports(spec):
             return name
     return "xla"
 

@@ -258,6 +258,37 @@ def unsupported(
     return None
 
 
+def config(q, k, *, recipe, causal, scale, dropout_rate, rng, implementation) -> _Config:
+    """The op's static configuration after the checks of everything but the state (q, k: arrays
+    or ``jax.ShapeDtypeStruct``)."""
+    fs.check_recipe(recipe)
+    for name, x in (("q", q), ("k", k)):
+        if len(getattr(x, "shape", ())) != 4 or not jnp.issubdtype(
+            getattr(x, "dtype", np.int32), jnp.floating
+        ):
+            got = getattr(x, "shape", x)
+            raise ValueError(f"{name} must be a float (batch, seq, heads, head_dim) array, got {got}")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"k and v must be (batch, sk, groups dividing q's heads, head_dim), got {k.shape}")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal FP8 attention needs sq == sk, got {q.shape[1]} and {k.shape[1]}")
+    rate = float(dropout_rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+    if rate > 0 and rng is None:
+        raise ValueError("dropout_rate > 0 needs rng (a jax.random key)")
+    if implementation not in (None, "cudnn", "emulate"):
+        raise ValueError(f"implementation must be None, 'cudnn' or 'emulate', got {implementation!r}")
+    why = cudnn_fp8_available(q, k) if implementation != "emulate" else "emulation asked for"
+    if implementation == "cudnn" and why is not None:
+        raise ValueError(f"implementation='cudnn' cannot run FP8 attention here: {why}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    plan = plan_heads(q.shape[0], q.shape[2], k.shape[2])
+    return _Config(recipe, bool(causal), scale, rate, why is None, plan)
+
+
 def fp8_attention(
     q,
     k,
@@ -283,30 +314,15 @@ def fp8_attention(
         if getattr(x, "ndim", None) != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
             got = getattr(x, "shape", x)
             raise ValueError(f"{name} must be a float (batch, seq, heads, head_dim) array, got {got}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[2] % k.shape[2]:
+    if k.shape != v.shape:
         raise ValueError(
             f"k and v must be (batch, sk, groups dividing q's heads, head_dim), got {k.shape}, {v.shape}"
         )
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal FP8 attention needs sq == sk, got {q.shape[1]} and {k.shape[1]}")
-    rate = float(dropout_rate)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
-    if rate > 0 and rng is None:
-        raise ValueError("dropout_rate > 0 needs rng (a jax.random key)")
-    if implementation not in (None, "cudnn", "emulate"):
-        raise ValueError(f"implementation must be None, 'cudnn' or 'emulate', got {implementation!r}")
+    kw = dict(causal=causal, scale=scale, dropout_rate=dropout_rate, rng=rng, implementation=implementation)
+    cfg = config(q, k, recipe=recipe, **kw)
     state = fs.check_state(recipe, state)
-    why = cudnn_fp8_available(q, k) if implementation != "emulate" else "emulation asked for"
-    if implementation == "cudnn" and why is not None:
-        raise ValueError(f"implementation='cudnn' cannot run FP8 attention here: {why}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    plan = plan_heads(q.shape[0], q.shape[2], k.shape[2])
-    cfg = _Config(recipe, bool(causal), scale, rate, why is None, plan)
     return _fp8(cfg, q, k, v, state, rng)
 
 
-__all__ = ["cudnn_fp8_available", "fp8_attention", "unsupported"]
+__all__ = ["config", "cudnn_fp8_available", "fp8_attention", "unsupported"]

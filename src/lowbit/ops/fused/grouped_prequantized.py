@@ -17,6 +17,12 @@ weights), and the step reads the copies.
 Same numerics as :func:`lowbit.grouped_gemm` for the same quantized weights: current scaling
 (per-expert tensor scales), DelayedScaling (the weights' scales from ``state``; the amaxes the
 copies saw go into the state update) and Float8BlockScaling (128x128 or 1x128 weight blocks).
+
+``qlhs`` (per-tensor recipes): lhs already quantized, e.g. by the fused FP8 dispatch
+(:func:`lowbit.moe.permute_quantize`, which writes the permuted tokens' rowwise and colwise FP8
+copies in the gather's pass): the forward reads it and never quantizes lhs; lhs itself only
+carries the gradient (dlhs), so XLA drops its computation from the forward when nothing else
+reads it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import numpy as np
 from lowbit import delayed_scaling as ds
 from lowbit.ops import grouped_gemm as gg
 from lowbit.ops.gemm import pad_to
+from lowbit.quantization.tensor import ScaledTensor
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 
 
@@ -113,8 +120,9 @@ def _act(cfg, role, x, gs, state, layout):
     return gg._quantize(cfg, role, x, gs, state, layout)
 
 
-def _forward(cfg, x, qw, gs, state, layout):
-    qx = _act(cfg, "x", x, gs, state, layout)
+def _forward(cfg, x, qw, gs, state, layout, qx=None):
+    if qx is None:
+        qx = _act(cfg, "x", x, gs, state, layout)
     if _block(cfg.recipe):
         bn = 128 if cfg.recipe.scaling_mode("kernel").name == "BLOCK_2D_SCALING" else 1
         y = gg.block_fprop(qx.data, qx.scale_inv, qw.col, qw.col_s, gs, bn)
@@ -124,12 +132,12 @@ def _forward(cfg, x, qw, gs, state, layout):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gemm(cfg, x, w, qw, gs, state):
-    return _forward(cfg, x, qw, gs, state, "rowwise")[0]
+def _gemm(cfg, x, w, qw, gs, state, qx):
+    return _forward(cfg, x, qw, gs, state, "rowwise", qx)[0]
 
 
-def _gemm_fwd(cfg, x, w, qw, gs, state):
-    y, qx = _forward(cfg, x, qw, gs, state, "both")
+def _gemm_fwd(cfg, x, w, qw, gs, state, qx):
+    y, qx = _forward(cfg, x, qw, gs, state, "both", qx)
     return y, (qx.colwise_data, qx.colwise_scale_inv, qx.amax, qw, gs, state)
 
 
@@ -149,7 +157,8 @@ def _gemm_bwd(cfg, res, dout):
         amaxes = {"x": ax, "kernel": qw.amax, "grad": qg.amax}
         state_ct = ds.advance_step(cfg.recipe, state, amaxes, grouped=True)
     qw_ct = jax.tree_util.tree_map(jnp.zeros_like, qw)
-    return dx.astype(cfg.lhs_dtype), dw[:, :K, :N].astype(cfg.w_dtype), qw_ct, None, state_ct
+    # qx (when given) is made without a gradient (stop_gradient): its cotangent is dropped.
+    return dx.astype(cfg.lhs_dtype), dw[:, :K, :N].astype(cfg.w_dtype), qw_ct, None, state_ct, None
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
@@ -165,10 +174,14 @@ def grouped_gemm_prequantized(
     preferred_element_type=None,
     state: Optional[dict] = None,
     fast_accum: bool = True,
+    qlhs: Optional[ScaledTensor] = None,
 ) -> jax.Array:
     """``lowbit.grouped_gemm(lhs, w, group_sizes, recipe=recipe)`` reading ``qw`` (=
     ``quantize_experts(w, recipe, state)``, made earlier in the step) instead of quantizing w;
-    the gradient goes to ``w``."""
+    the gradient goes to ``w``. ``qlhs``: None, or lhs quantized for ``recipe``'s "x" role
+    (per-tensor recipes; both layouts, per-group scales: ``grouped_quantize(lhs, group_sizes,
+    ..., layout="both")`` or ``permute_quantize``'s equal output; DelayedScaling: with
+    ``state``'s x scales), read instead of quantizing lhs (see the module docstring)."""
     _check_recipe(recipe)
     if not isinstance(qw, QuantizedExperts) or (qw.amax.shape[0], *qw.kn) != tuple(w.shape):
         got = (qw.amax.shape[0], *qw.kn) if isinstance(qw, QuantizedExperts) else type(qw).__name__
@@ -195,9 +208,46 @@ def grouped_gemm_prequantized(
     gs = gg.group_sizes_int32(jnp.asarray(group_sizes), M)
     out = np.dtype(preferred_element_type or jnp.result_type(lhs, w))
     cfg = _Config(recipe, out, np.dtype(lhs.dtype), np.dtype(w.dtype), tuple(w.shape), bool(fast_accum))
-    x = pad_to(pad_to(lhs, 0, 16), 1, qw.row.shape[0] // w.shape[0])  # K padded as the weights'
-    y = _gemm(cfg, x, w, qw, gs, state)
+    kp = qw.row.shape[0] // w.shape[0]  # K padded as the weights'
+    x = pad_to(pad_to(lhs, 0, 16), 1, kp)
+    if qlhs is not None:
+        qlhs = _padded_lhs(_check_qlhs(qlhs, recipe, lhs.shape), x.shape)
+    y = _gemm(cfg, x, w, qw, gs, state, qlhs)
     return y[:M, :N]
+
+
+def _check_qlhs(qlhs, recipe, shape):
+    name = "grouped_gemm_prequantized: qlhs"
+    if _block(recipe):
+        raise ValueError(f"{name} is only supported with per-tensor recipes, not Float8BlockScaling")
+    if not isinstance(qlhs, ScaledTensor) or qlhs.data is None or qlhs.colwise_data is None:
+        raise ValueError(f"{name} must be a ScaledTensor with both layouts (layout='both')")
+    mode, q = recipe.scaling_mode("x"), np.dtype(recipe.q_dtype("x"))
+    if qlhs.scaling_mode != mode or np.dtype(qlhs.q_dtype) != q:
+        raise ValueError(
+            f"{name} must be quantized as the recipe's x ({mode.name}, {q.name}), "
+            f"got {qlhs.scaling_mode.name}, {np.dtype(qlhs.q_dtype).name}"
+        )
+    M, K = shape
+    if qlhs.data.shape[0] != M or qlhs.data.shape[1] < K or qlhs.colwise_data.shape != qlhs.data.shape[::-1]:
+        raise ValueError(
+            f"{name} must hold lhs's (M, K) = {tuple(shape)} rows (K may be zero-padded), got data "
+            f"{tuple(qlhs.data.shape)} and colwise {tuple(qlhs.colwise_data.shape)}"
+        )
+    return qlhs
+
+
+def _padded_lhs(q, shape):
+    """q's copies zero-padded as lhs is (M to a multiple of 16, K to the weights' padding): the
+    padded rows are in no group, the padded columns zero (as the quantized zeros would be)."""
+    (M, K), (Mp, Kp) = q.data.shape, shape
+    if (M, K) == (Mp, Kp):
+        return q
+    if K > Kp:
+        raise ValueError(f"grouped_gemm_prequantized: qlhs has K={K}, more than the weights' {Kp}")
+    data = jnp.pad(q.data, ((0, Mp - M), (0, Kp - K)))
+    col = jnp.pad(q.colwise_data, ((0, Kp - K), (0, Mp - M)))
+    return dataclasses.replace(q, data=data, colwise_data=col, shape=(Mp, Kp))
 
 
 __all__ = ["QuantizedExperts", "grouped_gemm_prequantized", "quantize_experts"]

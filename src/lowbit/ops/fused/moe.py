@@ -65,7 +65,7 @@ from lowbit import delayed_scaling as ds
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
 from lowbit.ops.fused import ep_dispatch as ep
-from lowbit.ops.fused.grouped_prequantized import grouped_gemm_prequantized
+from lowbit.ops.fused.grouped_prequantized import grouped_gemm_prequantized, quantize_experts
 from lowbit.ops.fused.permutation import (
     combine_pairs,
     exclusive_cumsum,
@@ -75,9 +75,10 @@ from lowbit.ops.fused.permutation import (
     row_experts,
     unpermute,
 )
+from lowbit.ops.fused.permutation_fused import check_impl, permute_quantize
 from lowbit.ops.grouped_gemm import grouped_gemm
 from lowbit.quantization.checks import as_array
-from lowbit.recipe import DelayedScaling, Recipe
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from lowbit.sharding import shard_map
 
 _BF16 = jnp.bfloat16
@@ -117,22 +118,37 @@ def route(x: ArrayLike, router_kernel: ArrayLike, top_k: int) -> tuple[jax.Array
     return weights / jnp.sum(weights, axis=-1, keepdims=True), experts.astype(jnp.int32)
 
 
-def _gemm(cfg, x, w, sizes, state, qw):
-    if qw is None:
+def _gemm(cfg, x, w, sizes, state, qw, qx=None):
+    if qw is None and qx is None:
         return grouped_gemm(x, w, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=state)
+    if qw is None:  # the casting path with a quantized lhs: the same cast grouped_gemm makes
+        qw = quantize_experts(w, cfg.recipe, state)
     return grouped_gemm_prequantized(
-        x, w, qw, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=state
+        x, w, qw, sizes, recipe=cfg.recipe, preferred_element_type=_BF16, state=state, qlhs=qx
     )
 
 
-def _experts(cfg: _MoeConfig, xs, w1, w2, sizes, state, extras, row_w=None):
+def _dispatch_quantized(cfg: _MoeConfig, x, plan, experts, state):
+    """fc1's quantized lhs from the fused FP8 dispatch (permute_quantize: the permuted rows'
+    rowwise and colwise copies written in the gather's pass, bit-equal to quantizing the
+    permuted bf16 rows) under the fused kernels and a per-tensor recipe; None otherwise (fc1
+    quantizes the permuted rows itself)."""
+    r = cfg.recipe
+    if not isinstance(r, (DelayedScaling, Float8CurrentScaling)) or check_impl("moe", None) != "fused":
+        return None
+    scale = ds.scale_of(None if state is None else state[0], "x")
+    return permute_quantize(x, plan, experts, r.scaling_mode("x"), r.q_dtype("x"), scale=scale)
+
+
+def _experts(cfg: _MoeConfig, xs, w1, w2, sizes, state, extras, row_w=None, qx=None):
     """Grouped fc1 (+ b1) -> activation (x row weights, when early) -> grouped fc2 (+ b2) over
     rows grouped by expert (rows past the last group give zeros; so do their biases). ``extras``
-    = (b1, b2, quantized w1, quantized w2), each None or an array (a QuantizedExperts)."""
+    = (b1, b2, quantized w1, quantized w2), each None or an array (a QuantizedExperts); ``qx``:
+    None or xs quantized for fc1 (the fused FP8 dispatch)."""
     s1, s2 = (None, None) if state is None else state
     b1, b2, q1, q2 = (None,) * 4 if extras is None else extras
     rows_e = None if b1 is None and b2 is None else row_experts(sizes, xs.shape[0])
-    h = _gemm(cfg, xs, w1, sizes, s1, q1)
+    h = _gemm(cfg, xs, w1, sizes, s1, q1, qx)
     if b1 is not None:
         h = (h.astype(jnp.float32) + _bias_rows(b1, rows_e)).astype(_BF16)
     h = _activation(h, cfg.act)
@@ -158,11 +174,14 @@ def _sort_pairs(x, experts, cfg: _MoeConfig):
 
 def _local(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
     plan = plan_dispatch(experts, cfg.experts, capacity=cfg.rows or None)
-    xs = permute(x.astype(_BF16), plan)
+    xb = x.astype(_BF16)
+    # With the fused FP8 dispatch, xs only carries fc1's lhs gradient (its gather leaves the forward).
+    xs, qx = permute(xb, plan), _dispatch_quantized(cfg, xb, plan, experts, state)
     if cfg.weights_early:  # fold the weights into fc2's input (fc2 is linear): combine sums
-        ys = _experts(cfg, xs, w1, w2, plan.group_sizes, state, extras, permute_probs(weights, plan))
+        row_w = permute_probs(weights, plan)
+        ys = _experts(cfg, xs, w1, w2, plan.group_sizes, state, extras, row_w, qx)
         return unpermute(ys, plan, None, cfg.out_dtype)
-    ys = _experts(cfg, xs, w1, w2, plan.group_sizes, state, extras)
+    ys = _experts(cfg, xs, w1, w2, plan.group_sizes, state, extras, qx=qx)
     return unpermute(ys, plan, weights, cfg.out_dtype)
 
 

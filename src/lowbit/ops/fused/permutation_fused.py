@@ -143,9 +143,11 @@ def permute_quantize(x, plan, experts, scaling_mode, q_dtype=jnp.float8_e4m3fn, 
     elif scale is not None:
         raise ValueError("permute_quantize: scale is only used with DELAYED_TENSOR_SCALING")
     rowwise, colwise = layout in ("rowwise", "both"), layout in ("colwise", "both")
-    x, scale = jax.lax.stop_gradient((x, scale))
+    # All of them: under jax.grad the routing's integer arrays carry (float0) tangents too, and
+    # an FFI call refuses any tangent.
+    x, scale, src, experts = jax.lax.stop_gradient((x, scale, plan.src, experts))
     data, col, s_inv, amax = ffi.permute_fp8(
-        x, plan.src, experts.astype(jnp.int32), scale, num_experts=E, mode=int(mode), q_dtype=q_dtype,
+        x, src, experts.astype(jnp.int32), scale, num_experts=E, mode=int(mode), q_dtype=q_dtype,
         rowwise=rowwise, colwise=colwise,
     )  # fmt: skip
     return poison_nonfinite(

@@ -1,0 +1,433 @@
+// lowbit's own sm_90a FP8 block-scaled GEMM (lowbit/block_gemm.h, block_gemm_sm90): A (M, K) with
+// 1x128 scales, B (N, K) with 128x128 scales (fprop, dgrad), BF16 or F32 out, optional bias.
+//
+// Structure (DeepGEMM's, written for lowbit's scale layouts): a persistent grid (one CTA per SM)
+// walks the 128 x BLOCK_N output tiles (BLOCK_N 128 or 192) in a grouped order (`group` M tiles
+// share each N tile, for L2 reuse). Warpgroup 0 is the producer: one thread feeds a kStages-deep
+// shared-memory ring with TMA (A's 128 x 128-byte and B's BLOCK_N x 128-byte tiles, 128B
+// swizzle; A's 128 scales of the K block), each stage guarded by a "full" mbarrier (TMA bytes)
+// and an "empty" one (8 consumer warps). Warpgroups 1 and 2 each own 64 rows x BLOCK_N columns
+// of the tile: per 128-deep K block they issue four m64nBLOCK_Nk32 wgmmas into a zeroed partial
+// sum, wait for them, free the stage, and promote
+//   acc += partial * (sa[row, kb] * sb[column's 128-block, kb])
+// in float32 registers (one FFMA per element per K block). While one warpgroup promotes, the
+// other's wgmmas keep the tensor cores busy. The epilogue adds the bias in float32, rounds once
+// and stores straight from registers (rows >= M and columns >= N skipped); the producer is
+// already loading the next tile meanwhile.
+//
+// Multicast variant (kMc): clusters of 2 CTAs on N-adjacent tiles of the same M tile; each loads
+// half of A's tile rows with TMA multicast into both (L2 -> SM traffic per K block and CTA 8 KB
+// less: 24 instead of 32 KB at BLOCK_N 128). A stage's "empty" barrier then counts both CTAs' 16
+// consumer warps (remote arrivals through mapa), and each producer stays until every stage is freed
+// before it exits.
+//
+// Shapes: TMA clips M and N and zero-fills a partial last K block (K % 16 == 0 for TMA's row
+// stride), so no operand needs padding. Scale padding entries are never read for stored outputs.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "block_gemm_sm90_ptx.cuh"
+#include "lowbit/block_gemm.h"
+#include "lowbit/block_scaling.h"
+
+namespace lowbit {
+namespace {
+
+constexpr int kBM = 128, kBK = 128;
+constexpr uint32_t kATile = kBM * kBK;     // 1-byte elements
+constexpr uint32_t kScaleBytes = kBM * 4;  // A's scales of one K block
+constexpr uint32_t kThreads = 384;         // producer + 2 consumer warpgroups
+constexpr uint32_t kConsumerWarps = 8;
+
+// BLOCK_N 128 or 192 (a 192-column tile straddles two of B's 128-row scale blocks); as many
+// stages as fit in 227 KB of shared memory (+ 1 KB alignment slack).
+template <int kBN>
+struct Tiles {
+  static constexpr uint32_t kBTile = kBN * kBK;
+  static constexpr int kStages = kBN == 128 ? 6 : 5;
+  static constexpr int kAcc = kBN / 2;  // accumulator registers per thread (per set)
+  static constexpr size_t kSmem =
+      size_t(kStages) * (kATile + kBTile + kScaleBytes) + 2 * kStages * sizeof(uint64_t) + 1024;
+  static_assert(kSmem <= 227 * 1024, "shared memory");
+};
+
+struct Args {
+  int m, n, num_m, num_n, nkb, group;  // num_n: BLOCK_N tiles
+  int ld_sb, sb_rows;                  // B's 128x128 scales: round_up4(nkb), ceil(N / 128)
+  const float* sb;                     // (sb_rows, ld_sb)
+  const void* bias;
+  int bias_f32;
+  void* out;
+};
+
+// The tiles a CTA walks. Unicast: tile t of num_m x num_n from blockIdx.x in steps of gridDim.x.
+// Multicast (clusters of 2 along N): cluster blockIdx.x / 2 walks pairs of N tiles (num_m x
+// ceil(num_n / 2)), CTA rank r taking N tile 2 * pair + r (past N for the last pair of an odd
+// num_n: it loads zeros and stores nothing, but keeps its peer's barriers going). Both orders are
+// grouped: runs of `group` M tiles, N tile (pair) by N tile (pair).
+template <bool kMc>
+struct Walk {
+  int first, step, count, cols, rank;
+  __device__ __forceinline__ explicit Walk(const Args& a) {
+    cols = kMc ? (a.num_n + 1) / 2 : a.num_n;
+    count = a.num_m * cols;
+    first = kMc ? blockIdx.x / 2 : blockIdx.x;
+    step = kMc ? gridDim.x / 2 : gridDim.x;
+    rank = kMc ? blockIdx.x % 2 : 0;
+  }
+  __device__ __forceinline__ void coords(int t, const Args& a, int& mb, int& nb) const {
+    const int per = a.group * cols;
+    const int g = t / per, first_m = g * a.group;
+    const int size = min(a.num_m - first_m, a.group);
+    const int local = t - g * per;
+    mb = first_m + local % size;
+    nb = local / size;
+    if (kMc) nb = 2 * nb + rank;
+  }
+};
+
+template <bool kF32Out>
+__device__ __forceinline__ void store_pair(const Args& a, int64_t row, int col, float v0,
+                                           float v1) {
+  if (row >= a.m) return;
+  const int64_t i = row * a.n + col;
+  if constexpr (kF32Out) {
+    *reinterpret_cast<float2*>(static_cast<float*>(a.out) + i) = make_float2(v0, v1);
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(a.out) + i) =
+        __floats2bfloat162_rn(v0, v1);
+  }
+}
+
+template <bool kE5m2A, bool kF32Out, bool kMc, int kBN>
+__global__ void __launch_bounds__(kThreads, 1)
+    block_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a,
+                           const __grid_constant__ CUtensorMap tma_b,
+                           const __grid_constant__ CUtensorMap tma_sa, const Args args) {
+#if LOWBIT_SM90A
+  using namespace sm90;
+  using T = Tiles<kBN>;
+  constexpr int kStages = T::kStages, kAcc = T::kAcc;
+  extern __shared__ uint8_t smem_raw[];
+  // The 128B swizzle's pattern repeats every 1024 bytes: tiles start 1024-aligned.
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+  const uint32_t a0 = raw + pad, b0 = a0 + kStages * kATile, sa0 = b0 + kStages * T::kBTile;
+  const uint32_t bar0 = sa0 + kStages * kScaleBytes;
+  const float* sa_smem = reinterpret_cast<const float*>(smem_raw + (sa0 - raw));
+  auto full = [&](int s) { return bar0 + 8u * s; };
+  auto empty = [&](int s) { return bar0 + 8u * (kStages + s); };
+
+  const Walk<kMc> walk(args);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), 1);
+      // Multicast: a stage is refilled (in both CTAs at once) when both CTAs' consumers freed it.
+      mbar_init(empty(s), kMc ? 2 * kConsumerWarps : kConsumerWarps);
+    }
+    mbar_init_fence();
+    tma_prefetch_desc(&tma_a);
+    tma_prefetch_desc(&tma_b);
+    tma_prefetch_desc(&tma_sa);
+  }
+  if constexpr (kMc)
+    cluster_sync();
+  else
+    __syncthreads();
+
+  if (threadIdx.x < 128) {
+    // Producer warpgroup: gives registers to the consumers; one thread issues every load.
+    regs_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    int s = 0;
+    uint32_t ph = 0;
+    for (int t = walk.first; t < walk.count; t += walk.step) {
+      int mb, nb;
+      walk.coords(t, args, mb, nb);
+      for (int kb = 0; kb < args.nkb; ++kb) {
+        mbar_wait(empty(s), ph ^ 1);
+        // A's and B's tiles and A's scales: the same bytes either way (multicast: half of A's
+        // tile comes from the peer CTA's load).
+        mbar_arrive_expect_tx(full(s), kATile + T::kBTile + kScaleBytes);
+        if constexpr (kMc) {
+          const int half = walk.rank * (kBM / 2);
+          tma_load_2d_multicast(a0 + s * kATile + half * kBK, &tma_a, full(s), kb * kBK,
+                                mb * kBM + half, 0x3);
+        } else {
+          tma_load_2d(a0 + s * kATile, &tma_a, full(s), kb * kBK, mb * kBM);
+        }
+        tma_load_2d(b0 + s * T::kBTile, &tma_b, full(s), kb * kBK, nb * kBN);
+        tma_load_2d(sa0 + s * kScaleBytes, &tma_sa, full(s), mb * kBM, kb);
+        if (++s == kStages) s = 0, ph ^= 1;
+      }
+    }
+    if constexpr (kMc) {
+      // Stay until both CTAs' consumers freed every stage: no remote arrival may reach this
+      // CTA's barriers after it exits.
+      for (int i = 0; i < kStages; ++i) {
+        mbar_wait(empty(s), ph ^ 1);
+        if (++s == kStages) s = 0, ph ^= 1;
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroups: wg 0 rows 0-63 of the tile, wg 1 rows 64-127.
+  regs_alloc<232>();
+  const int wg = threadIdx.x / 128 - 1;
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+  // wgmma's accumulator layout: register 4i + j holds row r_in (+8 for j >= 2) and column
+  // 8i + 2 (lane % 4) + (j % 2) of the warpgroup's 64 x BLOCK_N block.
+  const int r_in = wg * 64 + warp * 16 + lane / 4;
+  float acc[kAcc], part[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) part[i] = 0.f;
+  int s = 0;
+  uint32_t ph = 0;
+  for (int t = walk.first; t < walk.count; t += walk.step) {
+    int mb, nb;
+    walk.coords(t, args, mb, nb);
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+    // B's scale rows: the tile's first column's 128-block, and the next one for the columns from
+    // `split` on (192-wide tiles; clamped at the last row: a multicast CTA past N, or a tile that
+    // ends before the next block, reads a real row and stores nothing from it).
+    const int n0 = nb * kBN, split = 128 - n0 % 128;
+    const float* sb_row0 = args.sb + int64_t(min(n0 / 128, args.sb_rows - 1)) * args.ld_sb;
+    const float* sb_row1 = args.sb + int64_t(min(n0 / 128 + 1, args.sb_rows - 1)) * args.ld_sb;
+    // One K block ahead: the loads' latency hides behind the wgmmas.
+    float sb0_next = __ldg(sb_row0), sb1_next = kBN % 128 ? __ldg(sb_row1) : 0.f;
+    for (int kb = 0; kb < args.nkb; ++kb) {
+      const float sb0 = sb0_next, sb1 = sb1_next;
+      if (kb + 1 < args.nkb) {
+        sb0_next = __ldg(sb_row0 + kb + 1);
+        if (kBN % 128) sb1_next = __ldg(sb_row1 + kb + 1);
+      }
+      mbar_wait(full(s), ph);
+      const float sa_lo = sa_smem[s * kBM + r_in], sa_hi = sa_smem[s * kBM + r_in + 8];
+      const uint32_t a_tile = a0 + s * kATile + wg * 64 * kBK, b_tile = b0 + s * T::kBTile;
+      fence_regs<kAcc>(part);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBK / 32; ++k)
+        wgmma<kE5m2A, kBN>(part, sw128_desc(a_tile + k * 32), sw128_desc(b_tile + k * 32), k);
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_regs<kAcc>(part);
+      // The scale reads are consumed before the warp frees the stage.
+      const float s0_lo = sa_lo * sb0, s0_hi = sa_hi * sb0;
+      const float s1_lo = sa_lo * sb1, s1_hi = sa_hi * sb1;
+      __syncwarp();
+      if (lane == 0) {
+        mbar_arrive(empty(s));
+        if constexpr (kMc) mbar_arrive_cluster(empty(s), walk.rank ^ 1);
+      }
+      if (++s == kStages) s = 0, ph ^= 1;
+#pragma unroll
+      for (int i = 0; i < kBN / 8; ++i) {
+        // Columns 8i .. 8i + 7 lie in one 128-block (split is a multiple of 64).
+        const bool first = kBN % 128 == 0 || 8 * i < split;
+        const float s_lo = first ? s0_lo : s1_lo, s_hi = first ? s0_hi : s1_hi;
+        acc[4 * i + 0] = fmaf(part[4 * i + 0], s_lo, acc[4 * i + 0]);
+        acc[4 * i + 1] = fmaf(part[4 * i + 1], s_lo, acc[4 * i + 1]);
+        acc[4 * i + 2] = fmaf(part[4 * i + 2], s_hi, acc[4 * i + 2]);
+        acc[4 * i + 3] = fmaf(part[4 * i + 3], s_hi, acc[4 * i + 3]);
+      }
+    }
+    // Epilogue: acc + bias in float32, one rounding. N is even, so col < N implies col + 1 < N.
+    const int64_t row = int64_t(mb) * kBM + r_in;
+    const int col0 = n0 + 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < kBN / 8; ++i) {
+      const int col = col0 + 8 * i;
+      if (col >= args.n) break;
+      float bias0 = 0.f, bias1 = 0.f;
+      if (args.bias && args.bias_f32) {
+        bias0 = static_cast<const float*>(args.bias)[col];
+        bias1 = static_cast<const float*>(args.bias)[col + 1];
+      } else if (args.bias) {
+        bias0 = __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[col]);
+        bias1 = __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[col + 1]);
+      }
+      store_pair<kF32Out>(args, row, col, __fadd_rn(acc[4 * i + 0], bias0),
+                          __fadd_rn(acc[4 * i + 1], bias1));
+      store_pair<kF32Out>(args, row + 8, col, __fadd_rn(acc[4 * i + 2], bias0),
+                          __fadd_rn(acc[4 * i + 3], bias1));
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the launch fails instead of leaving the output unwritten
+#endif
+}
+
+// ---- host --------------------------------------------------------------------------------------
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled through the runtime (the library links no libcuda).
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A 2D map: dim0 contiguous, dim1 `stride1` bytes apart; out-of-bounds boxes read as zeros.
+bool make_map(CUtensorMap* map, CUtensorMapDataType type, const void* base, uint64_t dim0,
+              uint64_t dim1, uint64_t stride1, uint32_t box0, uint32_t box1,
+              CUtensorMapSwizzle swizzle) {
+  const EncodeTiled fn = encode_tiled();
+  if (!fn) return false;
+  const cuuint64_t dims[2] = {dim0, dim1};
+  const cuuint64_t strides[1] = {stride1};
+  const cuuint32_t box[2] = {box0, box1};
+  const cuuint32_t elem[2] = {1, 1};
+  return fn(map, type, 2, const_cast<void*>(base), dims, strides, box, elem,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// Persistent grid: one CTA per SM, or (multicast) as many 2-CTA clusters as fit at once (an SM
+// pair of one GPC each; cudaOccupancyMaxActiveClusters, cached per device), never more than the
+// work.
+template <bool kE5m2A, bool kF32Out, bool kMc, int kBN>
+Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa,
+              const Args& args, int dev, int sms, cudaStream_t stream) {
+  auto kernel = block_gemm_sm90_kernel<kE5m2A, kF32Out, kMc, kBN>;
+  constexpr size_t kSmemBytes = Tiles<kBN>::kSmem;
+  // The shared-memory opt-in once per device (a driver call per launch costs small GEMMs).
+  static std::atomic<bool> smem_set[64];
+  cudaError_t e = cudaSuccess;
+  if (dev < 0 || dev >= 64 || !smem_set[dev].load()) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+    if (e == cudaSuccess && dev >= 0 && dev < 64) smem_set[dev].store(true);
+  }
+  const int64_t work = int64_t(args.num_m) * (kMc ? (args.num_n + 1) / 2 : args.num_n);
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1] = {};
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  if constexpr (kMc) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr, cfg.numAttrs = 1;
+    static std::atomic<int> fit[64];
+    int clusters = dev >= 0 && dev < 64 ? fit[dev].load() : 0;
+    if (e == cudaSuccess && clusters == 0) {
+      cfg.gridDim = dim3(2 * std::max(1, sms / 2));
+      e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+      if (e == cudaSuccess && clusters < 1) e = cudaErrorInvalidConfiguration;
+      if (e == cudaSuccess && dev >= 0 && dev < 64) fit[dev].store(clusters);
+    }
+    cfg.gridDim = dim3(unsigned(2 * std::min<int64_t>(work, clusters)));
+  } else {
+    cfg.gridDim = dim3(unsigned(std::min<int64_t>(work, sms)));
+  }
+  if (e == cudaSuccess) e = cudaLaunchKernelEx(&cfg, kernel, ta, tb, tsa, args);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return Status::Invalid(std::string("block_gemm sm90own: launch: ") + cudaGetErrorString(e));
+  }
+  return Status::Ok();
+}
+
+template <int kBN>
+Status dispatch(bool e5, bool f32, bool mc, const CUtensorMap& ta, const CUtensorMap& tb,
+                const CUtensorMap& tsa, const Args& args, int dev, int sms, cudaStream_t s) {
+  switch ((e5 ? 4 : 0) + (f32 ? 2 : 0) + (mc ? 1 : 0)) {
+    case 0: return launch<false, false, false, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 1: return launch<false, false, true, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 2: return launch<false, true, false, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 3: return launch<false, true, true, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 4: return launch<true, false, false, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 5: return launch<true, false, true, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 6: return launch<true, true, false, kBN>(ta, tb, tsa, args, dev, sms, s);
+    default: return launch<true, true, true, kBN>(ta, tb, tsa, args, dev, sms, s);
+  }
+}
+
+}  // namespace
+
+bool block_gemm_sm90_eligible(const GemmParams& p) {
+  const int64_t out_align = p.out_dtype == DType::kF32 ? 4 : 8;
+  const int64_t lim = int64_t(1) << 30;
+  if (p.a_block != abi::kGemmBlock_1d || p.b_block != abi::kGemmBlock_2d) return false;
+  if ((p.a_dtype != DType::kE4M3 && p.a_dtype != DType::kE5M2) || p.b_dtype != DType::kE4M3)
+    return false;
+  if (p.k % 16 != 0 || p.n % out_align != 0 || p.m >= lim || p.n >= lim || p.k >= lim) return false;
+  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out) || !aligned16(p.a_scale_inv))
+    return false;
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9 && encode_tiled() != nullptr;
+}
+
+Status block_gemm_sm90(const GemmParams& p, const BlockGemmSm90Config& c, void* stream) {
+  Status st = validate(p);
+  if (!st.ok()) return st;
+  if (p.m == 0 || p.n == 0) return Status::Ok();
+  if (p.k == 0) return Status::Invalid("gemm: K == 0 must be handled by the caller");
+  if (!block_gemm_sm90_eligible(p))
+    return Status::Invalid(
+        "block_gemm sm90own: needs an sm_90 GPU, 1x128 E4M3/E5M2 A x 128x128 E4M3 B, K a multiple "
+        "of 16, N of 8 (BF16 out) or 4 (F32) and 16-byte aligned A, B, out and A's scales");
+  if (c.group < 1) return Status::Invalid("block_gemm sm90own: group must be >= 1");
+  if (c.block_n != 128 && c.block_n != 192)
+    return Status::Invalid("block_gemm sm90own: block_n must be 128 or 192");
+  const int nkb = int(ceil_div(p.k, kBK));
+  const int64_t ld_sa = round_up4(p.m);
+  CUtensorMap ta, tb, tsa;
+  // Multicast: each CTA of a pair loads half of A's tile rows for both.
+  const uint32_t a_rows = c.multicast ? kBM / 2 : kBM;
+  if (!make_map(&ta, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, p.k, p.m, p.k, kBK, a_rows,
+                CU_TENSOR_MAP_SWIZZLE_128B) ||
+      !make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.b, p.k, p.n, p.k, kBK, uint32_t(c.block_n),
+                CU_TENSOR_MAP_SWIZZLE_128B) ||
+      !make_map(&tsa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.a_scale_inv, ld_sa, nkb, ld_sa * 4, kBM, 1,
+                CU_TENSOR_MAP_SWIZZLE_NONE))
+    return Status::Invalid("block_gemm sm90own: cuTensorMapEncodeTiled failed");
+  Args args{};
+  args.m = int(p.m), args.n = int(p.n);
+  args.num_m = int(ceil_div(p.m, kBM)), args.num_n = int(ceil_div(p.n, c.block_n));
+  args.nkb = nkb, args.group = c.group;
+  args.ld_sb = int(round_up4(nkb)), args.sb_rows = int(ceil_div(p.n, 128));
+  args.sb = p.b_scale_inv;
+  args.bias = p.bias, args.bias_f32 = p.bias && p.bias_dtype == DType::kF32;
+  args.out = p.out;
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return Status::Invalid("block_gemm sm90own: no device");
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const bool e5 = p.a_dtype == DType::kE5M2, f32 = p.out_dtype == DType::kF32;
+  return c.block_n == 192 ? dispatch<192>(e5, f32, c.multicast, ta, tb, tsa, args, dev, sms, s)
+                          : dispatch<128>(e5, f32, c.multicast, ta, tb, tsa, args, dev, sms, s);
+}
+
+}  // namespace lowbit
