@@ -38,7 +38,7 @@ def fp8_dpa(module, query, key, value, desc, bias, mask_type, softmax, window, r
     recipe = get_recipe()
     if recipe is None or not (getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)):
         return None
-    b, sq, h, d = query.shape
+    _, sq, _, d = query.shape
     why = unsupported(
         bias=bias is not None,
         softmax_type=softmax,
@@ -48,9 +48,6 @@ def fp8_dpa(module, query, key, value, desc, bias, mask_type, softmax, window, r
         mask_type=mask_type,
         sq=sq,
         sk=key.shape[1],
-        batch=b,
-        heads=h,
-        groups=key.shape[2],
     )
     if why is not None:
         warnings.warn(f"fp8_dpa=True: this attention runs in {query.dtype}, not FP8: {why}", stacklevel=3)

@@ -207,6 +207,20 @@ def padding_mask(seqlens_q, seqlens_kv, sq, skv, causal):
     return out[:, None]
 
 
+def check_scale_and_rate(head_dim: int, scale, dropout_rate, rng) -> tuple:
+    """``(scale, rate)`` as floats (scale defaults to ``1/sqrt(head_dim)``), or an error naming the
+    argument: a scale that is not finite, a rate outside [0, 1), dropout without ``rng``."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    rate = float(dropout_rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+    if rate > 0 and rng is None:
+        raise ValueError("dropout_rate > 0 needs rng (a jax.random key)")
+    return scale, rate
+
+
 def _check(q, k, v, bias, seqlens_q, seqlens_kv, sink):
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -302,14 +316,7 @@ def fused_attention(
     Returns: (batch, sq, heads, head_dim_v) in q's dtype.
     """
     q, k, v, bias, seqlens_q, seqlens_kv, sink = _check(q, k, v, bias, seqlens_q, seqlens_kv, sink)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    rate = float(dropout_rate)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
-    if rate > 0 and rng is None:
-        raise ValueError("dropout_rate > 0 needs rng (a jax.random key)")
+    scale, rate = check_scale_and_rate(q.shape[-1], scale, dropout_rate, rng)
     if fp8 is not None and not isinstance(fp8, Fp8AttentionScales):
         raise TypeError(f"fp8 must be an Fp8AttentionScales or None, got {type(fp8).__name__}")
     if fp8 is not None and bias is not None:

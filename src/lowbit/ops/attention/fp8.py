@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Optional
 
 import jax
@@ -237,9 +236,6 @@ def unsupported(
     mask_type="no_mask",
     sq=0,
     sk=0,
-    batch=1,
-    heads=1,
-    groups=1,
 ) -> Optional[str]:
     """Why FP8 attention cannot take a call (None: it can). These fall back to high precision."""
     if bias:
@@ -254,8 +250,7 @@ def unsupported(
         return "context parallelism"
     if mask_type not in ("no_mask", "causal") or (mask_type == "causal" and sq != sk):
         return f"attn_mask_type={mask_type!r} with sq={sq}, sk={sk} (no_mask, or causal with sq == sk)"
-    del batch, heads, groups  # a mesh split runs per shard (fp8_sharded)
-    return None
+    return None  # a mesh split runs per shard (fp8_sharded)
 
 
 def config(q, k, *, recipe, causal, scale, dropout_rate, rng, implementation) -> _Config:
@@ -272,19 +267,12 @@ def config(q, k, *, recipe, causal, scale, dropout_rate, rng, implementation) ->
         raise ValueError(f"k and v must be (batch, sk, groups dividing q's heads, head_dim), got {k.shape}")
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal FP8 attention needs sq == sk, got {q.shape[1]} and {k.shape[1]}")
-    rate = float(dropout_rate)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
-    if rate > 0 and rng is None:
-        raise ValueError("dropout_rate > 0 needs rng (a jax.random key)")
+    scale, rate = fa.check_scale_and_rate(q.shape[-1], scale, dropout_rate, rng)
     if implementation not in (None, "cudnn", "emulate"):
         raise ValueError(f"implementation must be None, 'cudnn' or 'emulate', got {implementation!r}")
     why = cudnn_fp8_available(q, k) if implementation != "emulate" else "emulation asked for"
     if implementation == "cudnn" and why is not None:
         raise ValueError(f"implementation='cudnn' cannot run FP8 attention here: {why}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
     plan = plan_heads(q.shape[0], q.shape[2], k.shape[2])
     return _Config(recipe, bool(causal), scale, rate, why is None, plan)
 
