@@ -2,7 +2,7 @@
 
 import pytest
 
-from lowbit.bench.common import case_named
+from lowbit.bench.common import case_named, env_names
 
 
 def test_case_named_finds_the_row():
@@ -13,6 +13,20 @@ def test_case_named_finds_the_row():
 def test_case_named_unknown_name_lists_the_cases():
     with pytest.raises(ValueError, match=r"layer: no case named 'c'; cases are \['a', 'b'\]"):
         case_named([("a", 1), ("b", 2)], "c", "layer")
+
+
+def test_env_names_selects_known_names_and_refuses_others(monkeypatch):
+    from lowbit.bench import moe
+
+    monkeypatch.setenv("LOWBIT_X", " a ; b;")
+    assert env_names("LOWBIT_X", ["a", "b", "c"], "s") == ["a", "b"]
+    monkeypatch.delenv("LOWBIT_X")
+    assert env_names("LOWBIT_X", ["a"], "s") == []
+    monkeypatch.setenv("LOWBIT_MOE_CASES", "fp8 delayd")  # a typo: an error, not a silent subset
+    with pytest.raises(ValueError, match=r"moe: LOWBIT_MOE_CASES names 'fp8 delayd'; known are"):
+        moe.count(True)
+    monkeypatch.setenv("LOWBIT_MOE_CASES", "fp8 delayed")
+    assert moe.count(True) == len(moe.CPU_SHAPES) * (2 + 3 * len(moe.PIECE_IMPLS))  # with lowbit bf16
 
 
 @pytest.mark.slow

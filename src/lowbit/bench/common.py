@@ -40,6 +40,16 @@ def environment() -> dict:
     return env
 
 
+def env_names(var: str, known: Sequence[str], suite: str) -> list:
+    """The ';'-separated names in the environment variable ``var`` (empty when unset), each one
+    of ``known`` (an unknown name is an error listing them)."""
+    names = [n.strip() for n in os.environ.get(var, "").split(";") if n.strip()]
+    for n in names:
+        if n not in known:
+            raise ValueError(f"{suite}: {var} names {n!r}; known are {list(known)}")
+    return names
+
+
 def case_named(cases: Sequence[tuple], name: str, suite: str) -> tuple:
     """The row of a suite's case table whose first field is `name` (a clear error otherwise)."""
     for case in cases:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 import lowbit
 from lowbit import flax as lowbit_flax
-from lowbit.bench.common import case_named, on_gpu, time_fn
+from lowbit.bench.common import case_named, env_names, on_gpu, time_fn
 from lowbit.bench.dense import FULL, SMALL, _cast_params, _fwd_bwd
 from lowbit.bench.dense import TransformerLayer as SeedLayer
 
@@ -183,11 +183,9 @@ def run(small: bool, progress=None) -> list[dict]:
 def _picked():
     """The cases named in LOWBIT_LAYER_CASES (";"-separated; the two Flax baselines always run:
     the speed-ups are against them), or all."""
-    names = [n.strip() for n in os.environ.get("LOWBIT_LAYER_CASES", "").split(";") if n.strip()]
+    names = env_names("LOWBIT_LAYER_CASES", [c[0] for c in _cases()], "layer")
     if not names:
         return _cases()
-    for n in names:
-        case_named(_cases(), n, "layer")  # an unknown name raises, listing the cases
     return [c for c in _cases() if c[0] in names or c[0].startswith("flax ")]
 
 

@@ -28,13 +28,11 @@ plan, permutation and combine (``lowbit.moe.kernels("fused")``).
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
 import lowbit
-from lowbit.bench.common import time_fn
+from lowbit.bench.common import env_names, time_fn
 from lowbit.moe import kernels, quantize_experts
 from lowbit.moe.block import moe_block
 from lowbit.moe.permutation import permute, plan_dispatch, unpermute
@@ -183,7 +181,7 @@ def weight_bytes(case, E, H, F) -> float:
 def _selected(names, env: str):
     """``names`` narrowed to the ';'-separated ones in the environment variable ``env`` (all when
     it is unset); ``lowbit bf16`` always stays (every row's vs_bf16 is against it)."""
-    want = [n.strip() for n in os.environ.get(env, "").split(";") if n.strip()]
+    want = env_names(env, names, "moe")
     return [n for n in names if not want or n in want or n == "lowbit bf16"]
 
 
@@ -244,4 +242,5 @@ def run(small: bool, progress=None) -> list[dict]:
 
 
 def count(small: bool) -> int:
-    return len(CPU_SHAPES if small else GPU_SHAPES) * (len(CASES) + 3 * len(PIECE_IMPLS))
+    shapes = _selected([s[0] for s in (CPU_SHAPES if small else GPU_SHAPES)], "LOWBIT_MOE_SHAPES")
+    return len(shapes) * (len(_selected(CASES, "LOWBIT_MOE_CASES")) + 3 * len(PIECE_IMPLS))
