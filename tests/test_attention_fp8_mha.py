@@ -75,17 +75,17 @@ def _states(recipe):
     )
 
 
-def _mha_step(recipe, x, wq, bq, wo, gamma, dy, causal, states):
+def _mha_step(recipe, x, wq, bq, wo, gamma, dy, causal, states, impl="emulate"):
     f = lambda x, wq, bq, wo, st: mha_fp8(  # noqa: E731
         x, wq, bq, wo, None, recipe=recipe, heads=H, norm=NormInput(gamma), causal=causal,
-        scale=1 / np.sqrt(D), implementation="emulate", **st,
+        scale=1 / np.sqrt(D), implementation=impl, **st,
     )  # fmt: skip
     out, vjp = jax.vjp(f, x, wq, bq, wo, states)
     *grads, nxt = vjp(dy.astype(out.dtype))
     return out, grads, nxt
 
 
-def _dpa_step(recipe, x, wq, bq, wo, gamma, dy, causal, states):
+def _dpa_step(recipe, x, wq, bq, wo, gamma, dy, causal, states, impl="emulate"):
     """The fp8_dpa composition: split_dense (the fused QKV path), fp8_attention, dense."""
     from lowbit.ops.attention.fp8 import fp8_attention
     from lowbit.ops.fused.dense_split import split_dense
@@ -96,7 +96,7 @@ def _dpa_step(recipe, x, wq, bq, wo, gamma, dy, causal, states):
         )[0]
         q, k, v = (t.reshape(B, S, H, D) for t in (q, k, v))
         o = fp8_attention(
-            q, k, v, recipe=recipe, state=st.get("attention_state"), causal=causal, implementation="emulate"
+            q, k, v, recipe=recipe, state=st.get("attention_state"), causal=causal, implementation=impl
         )
         return lowbit.dense(o.reshape(B, S, H * D), wo, recipe=recipe, state=st.get("out_state"))
 
@@ -110,9 +110,7 @@ def _errs(out, grads, want_o, want_g):
     return [rel(out, want_o)] + [rel(g, w) for g, w in zip(grads, want_g)]
 
 
-@pytest.mark.parametrize("make", RECIPES)
-@pytest.mark.parametrize("causal", [False, True])
-def test_op_against_float64_and_fp8_dpa(make, causal):
+def _check_op(make, causal, impl):
     recipe = make(fp8_mha=True)
     args = _params()
     want_o, want_g = _f64(*args, causal)
@@ -120,12 +118,27 @@ def test_op_against_float64_and_fp8_dpa(make, causal):
     for name, step in (("mha", _mha_step), ("dpa", _dpa_step)):
         st = _states(recipe)
         if st:  # DelayedScaling: one step first, so the scales come from these tensors' amaxes
-            st = step(recipe, *args, causal, st)[2]
-        out, grads, _ = step(recipe, *args, causal, st)
+            st = step(recipe, *args, causal, st, impl)[2]
+        out, grads, _ = step(recipe, *args, causal, st, impl)
         errs[name] = _errs(out, grads, want_o, want_g)
     for m, d in zip(errs["mha"], errs["dpa"]):
         assert 2.0**-8 < m < 0.5, errs  # FP8 in effect, within the FP8 bounds of the block
         assert m < 1.25 * d + 2.0**-8, errs  # never worse than fp8_dpa beyond noise
+
+
+@pytest.mark.parametrize("make", RECIPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_op_against_float64_and_fp8_dpa(make, causal):
+    _check_op(make, causal, "emulate")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", RECIPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_op_on_cudnn_against_float64_and_fp8_dpa(gpu_device, make, causal):
+    """The op's cuDNN path (o8 from the kernel's residuals, dQ/dK/dV re-encoded) on the GPU,
+    held to the same bounds as the emulation; "cudnn" raises where the kernel cannot run."""
+    _check_op(make, causal, "cudnn")
 
 
 def test_delayed_states_advance():

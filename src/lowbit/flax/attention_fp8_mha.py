@@ -17,7 +17,6 @@ import math
 import warnings
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 from lowbit.autocast import get_recipe
@@ -46,9 +45,6 @@ def _why_not(m, inputs_q, is_self, mask, bias, decode, h, g, lora) -> Optional[s
         (m.transpose_batch_sequence, "batch-second inputs"),
         (m.return_layernorm_output, "return_layernorm_output=True"),
         (plan_heads(inputs_q.shape[0], h, g) is not None, "a mesh that splits the batch or heads"),
-        # The op's cuDNN path (o8 from the kernel's residuals, dQ/dK/dV re-encoded) was written
-        # in session 11 without a GPU: the GPU takes fp8_dpa until a gpu test has run it.
-        (jax.default_backend() == "gpu", "a GPU (the fused op's cuDNN path is not verified there yet)"),
     )
     return next((why for bad, why in checks if bad), None)
 

@@ -125,24 +125,49 @@ def _blocks(cfg: _Cfg, kv):
 
 
 def _case(cfg: _Cfg, me, src, branches, *operands):
-    """The branch of a step past the first (``src != me``): "full" without causality; causal:
-    "kv_first" / "q_second" (balanced) or "full" / "skip" for a lower / higher device."""
+    """The branch of a step past the first (``src != me``): "full" without causality; causal
+    and unbalanced: "full" / "skip" for a lower / higher device (a ``cond``: XLA's GPU
+    conditional reads its predicate on the host, a stall per step; the balanced schedule takes
+    :func:`_chunk_offset` instead)."""
     if not cfg.causal:
         return branches["full"](*operands)
-    lower, higher = ("kv_first", "q_second") if cfg.balanced else ("full", "skip")
-    return jax.lax.cond(src < me, branches[lower], branches[higher], *operands)
+    return jax.lax.cond(src < me, branches["full"], branches["skip"], *operands)
+
+
+def _chunk_offset(me, src, c: int):
+    """Load balanced, a step past the first is two c x c blocks without a branch: (second query
+    chunk, first key chunk) on every device, plus (chunk at ``off``, chunk at ``off``) with
+    ``off`` 0 for a lower device's block (with the first: all queries x its first chunk) or
+    ``c`` for a higher one's (with the first: the second query chunk x the whole block).
+    Selecting by offset instead of ``cond`` keeps the step free of host syncs, so the ring's
+    transfers can run under the kernels (session 12: the cond version idled 5.8 of 26.6 ms)."""
+    return jnp.where(src < me, 0, c).astype(jnp.int32)
+
+
+def _rows(a, start, n: int, axis: int = 1):
+    return jax.lax.dynamic_slice_in_dim(a, start, n, axis)
 
 
 def _merge_rows(o, lse, part, start):
-    """Merge ``part`` (out, lse) into the query rows ``start:`` of the accumulators."""
+    """Merge ``part`` (out, lse) into the query rows ``start:start + len`` of the accumulators
+    (``start`` static or traced)."""
     po, pl = part[0].astype(o.dtype), part[1].astype(lse.dtype)
-    mo, ml = merge((o[:, start:], lse[:, :, start:]), (po, pl))
+    n = po.shape[1]
+    mo, ml = merge((_rows(o, start, n), _rows(lse, start, n, 2)), (po, pl))
     return _put(o, mo, start, 1), _put(lse, ml, start, 2)
 
 
-def _put(acc, rows, start: int, axis: int):
+def _put(acc, rows, start, axis: int):
     """``acc`` with ``rows`` written from ``start`` along ``axis`` (an in-place update, not a scatter)."""
-    return rows if start == 0 else jax.lax.dynamic_update_slice_in_dim(acc, rows, start, axis)
+    if rows.shape == acc.shape:
+        return rows
+    return jax.lax.dynamic_update_slice_in_dim(acc, rows, start, axis)
+
+
+def _add_rows(acc, rows, start, axis: int = 1):
+    """``acc`` with ``rows`` added from ``start`` along ``axis``, in acc's dtype."""
+    cur = _rows(acc, start, rows.shape[axis], axis)
+    return _put(acc, cur + rows.astype(acc.dtype), start, axis)
 
 
 def _forward(cfg: _Cfg, q, k, v):
@@ -150,10 +175,6 @@ def _forward(cfg: _Cfg, q, k, v):
     acc, c, me = acc_dtype(q.dtype), q.shape[1] // 2, jax.lax.axis_index(cfg.axis)
     branches = {
         "full": lambda o, lse, kb, vb: _merge_rows(o, lse, fwd(q, kb, vb, False, cfg.scale), 0),
-        "kv_first": lambda o, lse, kb, vb: _merge_rows(
-            o, lse, fwd(q, kb[:, :c], vb[:, :c], False, cfg.scale), 0
-        ),
-        "q_second": lambda o, lse, kb, vb: _merge_rows(o, lse, fwd(q[:, c:], kb, vb, False, cfg.scale), c),
         "skip": lambda o, lse, kb, vb: (o, lse),
     }
     o = lse = None
@@ -161,6 +182,11 @@ def _forward(cfg: _Cfg, q, k, v):
         if o is None:  # step 0: the device's own block
             o, lse = fwd(q, kb, vb, cfg.causal, cfg.scale)
             o, lse = o.astype(acc), lse.astype(acc)
+        elif cfg.causal and cfg.balanced:
+            off = _chunk_offset(me, src, c)
+            o, lse = _merge_rows(o, lse, fwd(q[:, c:], kb[:, :c], vb[:, :c], False, cfg.scale), c)
+            part = fwd(_rows(q, off, c), _rows(kb, off, c), _rows(vb, off, c), False, cfg.scale)
+            o, lse = _merge_rows(o, lse, part, off)
         else:
             o, lse = _case(cfg, me, src, branches, o, lse, kb, vb)
     return o.astype(q.dtype), lse
@@ -180,23 +206,23 @@ def _attend_bwd(cfg, res, do):
     q, k, v, o, lse = res
     bwd = _KERNELS[cfg.kernels][1]
     acc, c, n, me = acc_dtype(q.dtype), q.shape[1] // 2, cfg.size, jax.lax.axis_index(cfg.axis)
-    zeros = lambda a: jnp.zeros_like(a)  # noqa: E731
 
     def grads(dq, qs, kb, vb, os, dos, ls, causal, row):
         gq, gk, gv = bwd(qs, kb, vb, os, dos, ls, causal, cfg.scale)
-        return _put(dq, dq[:, row:] + gq.astype(acc), row, 1), gk, gv
+        return _add_rows(dq, gq, row), gk, gv
 
-    def kv_first(dq, kb, vb):
-        dq, gk, gv = grads(dq, q, kb[:, :c], vb[:, :c], o, do, lse, False, 0)
-        return dq, jnp.concatenate([gk, zeros(gk)], axis=1), jnp.concatenate([gv, zeros(gv)], axis=1)
+    def balanced(dq, src, kb, vb):  # the two c x c blocks of _chunk_offset; dK/dV summed in float32
+        dq, gk1, gv1 = grads(dq, q[:, c:], kb[:, :c], vb[:, :c], o[:, c:], do[:, c:], lse[:, :, c:], False, c)
+        off = _chunk_offset(me, src, c)
+        sl = functools.partial(_rows, start=off, n=c)
+        dq, gk2, gv2 = grads(dq, sl(q), sl(kb), sl(vb), sl(o), sl(do), sl(lse, axis=2), False, off)
+        dk, dv = (_add_rows(_put(jnp.zeros(kb.shape, acc), g1.astype(acc), 0, 1), g2, off) for g1, g2 in
+                  ((gk1, gk2), (gv1, gv2)))  # fmt: skip
+        return dq, dk.astype(kb.dtype), dv.astype(vb.dtype)
 
     branches = {
         "full": lambda dq, kb, vb: grads(dq, q, kb, vb, o, do, lse, False, 0),
-        "kv_first": kv_first,
-        "q_second": lambda dq, kb, vb: grads(
-            dq, q[:, c:], kb, vb, o[:, c:], do[:, c:], lse[:, :, c:], False, c
-        ),
-        "skip": lambda dq, kb, vb: (dq, zeros(kb), zeros(vb)),
+        "skip": lambda dq, kb, vb: (dq, jnp.zeros_like(kb), jnp.zeros_like(vb)),
     }
     dq, travelling, full = jnp.zeros(q.shape, acc), None, None
     if cfg.strategy != "ring":
@@ -205,6 +231,8 @@ def _attend_bwd(cfg, res, do):
     for t, (src, (kb, vb)) in enumerate(_blocks(cfg, (k, v))):
         if t == 0:
             dq, gk, gv = grads(dq, q, kb, vb, o, do, lse, cfg.causal, 0)
+        elif cfg.causal and cfg.balanced:
+            dq, gk, gv = balanced(dq, src, kb, vb)
         else:
             dq, gk, gv = _case(cfg, me, src, branches, dq, kb, vb)
         if full is not None:  # all-gather: each block's gradient in its slot
@@ -280,9 +308,9 @@ def _runner(kernels):
     return run
 
 
-# By name only (priority < 0) until its gpu tests have passed (written in session 11 without a
-# GPU; its cuDNN stats premise is checked by test_cudnn_block_kernels_match_the_jnp_ones).
-register_implementation("cudnn_cp", _runner("cudnn"), lambda spec: fits(spec) and handler_runs(spec), -1)
+# Picked on a GPU for the specs it fits (its gpu tests passed on 4 x H200 in session 12); below
+# the single-device handlers, which take no context-parallel spec.
+register_implementation("cudnn_cp", _runner("cudnn"), lambda spec: fits(spec) and handler_runs(spec), 5)
 register_implementation("blockwise_cp", _runner("reference"), fits, priority=-2)
 
 __all__ = ["fits", "fused_context_parallel"]
