@@ -155,11 +155,13 @@ def test_plan_fused_many_chunks(device):
     np.testing.assert_array_equal(f.src, x.src)
 
 
+# d = 32: the GPU's 16-byte vector row kernels; d = 36: their scalar fallback.
+@pytest.mark.parametrize("d", [D, D + 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_permute_fused_bit_equal_with_gradient(device, dtype):
+def test_permute_fused_bit_equal_with_gradient(device, dtype, d):
     ex = _routing(6)
-    x = jax.random.normal(jax.random.PRNGKey(7), (T, D), dtype)
-    g = jax.random.normal(jax.random.PRNGKey(8), (T * K + E * 7, D), dtype)
+    x = jax.random.normal(jax.random.PRNGKey(7), (T, d), dtype)
+    g = jax.random.normal(jax.random.PRNGKey(8), (T * K + E * 7, d), dtype)
 
     def f(impl):
         def run(x, ex, g):
@@ -174,13 +176,14 @@ def test_permute_fused_bit_equal_with_gradient(device, dtype):
     np.testing.assert_array_equal(dxf, dxx)
 
 
+@pytest.mark.parametrize("d", [D, D + 4])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-def test_combine_fused_matches_float64(device, out_dtype):
+def test_combine_fused_matches_float64(device, out_dtype, d):
     ex = _routing(9)
     rows = buffer_rows(T * K, E, 4, 11)
-    y = jax.random.normal(jax.random.PRNGKey(10), (rows, D), jnp.bfloat16)
+    y = jax.random.normal(jax.random.PRNGKey(10), (rows, d), jnp.bfloat16)
     w = jax.random.uniform(jax.random.PRNGKey(11), (T, K), jnp.float32)
-    g = jax.random.normal(jax.random.PRNGKey(12), (T, D), out_dtype)
+    g = jax.random.normal(jax.random.PRNGKey(12), (T, d), out_dtype)
 
     def run(y, w, g, ex):
         plan = plan_dispatch(ex, E, align_size=4, capacity=11)
@@ -189,7 +192,7 @@ def test_combine_fused_matches_float64(device, out_dtype):
 
     out, dy, dw, dest = to_cpu(run_on(device, run, y, w, g, ex))
     y64, w64, g64 = (np.asarray(a, np.float64) for a in (y, w, g))
-    y0 = np.concatenate([y64, np.zeros((1, D))])
+    y0 = np.concatenate([y64, np.zeros((1, d))])
     ref = np.einsum("tkd,tk->td", y0[dest], w64)
     tol = dict(rtol=1e-2, atol=1e-2) if out_dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, **tol)

@@ -6,7 +6,9 @@
 // Compared: router experts exactly and weights / dlogits within float32 rounding (exp and the
 // sums round differently); the dispatch plan exactly (also past one 1024-pair chunk, with
 // alignment and capacity); the plain and the FP8 permutation (rowwise, colwise, scale_inv,
-// amax) exactly; combine output within one bf16 ulp, dy exactly, dw within float32 rounding.
+// amax) exactly; combine output (float32 and bf16) and dy exactly (same summation order; every
+// element written, padding rows included: the device buffers start as NaN bytes), dw within
+// float32 rounding. Vector (d % 8 == 0) and scalar (d = 44) combine kernels.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,6 +42,14 @@ std::vector<T> host(const T* d, size_t n) {
 template <typename T>
 T* zeros(size_t n) {
   return dev(std::vector<T>(n, T(0)));
+}
+// A device buffer of NaN bytes: every element a kernel should write is checked to be written.
+template <typename T>
+T* garbage(size_t n) {
+  T* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, std::max<size_t>(n, 1) * sizeof(T)));
+  CUDA_OK(cudaMemset(d, 0xff, n * sizeof(T)));
+  return d;
 }
 
 float max_rel(const std::vector<float>& a, const std::vector<float>& b) {
@@ -168,17 +178,19 @@ void check_dispatch(std::mt19937& rng, int64_t T, int64_t k, int64_t E, int64_t 
     report(ok, mode == 0 ? "permute" : (mode == 1 ? "permute fp8 current" : "permute fp8 delayed"),
            msg);
   }
-  MoeCombineParams cp;
-  cp.T = T, cp.k = k, cp.d = d, cp.rows = rows, cp.y_dtype = DType::kBF16,
-  cp.out_dtype = DType::kF32;
-  std::vector<float> out(T * d);
-  cp.y = y.data(), cp.w = w.data(), cp.dest = dest.data(), cp.out = out.data();
-  report(moe_combine_fwd_cpu(cp).ok(), "combine cpu", "status");
-  MoeCombineParams cq = cp;
-  cq.y = dev(y), cq.w = dev(w), cq.dest = q.dest, cq.out = zeros<float>(T * d);
-  report(moe_combine_fwd_cuda(cq, nullptr).ok(), "combine cuda", "status");
-  CUDA_OK(cudaDeviceSynchronize());
-  report(host(static_cast<float*>(cq.out), T * d) == out, "combine (same order: exact)", msg);
+  for (DType od : {DType::kF32, DType::kBF16}) {  // the weighted sum rounded once to od
+    MoeCombineParams cp;
+    cp.T = T, cp.k = k, cp.d = d, cp.rows = rows, cp.y_dtype = DType::kBF16, cp.out_dtype = od;
+    std::vector<uint8_t> out(T * d * dtype_bytes(od));
+    cp.y = y.data(), cp.w = w.data(), cp.dest = dest.data(), cp.out = out.data();
+    report(moe_combine_fwd_cpu(cp).ok(), "combine cpu", "status");
+    MoeCombineParams cq = cp;
+    cq.y = dev(y), cq.w = dev(w), cq.dest = q.dest, cq.out = garbage<uint8_t>(out.size());
+    report(moe_combine_fwd_cuda(cq, nullptr).ok(), "combine cuda", "status");
+    CUDA_OK(cudaDeviceSynchronize());
+    report(host(static_cast<uint8_t*>(cq.out), out.size()) == out, "combine (same order: exact)",
+           msg);
+  }
   MoeCombineBwdParams bp;
   bp.T = T, bp.k = k, bp.d = d, bp.rows = rows, bp.y_dtype = DType::kBF16,
   bp.g_dtype = DType::kBF16;
@@ -188,8 +200,8 @@ void check_dispatch(std::mt19937& rng, int64_t T, int64_t k, int64_t E, int64_t 
   bp.dy = dy.data(), bp.dw = dw.data();
   report(moe_combine_bwd_cpu(bp).ok(), "combine bwd cpu", "status");
   MoeCombineBwdParams bq = bp;
-  bq.g = dev(g), bq.y = cq.y, bq.w = cq.w, bq.dest = q.dest, bq.src = q.src;
-  bq.dy = zeros<uint16_t>(rows * d), bq.dw = zeros<float>(P);
+  bq.g = dev(g), bq.y = dev(y), bq.w = dev(w), bq.dest = q.dest, bq.src = q.src;
+  bq.dy = garbage<uint16_t>(rows * d), bq.dw = garbage<float>(P);  // padding rows: zeroed
   report(moe_combine_bwd_cuda(bq, nullptr).ok(), "combine bwd cuda", "status");
   CUDA_OK(cudaDeviceSynchronize());
   report(host(static_cast<uint16_t*>(bq.dy), rows * d) == dy, "combine dy", msg);
@@ -229,23 +241,32 @@ void bench(int64_t T, int64_t E, int k, int64_t d) {
   MoeCombineParams cp;
   cp.T = T, cp.k = k, cp.d = d, cp.rows = T * k, cp.y = mp.out, cp.w = rp.weights;
   cp.dest = pp.dest, cp.out = zeros<uint16_t>(T * d);
+  MoeCombineBwdParams bp;
+  bp.T = T, bp.k = k, bp.d = d, bp.rows = T * k, bp.g = cp.out, bp.y = mp.out, bp.w = rp.weights;
+  bp.dest = pp.dest, bp.src = pp.src, bp.dy = zeros<uint16_t>(T * k * d),
+  bp.dw = zeros<float>(T * k);
   cudaEvent_t a, b;
   CUDA_OK(cudaEventCreate(&a));
   CUDA_OK(cudaEventCreate(&b));
-  auto run = [&](const char* name, auto fn) {
+  // bytes: what the kernel must move at the least (bf16 rows), for the GB/s column.
+  auto run = [&](const char* name, double bytes, auto fn) {
     fn();
     CUDA_OK(cudaEventRecord(a));
     for (int i = 0; i < 20; ++i) fn();
     CUDA_OK(cudaEventRecord(b));
     CUDA_OK(cudaEventSynchronize(b));
-    std::printf("T=%ld E=%ld k=%d d=%ld %-22s %9.1f us\n", long(T), long(E), k, long(d), name,
-                time_us(a, b) / 20);
+    const float us = time_us(a, b) / 20;
+    std::printf("T=%ld E=%ld k=%d d=%ld %-22s %9.1f us %7.0f GB/s\n", long(T), long(E), k, long(d),
+                name, us, bytes / us * 1e-3);
   };
-  run("router fwd", [&] { (void)moe_router_fwd_cuda(rp, nullptr); });
-  run("plan", [&] { (void)moe_plan_cuda(pp, nullptr); });
-  run("permute bf16", [&] { (void)moe_permute_cuda(mp, nullptr); });
-  run("permute fp8 row+col", [&] { (void)moe_permute_cuda(fp, nullptr); });
-  run("combine fwd", [&] { (void)moe_combine_fwd_cuda(cp, nullptr); });
+  const double tok = double(T) * d * 2, pair = tok * k;  // bf16 bytes of x and of the rows
+  run("router fwd", double(T) * E * 4, [&] { (void)moe_router_fwd_cuda(rp, nullptr); });
+  run("plan", double(T) * k * 12, [&] { (void)moe_plan_cuda(pp, nullptr); });
+  run("permute bf16", tok + pair, [&] { (void)moe_permute_cuda(mp, nullptr); });
+  run("permute fp8 row+col", 2 * tok + pair, [&] { (void)moe_permute_cuda(fp, nullptr); });
+  // combine fwd is also the permute's backward (weights 1)
+  run("combine fwd", pair + tok, [&] { (void)moe_combine_fwd_cuda(cp, nullptr); });
+  run("combine bwd (dy + dw)", tok + 2 * pair, [&] { (void)moe_combine_bwd_cuda(bp, nullptr); });
 }
 
 }  // namespace
@@ -270,5 +291,7 @@ int main(int argc, char** argv) {
   check_dispatch(rng, 900, 3, 40, 16, -1, 96);  // > one chunk
   check_dispatch(rng, 500, 4, 16, 8, 90, 40);   // capacity, ragged tiles
   check_dispatch(rng, 1, 1, 1, 0, -1, 16);
+  check_dispatch(rng, 300, 2, 8, 4, -1, 44);    // d % 8 != 0: the scalar combine kernels
+  check_dispatch(rng, 400, 6, 64, 8, -1, 256);  // G64-like routing, padding rows, vector kernels
   return summary();
 }

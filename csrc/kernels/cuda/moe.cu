@@ -1,11 +1,12 @@
 // CUDA MoE kernels (lowbit/moe.h): the router (one warp per token, the experts spread over the
 // lanes), the dispatch plan (a stable counting sort in three small kernels), the permute (a
 // gather, or a gather that quantizes to FP8 and writes the transposed copy from one tile in
-// shared memory) and the weighted combine with its backward. No host sync: every size stays on
-// the device.
+// shared memory); the weighted combine and its backward are in moe_combine.cu. No host sync: every
+// size stays on the device.
 #include "../common/moe_math.h"
 #include "device_common.cuh"
 #include "lowbit/moe.h"
+#include "moe_vec.cuh"
 
 namespace lowbit {
 namespace cuda {
@@ -324,6 +325,7 @@ __global__ void plan_scan_kernel(const MoePlanParams p, int32_t* chunk_counts, i
   __shared__ int32_t sizes[kMoeMaxExperts];
   for (int e = threadIdx.x; e < p.E; e += blockDim.x) {
     int32_t run = 0;
+#pragma unroll 8
     for (int64_t b = 0; b < chunks; ++b) {
       const int32_t c = chunk_counts[b * p.E + e];
       chunk_counts[b * p.E + e] = run;
@@ -351,27 +353,34 @@ __global__ void fill_kernel(int32_t* a, int64_t n, int32_t v) {
 }
 
 // One warp per chunk walks it 32 pairs at a time: the lanes with the same expert rank among
-// themselves (match_any), a running per-expert count in shared memory carries the rest.
+// themselves (match_any), a running per-expert count in shared memory carries the rest. Each
+// expert's first row for this chunk (offset + chunk prefix) and its kept count are staged in
+// shared memory first, so the walk's only global reads are the expert ids.
 __global__ void plan_rank_kernel(const MoePlanParams p, const int32_t* chunk_prefix) {
-  extern __shared__ int32_t run[];
+  extern __shared__ int32_t run[];  // run[E], base[E], left[E]
+  int32_t* base = run + p.E;
+  int32_t* left = base + p.E;  // the expert's kept pairs not ranked before this chunk
   const int lane = threadIdx.x;
   const int64_t P = p.T * p.k;
-  for (int e = lane; e < p.E; e += 32) run[e] = 0;
+  for (int e = lane; e < p.E; e += 32) {
+    const int32_t prefix = chunk_prefix[int64_t(blockIdx.x) * p.E + e];
+    const int64_t cnt = p.counts[e];
+    run[e] = 0;
+    base[e] = p.offsets[e] + prefix;
+    left[e] = int32_t(p.capacity >= 0 ? min(cnt, p.capacity) : cnt) - prefix;
+  }
   __syncwarp();
   const int64_t q0 = int64_t(blockIdx.x) * kChunk;
-  for (int64_t base = q0; base < min(P, q0 + kChunk); base += 32) {
-    const int64_t q = base + lane;
+  for (int64_t b = q0; b < min(P, q0 + kChunk); b += 32) {
+    const int64_t q = b + lane;
     const bool in = q < P && q < q0 + kChunk;
     const int e = in ? p.experts[q] : -1;
     const unsigned peers = __match_any_sync(kFull, e);
     if (in && e >= 0 && e < p.E) {
-      const int32_t rank = chunk_prefix[int64_t(blockIdx.x) * p.E + e] + run[e] +
-                           __popc(peers & ((1u << lane) - 1u));
-      const int64_t cnt = p.counts[e];
-      const int64_t kept = p.capacity >= 0 ? min(cnt, p.capacity) : cnt;
-      if (rank < kept) {
-        p.dest[q] = p.offsets[e] + rank;
-        p.src[p.offsets[e] + rank] = int32_t(q);
+      const int32_t before = run[e] + __popc(peers & ((1u << lane) - 1u));
+      if (before < left[e]) {  // rank = prefix + before < kept
+        p.dest[q] = base[e] + before;
+        p.src[base[e] + before] = int32_t(q);
       } else {
         p.dest[q] = int32_t(p.rows);
       }
@@ -499,67 +508,6 @@ __global__ void __launch_bounds__(256) permute_fp8_kernel(const MoePermuteParams
     }
 }
 
-// ---- combine ----
-
-template <int IN, int OUT>
-__global__ void combine_fwd_kernel(const MoeCombineParams p) {
-  using T = typename In<IN>::T;
-  const T* y = static_cast<const T*>(p.y);
-  for (int64_t t = blockIdx.x; t < p.T; t += gridDim.x)
-    for (int64_t c = threadIdx.x; c < p.d; c += blockDim.x) {
-      float acc = 0.0f;
-      for (int64_t j = 0; j < p.k; ++j) {
-        const int64_t r = p.dest[t * p.k + j];
-        if (r < p.rows)
-          acc = __fadd_rn(acc, __fmul_rn(p.w[t * p.k + j], In<IN>::f(y[r * p.d + c])));
-      }
-      store_out<OUT>(p.out, t * p.d + c, acc);
-    }
-}
-
-template <int IN, int G>
-__global__ void combine_dy_kernel(const MoeCombineBwdParams p) {
-  using TG = typename In<G>::T;
-  const TG* g = static_cast<const TG*>(p.g);
-  const int64_t P = p.T * p.k;
-  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
-    const int32_t q = p.src[r];
-    for (int64_t c = threadIdx.x; c < p.d; c += blockDim.x) {
-      const float v = q < P ? __fmul_rn(p.w[q], In<G>::f(g[(q / p.k) * p.d + c])) : 0.0f;
-      store_out<IN>(p.dy, r * p.d + c, v);
-    }
-  }
-}
-
-template <int IN, int G>
-__global__ void combine_dw_kernel(const MoeCombineBwdParams p) {
-  using T = typename In<IN>::T;
-  using TG = typename In<G>::T;
-  const T* y = static_cast<const T*>(p.y);
-  const TG* g = static_cast<const TG*>(p.g);
-  const int lane = threadIdx.x & 31;
-  const int64_t q = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (q >= p.T * p.k) return;
-  const int64_t r = p.dest[q], t = q / p.k;
-  float dot = 0.0f;
-  if (r < p.rows)
-    for (int64_t c = lane; c < p.d; c += 32)
-      dot = __fadd_rn(dot, __fmul_rn(In<IN>::f(y[r * p.d + c]), In<G>::f(g[t * p.d + c])));
-  dot = warp_sum(dot);
-  if (lane == 0) p.dw[q] = dot;
-}
-
-// Dispatch on a float dtype (0 f32, 1 bf16, 2 f16: DType's values).
-template <typename F>
-void with_in(DType t, F&& f) {
-  if (t == DType::kF32)
-    f(std::integral_constant<int, 0>{});
-  else if (t == DType::kBF16)
-    f(std::integral_constant<int, 1>{});
-  else
-    f(std::integral_constant<int, 2>{});
-}
-
 }  // namespace
 }  // namespace cuda
 
@@ -600,7 +548,7 @@ Status moe_plan_cuda(const MoePlanParams& p, void* stream) {
     s = launch_status("moe_plan scan");
   }
   if (s.ok() && P > 0) {
-    plan_rank_kernel<<<unsigned(chunks), 32, shared, st>>>(p, scratch);
+    plan_rank_kernel<<<unsigned(chunks), 32, 3 * shared, st>>>(p, scratch);
     s = launch_status("moe_plan rank");
   }
   // Ids out of range cannot be reported without a sync (the CPU kernel refuses them): here such
@@ -657,34 +605,6 @@ Status moe_permute_cuda(const MoePermuteParams& p_in, void* stream) {
     s = launch_status("moe_permute fp8");
   }
   return s;
-}
-
-Status moe_combine_fwd_cuda(const MoeCombineParams& p, void* stream) {
-  if (auto s = validate(p); !s.ok()) return s;
-  if (p.T == 0 || p.d == 0) return Status::Ok();
-  auto st = static_cast<cudaStream_t>(stream);
-  with_in(p.y_dtype, [&](auto in) {
-    with_in(p.out_dtype, [&](auto out) {
-      combine_fwd_kernel<decltype(in)::value, decltype(out)::value>
-          <<<unsigned(std::min<int64_t>(p.T, 65535)), 256, 0, st>>>(p);
-    });
-  });
-  return launch_status("moe_combine_fwd");
-}
-
-Status moe_combine_bwd_cuda(const MoeCombineBwdParams& p, void* stream) {
-  if (auto s = validate(p); !s.ok()) return s;
-  auto st = static_cast<cudaStream_t>(stream);
-  const int64_t P = p.T * p.k;
-  with_in(p.y_dtype, [&](auto in) {
-    with_in(p.g_dtype, [&](auto g) {
-      constexpr int IN = decltype(in)::value, G = decltype(g)::value;
-      if (p.rows > 0 && p.d > 0)
-        combine_dy_kernel<IN, G><<<unsigned(std::min<int64_t>(p.rows, 65535)), 256, 0, st>>>(p);
-      if (P > 0) combine_dw_kernel<IN, G><<<unsigned((P + 7) / 8), 256, 0, st>>>(p);
-    });
-  });
-  return launch_status("moe_combine_bwd");
 }
 
 }  // namespace lowbit

@@ -21,7 +21,8 @@ bandwidth-bound on them.
 
 The ``pieces`` rows time the block's non-GEMM steps alone, forward+backward in BF16 (the gate
 and top-k router with the aux loss; the dispatch plan and the permutation of the tokens; the
-weighted combine), each twice: ``xla`` (plain JAX) and ``fused`` (lowbit's kernels,
+weighted combine: these two return their output and their vjp at a random cotangent, as in
+the layer, not the gradient of a sum), each twice: ``xla`` (plain JAX) and ``fused`` (lowbit's kernels,
 ``impl="fused"``). The ``... fused`` block cases run the whole block with the fused router,
 plan, permutation and combine (``lowbit.moe.kernels("fused")``).
 """
@@ -154,19 +155,30 @@ def _pieces(x, gate, E, k, impl):
     plan = plan_dispatch(ex, E)
     w = jnp.full(ex.shape, 1.0 / k, jnp.float32)
     y = permute(x, plan)
+    dy = jax.random.normal(jax.random.PRNGKey(5), y.shape, y.dtype)  # the cotangents
+    dout = jax.random.normal(jax.random.PRNGKey(6), x.shape, x.dtype)
 
-    def dispatch(x, ex):
-        return jnp.sum(permute(x, plan_dispatch(ex, E, impl=impl), impl=impl).astype(jnp.float32))
+    def dispatch(x, ex, dy):
+        return _fwd_bwd(lambda x: permute(x, plan_dispatch(ex, E, impl=impl), impl=impl), dy, x)
 
-    def combine(y, w):
-        return jnp.sum(unpermute(y, plan, w, impl=impl).astype(jnp.float32))
+    def combine(y, w, dout):
+        return _fwd_bwd(lambda y, w: unpermute(y, plan, w, impl=impl), dout, y, w)
 
     g = lambda f, n: jax.jit(jax.value_and_grad(f, argnums=n))  # noqa: E731
     return [
         ("router+aux", g(router, (0, 1)), (x, gate)),
-        ("dispatch", g(dispatch, 0), (x, ex)),
-        ("combine", g(combine, (0, 1)), (y, w)),
+        ("dispatch", jax.jit(dispatch), (x, ex, dy)),
+        ("combine", jax.jit(combine), (y, w, dout)),
     ]
+
+
+def _fwd_bwd(f, ct, *args):
+    """f's output and its vjp at the cotangent ``ct`` (an array), as the layer has them: the
+    output materialized (a jit result, as the GEMM that reads it needs), the cotangent an array
+    (the GEMM's dgrad). A scalar loss would let XLA fuse its gathers into the loss's sum and
+    the constant ones cotangent into the backward gather, which a custom call cannot."""
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(ct)
 
 
 def weight_bytes(case, E, H, F) -> float:
