@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "block_gemm_sm90_ptx.cuh"
@@ -397,6 +399,12 @@ Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& t
       e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
       if (e == cudaSuccess && clusters < 1) e = cudaErrorInvalidConfiguration;
       if (e == cudaSuccess && dev >= 0 && dev < 64) fit[dev].store(clusters);
+      // Fewer than sms / 2 clusters would leave SMs idle (one suspect for the multicast
+      // configurations' ~0.5x of unicast): the log says how many fit.
+      if (e == cudaSuccess && std::getenv("LOWBIT_BLOCK_GEMM_LOG"))
+        std::fprintf(stderr,
+                     "lowbit block_gemm sm90own multicast BLOCK_N %d: %d clusters of 2 on %d SMs\n",
+                     kBN, clusters, sms);
     }
     cfg.gridDim = dim3(unsigned(2 * std::min<int64_t>(work, clusters)));
   } else {
