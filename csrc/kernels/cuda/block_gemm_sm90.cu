@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "block_gemm_sm90_ptx.cuh"
@@ -185,9 +187,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   // wgmma's accumulator layout: register 4i + j holds row r_in (+8 for j >= 2) and column
   // 8i + 2 (lane % 4) + (j % 2) of the warpgroup's 64 x BLOCK_N block.
   const int r_in = wg * 64 + warp * 16 + lane / 4;
-  float acc[kAcc], part[kAcc];
+  // Promotion behind the tensor cores. Issued as "wgmmas, wait, promote", both warpgroups wait
+  // on the same full barrier, their wgmmas share the tensor cores and end together, and both
+  // promote while the tensor cores idle: 512 MMA + 128 FFMA clocks per K block, 0.80 of the MMA
+  // rate, which the H200 measured. BLOCK_N 128 therefore software-pipelines each warpgroup: K
+  // block kb + 1's wgmmas go into a second partial (committed, running) before block kb's
+  // partial is promoted, so each warpgroup keeps its own wgmmas queued while it promotes,
+  // whatever order the tensor cores serve the two warpgroups in. Registers: acc + two partials =
+  // 3 x 64 floats + ~25 of addresses and scales, under setmaxnreg's 232 (ptxas: no spills). The
+  // alternative, staggering the warpgroups half a block apart with named barriers, costs no
+  // registers but holds only as long as the tensor cores serve queued wgmmas in issue order.
+  // BLOCK_N 192 (3 x 96 floats do not fit 232) keeps the unpipelined order. Both orders add the
+  // same products in the same K order: the output is bit-equal either way.
+  constexpr bool kPipe = kBN == 128;
+  float acc[kAcc], part0[kAcc], part1[kPipe ? kAcc : 1];
 #pragma unroll
-  for (int i = 0; i < kAcc; ++i) part[i] = 0.f;
+  for (int i = 0; i < kAcc; ++i) part0[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < (kPipe ? kAcc : 1); ++i) part1[i] = 0.f;
+  // What a K block's promotion needs once its wgmmas are done: its stage (freed then) and the
+  // scale products of the thread's rows (lo: r_in, hi: r_in + 8) with B's first and second
+  // 128-block of the tile.
+  struct Pending {
+    float s0_lo, s0_hi, s1_lo, s1_hi;
+    int stage;
+  };
   int s = 0;
   uint32_t ph = 0;
   for (int t = walk.first; t < walk.count; t += walk.step) {
@@ -203,41 +227,78 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float* sb_row1 = args.sb + int64_t(min(n0 / 128 + 1, args.sb_rows - 1)) * args.ld_sb;
     // One K block ahead: the loads' latency hides behind the wgmmas.
     float sb0_next = __ldg(sb_row0), sb1_next = kBN % 128 ? __ldg(sb_row1) : 0.f;
-    for (int kb = 0; kb < args.nkb; ++kb) {
+    // Waits for K block kb's stage, issues its four wgmmas into p as one committed group.
+    auto issue = [&](float* p, int kb, Pending& q) {
       const float sb0 = sb0_next, sb1 = sb1_next;
       if (kb + 1 < args.nkb) {
         sb0_next = __ldg(sb_row0 + kb + 1);
         if (kBN % 128) sb1_next = __ldg(sb_row1 + kb + 1);
       }
       mbar_wait(full(s), ph);
+      // The scale reads are consumed before the warp frees the stage.
       const float sa_lo = sa_smem[s * kBM + r_in], sa_hi = sa_smem[s * kBM + r_in + 8];
       const uint32_t a_tile = a0 + s * kATile + wg * 64 * kBK, b_tile = b0 + s * T::kBTile;
-      fence_regs<kAcc>(part);
+      fence_regs<kAcc>(p);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kBK / 32; ++k)
-        wgmma<kE5m2A, kBN>(part, sw128_desc(a_tile + k * 32), sw128_desc(b_tile + k * 32), k);
+        wgmma<kE5m2A, kBN>(p, sw128_desc(a_tile + k * 32), sw128_desc(b_tile + k * 32), k);
       wgmma_commit();
-      wgmma_wait_all();
-      fence_regs<kAcc>(part);
-      // The scale reads are consumed before the warp frees the stage.
-      const float s0_lo = sa_lo * sb0, s0_hi = sa_hi * sb0;
-      const float s1_lo = sa_lo * sb1, s1_hi = sa_hi * sb1;
+      q.s0_lo = sa_lo * sb0, q.s0_hi = sa_hi * sb0;
+      q.s1_lo = sa_lo * sb1, q.s1_hi = sa_hi * sb1;
+      q.stage = s;
+      if (++s == kStages) s = 0, ph ^= 1;
+    };
+    // After the wait that completed p's group: free its stage, acc += p * scales.
+    auto finish = [&](float* p, const Pending& q) {
+      fence_regs<kAcc>(p);
       __syncwarp();
       if (lane == 0) {
-        mbar_arrive(empty(s));
-        if constexpr (kMc) mbar_arrive_cluster(empty(s), walk.rank ^ 1);
+        mbar_arrive(empty(q.stage));
+        if constexpr (kMc) mbar_arrive_cluster(empty(q.stage), walk.rank ^ 1);
       }
-      if (++s == kStages) s = 0, ph ^= 1;
 #pragma unroll
       for (int i = 0; i < kBN / 8; ++i) {
         // Columns 8i .. 8i + 7 lie in one 128-block (split is a multiple of 64).
         const bool first = kBN % 128 == 0 || 8 * i < split;
-        const float s_lo = first ? s0_lo : s1_lo, s_hi = first ? s0_hi : s1_hi;
-        acc[4 * i + 0] = fmaf(part[4 * i + 0], s_lo, acc[4 * i + 0]);
-        acc[4 * i + 1] = fmaf(part[4 * i + 1], s_lo, acc[4 * i + 1]);
-        acc[4 * i + 2] = fmaf(part[4 * i + 2], s_hi, acc[4 * i + 2]);
-        acc[4 * i + 3] = fmaf(part[4 * i + 3], s_hi, acc[4 * i + 3]);
+        const float s_lo = first ? q.s0_lo : q.s1_lo, s_hi = first ? q.s0_hi : q.s1_hi;
+        acc[4 * i + 0] = fmaf(p[4 * i + 0], s_lo, acc[4 * i + 0]);
+        acc[4 * i + 1] = fmaf(p[4 * i + 1], s_lo, acc[4 * i + 1]);
+        acc[4 * i + 2] = fmaf(p[4 * i + 2], s_hi, acc[4 * i + 2]);
+        acc[4 * i + 3] = fmaf(p[4 * i + 3], s_hi, acc[4 * i + 3]);
+      }
+    };
+    if constexpr (kPipe) {
+      // Unrolled by two so that each partial stays one fixed register set (part0 the even K
+      // blocks, part1 the odd ones) and every path leaves the same number of groups running
+      // (ptxas serialises the wgmmas when it cannot tell which partial is still being written).
+      Pending q0, q1;
+      issue(part0, 0, q0);
+      int kb = 1;
+      for (; kb + 1 < args.nkb; kb += 2) {  // here block kb - 1 runs in part0
+        issue(part1, kb, q1);
+        wgmma_wait<1>();
+        finish(part0, q0);
+        issue(part0, kb + 1, q0);
+        wgmma_wait<1>();
+        finish(part1, q1);
+      }
+      if (kb < args.nkb) {  // an even number of K blocks: the last one goes into part1
+        issue(part1, kb, q1);
+        wgmma_wait<1>();
+        finish(part0, q0);
+        wgmma_wait<0>();
+        finish(part1, q1);
+      } else {
+        wgmma_wait<0>();
+        finish(part0, q0);
+      }
+    } else {
+      for (int kb = 0; kb < args.nkb; ++kb) {
+        Pending q;
+        issue(part0, kb, q);
+        wgmma_wait<0>();
+        finish(part0, q);
       }
     }
     // Epilogue: acc + bias in float32, one rounding. N is even, so col < N implies col + 1 < N.
@@ -338,6 +399,12 @@ Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& t
       e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
       if (e == cudaSuccess && clusters < 1) e = cudaErrorInvalidConfiguration;
       if (e == cudaSuccess && dev >= 0 && dev < 64) fit[dev].store(clusters);
+      // Fewer than sms / 2 clusters would leave SMs idle (one suspect for the multicast
+      // configurations' ~0.5x of unicast): the log says how many fit.
+      if (e == cudaSuccess && std::getenv("LOWBIT_BLOCK_GEMM_LOG"))
+        std::fprintf(stderr,
+                     "lowbit block_gemm sm90own multicast BLOCK_N %d: %d clusters of 2 on %d SMs\n",
+                     kBN, clusters, sms);
     }
     cfg.gridDim = dim3(unsigned(2 * std::min<int64_t>(work, clusters)));
   } else {

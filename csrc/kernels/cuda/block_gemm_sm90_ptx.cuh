@@ -156,9 +156,12 @@ __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wgmma_wait_all() {
+// Waits until at most N of this warpgroup's committed wgmma groups are still running (N = 0: all
+// done; N = 1: every group but the newest).
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
 #if LOWBIT_SM90A
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 #endif
 }
 
