@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # First GPU run of code written without a GPU, one device call on one GPU (first GPU only):
-#   scripts/gpu_verify.sh [own] [fusion] [memq] [mha] [moe] [bench-own] [bench-layer] [bench-moe]
-# own: lowbit_check_block_gemm --quick (+ memcheck --quick, --bench) and the sm90own/auto gpu tests;
+#   scripts/gpu_verify.sh [own] [fusion] [memq] [mha] [moe] [moek] [bench-own] [bench-layer] [bench-moe]
+# own: lowbit_check_block_gemm --quick (+ memcheck --quick, --bench-sm90 with the router's log) and
+# the sm90own/auto gpu tests; moek: lowbit_check_moe (+ memcheck --quick, --bench), the fused MoE gpu tests;
 # fusion: lowbit_check_block_fusion (+ memcheck --quick, --bench) and its gpu tests;
 # memq: memcheck --quick of lowbit_check_quantize_cuda (the rewritten dbias column sum);
 # mha: the fp8_mha op and module tests with the GPU as default device (the op's cuDNN path);
@@ -37,8 +38,12 @@ if has own; then
   chk block_gemm "${LIMIT_OWN:-150}" --quick
   grep -E "sm90own|routed" "$OUT/check_block_gemm--quick.log" | cut -c1-160 | tail -24
   mem block_gemm "${LIMIT_OWN_MEM:-240}"
-  chk block_gemm 150 --bench
-  grep -vi "warn" "$OUT/check_block_gemm--bench.log" | tail -40 | cut -c1-160
+  say "check block_gemm --bench-sm90"
+  LOWBIT_BLOCK_GEMM_LOG=1 timeout -s KILL 150 "$B/lowbit_check_block_gemm" --bench-sm90 \
+    >"$OUT/check_block_gemm--bench-sm90.log" 2>"$OUT/block_gemm_router.log"
+  echo "rc=$?"
+  cut -c1-160 "$OUT/check_block_gemm--bench-sm90.log" | tail -45
+  grep -i cluster "$OUT/block_gemm_router.log" | sort -u | head -4
   pt own 150 -m gpu tests/test_block_gemm_backends.py -x -k "sm90own or auto"
 fi
 if has fusion; then
@@ -48,8 +53,15 @@ if has fusion; then
   tail -16 "$OUT/check_block_fusion--bench.log" | cut -c1-160
   LOWBIT_BLOCK_DBIAS_FUSION=1 pt fusion 150 -m gpu tests/test_block_dbias.py tests/test_block_fusion.py
 fi
+if has moek; then
+  chk moe 150
+  mem moe 200
+  chk moe 90 --bench
+  cut -c1-160 "$OUT/check_moe--bench.log" | tail -24
+  pt moek 200 -m gpu tests/test_moe_fused.py
+fi
 has memq && mem quantize_cuda "${LIMIT_MEMQ:-200}"
-has mha && pt mha "${LIMIT_MHA:-150}" tests/test_attention_fp8_mha.py tests/test_attention_fp8_sharded.py
+has mha && pt mha "${LIMIT_MHA:-150}" tests/test_attention_fp8_mha.py
 has moe && pt moe "${LIMIT_MOE:-150}" -m gpu tests/test_moe_dispatch_fp8.py
 if has bench-own; then  # the block GEMM rows under each backend, same process per backend
   for b in ${BACKENDS:-auto sm90own}; do

@@ -320,3 +320,29 @@ def test_cudnn_fp8_against_float64_and_bf16(make, causal, gpu_device):
         with lowbit.autocast(recipe=recipe, enabled=True):
             variables = mod.init(jax.random.PRNGKey(0), q, k, v)
             assert _rel(mod.apply(variables, q, k, v), _f64(q, k, v, do, True)[0]) < FWD
+
+
+def test_cudnn_head_dim_rule_names_128():
+    """cuDNN's FP8 attention backward takes head_dim 128 only (cuDNN 9.19, H200): any other
+    head_dim is refused before the kernel, naming the dimension (the old rule, a multiple of 16
+    up to 256, let head_dim 16 reach cuDNN's backward, which failed at run time)."""
+    from lowbit.ops.attention.fp8 import fp8_head_dim_unsupported
+
+    assert fp8_head_dim_unsupported(128) is None
+    for d in (16, 64, 96, 256):
+        why = fp8_head_dim_unsupported(d)
+        assert why is not None and f"head_dim {d}" in why and "128" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", RECIPES)
+def test_gpu_head_dim_64_takes_the_emulation_not_the_kernel(make, gpu_device):
+    """On a GPU, head_dim 64 (which cuDNN's FP8 backward refuses) trains through the emulation
+    instead of failing at run time; implementation="cudnn" says why it cannot."""
+    recipe = make()
+    q, k, v, do = _inputs(b=1, s=128, h=2, g=2, d=64)
+    state = _steady_state(recipe, q, k, v, do, causal=True)
+    out, grads, _ = _run(recipe, q, k, v, do, state, causal=True)
+    _check_errors(out, grads, *_f64(q, k, v, do, True))
+    with pytest.raises(ValueError, match="head_dim 64"):
+        _run(recipe, q, k, v, do, state, causal=True, implementation="cudnn")

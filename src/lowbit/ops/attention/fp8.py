@@ -215,12 +215,22 @@ def _fp8_bwd(cfg, res, ct):
 _fp8.defvjp(_fp8_fwd, _fp8_bwd)
 
 
+def fp8_head_dim_unsupported(head_dim: int) -> Optional[str]:
+    """Why cuDNN's FP8 attention cannot train with this head_dim (None: it can). Its FP8
+    backward takes head_dim 128 only (cuDNN 9.19 on an H200, session 12: "hidden_dim should be
+    equal to 128"); the forward takes more, but a training step needs both."""
+    if head_dim != 128:
+        return f"head_dim {head_dim} (cuDNN's FP8 attention backward needs 128)"
+    return None
+
+
 def cudnn_fp8_available(q, k) -> Optional[str]:
     """None when cuDNN's FP8 attention can run these shapes here, else why not."""
     if jax.default_backend() != "gpu":
         return "no GPU backend"
-    if q.shape[-1] % 16 or q.shape[-1] > 256:
-        return f"head_dim {q.shape[-1]} (cuDNN's FP8 attention needs a multiple of 16, at most 256)"
+    why = fp8_head_dim_unsupported(q.shape[-1])
+    if why is not None:
+        return why
     ok, reason = ffi.cudnn_status()
     return None if ok else reason
 
@@ -313,4 +323,4 @@ def fp8_attention(
     return _fp8(cfg, q, k, v, state, rng)
 
 
-__all__ = ["config", "cudnn_fp8_available", "fp8_attention", "unsupported"]
+__all__ = ["config", "cudnn_fp8_available", "fp8_attention", "fp8_head_dim_unsupported", "unsupported"]
