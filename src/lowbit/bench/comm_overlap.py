@@ -11,11 +11,10 @@ a peer; this reports what ran.
 from __future__ import annotations
 
 import collections
-import tempfile
 
 import jax
 
-from lowbit.bench.profile import _trace
+from lowbit.bench.profile import traced_calls
 
 
 def _is_comm(name: str) -> bool:
@@ -88,14 +87,7 @@ def summarize(events: list, steps: int, top: int = 12) -> dict:
 def trace_step(fn, args, steps: int = 4, device: int = 0) -> dict:
     """:func:`summarize` of ``steps`` calls of the compiled ``fn(*args)`` (warmed up first)."""
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            out = None
-            for _ in range(steps):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        events = device_events(_trace(d), device)
-    return summarize(events, steps)
+    return summarize(device_events(traced_calls(fn, args, steps), device), steps)
 
 
 def report(label: str, s: dict) -> str:

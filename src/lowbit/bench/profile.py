@@ -47,6 +47,17 @@ def _trace(trace_dir: str):
     return ProfileData.from_file(path)
 
 
+def traced_calls(fn, args, steps: int):
+    """The profiler trace of ``steps`` back-to-back calls of ``fn(*args)`` (read once)."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            out = None
+            for _ in range(steps):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        return _trace(d)
+
+
 def _gpu_events(trace) -> list:
     """(start_ns, duration_ns, name, details) of every kernel on the trace's GPU stream lines,
     in start order; details are the event's stats (grid/block sizes where the trace has them)."""
@@ -137,15 +148,9 @@ def _build(suite: str, case: str):
 def profile(suite: str, case: str, top: int = 25, timeline: bool = False, host: bool = False) -> None:
     fn, args = _build(suite, case)
     wall = time_fn(fn, *args, warmup=2, iters=10, repeats=3)
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            out = None
-            for _ in range(STEPS):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        trace = _trace(d)
-        events = _gpu_events(trace)
-        hosts = _host_events(trace) if host else []
+    trace = traced_calls(fn, args, STEPS)
+    events = _gpu_events(trace)
+    hosts = _host_events(trace) if host else []
     totals: dict[str, float] = collections.defaultdict(float)
     for _, dur, name, _ in events:
         totals[name] += dur
