@@ -263,3 +263,16 @@ def test_fp8_err_ratio_measures_error_added_beyond_fp8():
     assert fp8_err_ratio(ref, one, one) == pytest.approx(1.0)
     far = [ref[0] + 2.0 * (one[0] - ref[0]), np.ones(8) + 5.0]
     assert fp8_err_ratio(ref, one, far) == pytest.approx(2.0)
+
+
+def test_profile_builds_a_moe_case_and_names_bad_ones():
+    """`bench.profile moe "<shape> <case>"` gets the bench's own step; a bad label is named."""
+    import jax
+
+    from lowbit.bench import moe
+
+    fn, args = moe.build_case("G4 small fp8 delayed")
+    loss = jax.block_until_ready(fn(*args))
+    assert all(bool(jax.numpy.isfinite(v).all()) for v in jax.tree_util.tree_leaves(loss))
+    with pytest.raises(ValueError, match="G64 deepseek"):
+        moe.build_case("G64 deepseek fp8 late")

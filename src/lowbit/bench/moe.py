@@ -197,6 +197,30 @@ def _selected(names, env: str):
     return [n for n in names if not want or n in want or n == "lowbit bf16"]
 
 
+def _operands(T, H, E, F):
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(keys[0], (T, H), jnp.bfloat16)
+    gate = (jax.random.normal(keys[1], (H, E), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    wi = (jax.random.normal(keys[2], (E, H, 2 * F), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    wo = (jax.random.normal(keys[3], (E, F, H), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    return x, gate, wi, wo
+
+
+def build_case(label: str):
+    """``(fn, args)`` of the row named ``label`` ("<shape> <case>", e.g. "G64 deepseek fp8
+    delayed"): the step ``python -m lowbit.bench.profile moe LABEL`` traces."""
+    for name, T, H, E, F, k in GPU_SHAPES + CPU_SHAPES:
+        case = label[len(name) + 1 :] if label.startswith(name + " ") else None
+        if case in CASES:
+            x, gate, wi, wo = _operands(T, H, E, F)
+            fn, recipe = _step(case, k)
+            return fn, (x, gate, wi, wo, *_extras(case, recipe, wi, wo))
+    shapes = ", ".join(s[0] for s in GPU_SHAPES + CPU_SHAPES)
+    raise ValueError(
+        f"moe case must be '<shape> <case>' with a shape of {shapes} and a case of {CASES}, got {label!r}"
+    )
+
+
 def run(small: bool, progress=None) -> list[dict]:
     """LOWBIT_MOE_CASES / LOWBIT_MOE_SHAPES (';'-separated case / shape names) run a subset."""
     rows = []
@@ -204,11 +228,7 @@ def run(small: bool, progress=None) -> list[dict]:
     shapes = CPU_SHAPES if small else GPU_SHAPES
     picked = _selected([s[0] for s in shapes], "LOWBIT_MOE_SHAPES")
     for name, T, H, E, F, k in [s for s in shapes if s[0] in picked]:
-        keys = jax.random.split(jax.random.PRNGKey(0), 4)
-        x = jax.random.normal(keys[0], (T, H), jnp.bfloat16)
-        gate = (jax.random.normal(keys[1], (H, E), jnp.float32) * 0.02).astype(jnp.bfloat16)
-        wi = (jax.random.normal(keys[2], (E, H, 2 * F), jnp.float32) * 0.02).astype(jnp.bfloat16)
-        wo = (jax.random.normal(keys[3], (E, F, H), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        x, gate, wi, wo = _operands(T, H, E, F)
         flops = 3 * 2.0 * T * k * H * 3 * F
         base = None
         for case in _selected(CASES, "LOWBIT_MOE_CASES"):

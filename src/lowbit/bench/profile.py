@@ -1,11 +1,12 @@
 """Where one benchmark step spends its GPU time: ``python -m lowbit.bench.profile SUITE CASE...``.
 
-Traces a few steps of a case from ``lowbit.bench.dense`` or ``lowbit.bench.layer`` (the same
+Traces a few steps of a case from ``lowbit.bench.dense``, ``.layer`` or ``.moe`` (the same
 model, parameters and jitted fwd+bwd as the timed run) with ``jax.profiler`` and prints the GPU
 kernels by total time per step, then per group (GEMM, attention, lowbit kernels, XLA fusions).
 SUITE is ``dense``, ``docs`` (TransformerEngine's Dense tutorial block), ``layer`` (the seed
-layer, dot_general swapped) or ``module`` (lowbit's TransformerLayer); CASE is a row name of
-that suite, e.g. ``"lowbit delayed bf16 params"``. ``--host`` adds the host's events and the
+layer, dot_general swapped), ``module`` (lowbit's TransformerLayer) or ``moe`` (a MoE block,
+CASE "<shape> <case>", e.g. ``"G64 deepseek fp8 delayed"``); CASE is a row name of that suite,
+e.g. ``"lowbit delayed bf16 params"``. ``--host`` adds the host's events and the
 GPU's idle gaps between steps.
 """
 
@@ -21,6 +22,7 @@ import jax
 
 from lowbit.bench import dense as dense_bench
 from lowbit.bench import layer as layer_bench
+from lowbit.bench import moe as moe_bench
 from lowbit.bench.common import on_gpu, time_fn
 
 STEPS = 5
@@ -140,6 +142,8 @@ def _timeline(events: list, steps: int) -> None:
 def _build(suite: str, case: str):
     key, drop = jax.random.split(jax.random.PRNGKey(42))
     cfg = dense_bench.FULL if on_gpu() else dense_bench.SMALL
+    if suite == "moe":
+        return moe_bench.build_case(case)
     if suite == "module":
         return layer_bench.build_case(case, cfg, key, drop)
     return dense_bench.build_case("docs dense" if suite == "docs" else suite, case, cfg, key, drop)
@@ -174,7 +178,7 @@ def profile(suite: str, case: str, top: int = 25, timeline: bool = False, host: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lowbit.bench.profile", description=__doc__)
-    ap.add_argument("suite", choices=["dense", "docs", "layer", "module"])
+    ap.add_argument("suite", choices=["dense", "docs", "layer", "module", "moe"])
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeline", action="store_true", help="list the last step's kernels in order")
