@@ -5,15 +5,17 @@
 //   check_block_gemm            every case
 //   check_block_gemm --quick    small cases only (for compute-sanitizer memcheck)
 //   check_block_gemm --bench    lowbit's own kernel (sm90own) timed beside cuBLASLt on the layer
-//                               shapes (20 runs each, outputs compared), then the routed GEMM's
-//                               measurement (each candidate's time, then the winner), as
-//                               LOWBIT_BLOCK_GEMM_LOG prints it
+//                               shapes (20 runs each, outputs compared; 1x128 x 128x128 and the
+//                               wgrad's 1x128 x 1x128), then the routed GEMM's measurement (each
+//                               candidate's time, then the winner), as LOWBIT_BLOCK_GEMM_LOG
+//                               prints it
 //   check_block_gemm --bench-sm90   the first part only
 // Exit status: 0 when every comparison passed.
 //
 // Every CUTLASS variant runs on ragged shapes (M, N, K not multiples of the 128-wide tiles; K a
 // multiple of 16, N of 8, what TMA needs), with no bias, a BF16 or an F32 bias; so does lowbit's
-// own kernel (block_gemm_sm90, called directly, 1x128 x 128x128 only); then the routed GEMM
+// own kernel (block_gemm_sm90, called directly: 1x128 x 128x128 in every configuration, 1x128 x
+// 1x128 at n128 unicast, the only one it has); then the routed GEMM
 // (gemm_cuda) under LOWBIT_BLOCK_GEMM=cublaslt, cutlass, sm90own and auto on the shapes
 // lowbit.gemm hands it (M, N padded to 16, K to 128), and inside CUDA-graph captures.
 //
@@ -349,17 +351,14 @@ double time_ms(F f, int reps) {
   return double(ms) / reps;
 }
 
-// lowbit's own kernel beside cuBLASLt on the 1x128 x 128x128 layer shapes, each timed alone (not
-// the router's short first-call measurement), on random codes (no NaN: bit 6 clear) and random
-// block scales; the two BF16 outputs must agree (relative Frobenius difference <= 6e-3).
-void bench_sm90() {
-  const int64_t shapes[][3] = {{8192, 8192, 8192},
-                               {8192, 4096, 16384},
-                               {4096, 16384, 8192},
-                               {16384, 4096, 8192},
-                               {8192, 16384, 4096}};
-  std::mt19937_64 rng(7);
-  std::printf("--- sm90own vs cuBLASLt, 1x128 e4m3 . 128x128 e4m3, BF16 out (TFLOP/s)\n");
+// lowbit's own kernel beside cuBLASLt for one dtype / block-mode pair `cb` at `shapes`, each timed
+// alone (not the router's short first-call measurement), on random codes (no NaN: bit 6 clear)
+// and random block scales, every configuration `configs` names (sm90_config's v) x tile groups 8
+// and 16; the two BF16 outputs must agree (relative Frobenius difference <= 6e-3).
+void bench_sm90_combo(const Combo& cb, const std::vector<std::array<int64_t, 3>>& shapes,
+                      const std::vector<int>& configs, std::mt19937_64& rng) {
+  std::printf("--- sm90own vs cuBLASLt, %s, BF16 out (TFLOP/s)\n", cb.name);
+  const ScalingMode mb = gemm_block_mode(cb.b_block);
   for (const auto& sh : shapes) {
     const int64_t M = sh[0], N = sh[1], K = sh[2];
     std::vector<uint8_t> ha(size_t(M * K)), hb(size_t(N * K));
@@ -369,10 +368,10 @@ void bench_sm90() {
         std::memcpy(v->data() + i, &r, std::min<size_t>(8, v->size() - i));
       }
     GemmParams p;
-    p.a_dtype = DType::kE4M3, p.b_dtype = DType::kE4M3, p.m = M, p.n = N, p.k = K;
-    p.a_block = abi::kGemmBlock_1d, p.b_block = abi::kGemmBlock_2d, p.out_dtype = DType::kBF16;
+    p.a_dtype = cb.a, p.b_dtype = cb.b, p.m = M, p.n = N, p.k = K;
+    p.a_block = abi::kGemmBlock_1d, p.b_block = cb.b_block, p.out_dtype = DType::kBF16;
     const auto sa = random_scales(ScalingMode::kBlock1d, M, K, 1.0f, rng);
-    const auto sb = random_scales(ScalingMode::kBlock2d, N, K, 1.0f, rng);
+    const auto sb = random_scales(mb, N, K, 1.0f, rng);
     uint8_t *da = to_device(ha), *db = to_device(hb);
     float *dsa = to_device(sa), *dsb = to_device(sb);
     void *out_ref, *out_own, *ws;
@@ -396,7 +395,7 @@ void bench_sm90() {
     std::vector<uint16_t> r(size_t(M * N)), o(size_t(M * N));
     CK(cudaMemcpy(r.data(), out_ref, r.size() * 2, cudaMemcpyDeviceToHost));
     std::printf("\n");
-    for (int v = 0; v < 4; ++v)
+    for (int v : configs)
       for (int group : {8, 16}) {
         CK(cudaMemset(out_own, 0xFF, M * N * 2));  // NaN: an unwritten element fails
         const BlockGemmSm90Config cfg = sm90_config(v, group);
@@ -420,6 +419,21 @@ void bench_sm90() {
       CK(cudaFree(ptr));
   }
   set_mode("auto");
+}
+
+// The 1x128 x 128x128 layer shapes (fprop, dgrad: every configuration), then the layer's wgrad
+// shapes in 1x128 x 1x128 (E4M3 x E4M3; n128 unicast, the only configuration it has).
+void bench_sm90() {
+  std::mt19937_64 rng(7);
+  bench_sm90_combo(kCombos[0],
+                   {{8192, 8192, 8192},
+                    {8192, 4096, 16384},
+                    {4096, 16384, 8192},
+                    {16384, 4096, 8192},
+                    {8192, 16384, 4096}},
+                   {0, 1, 2, 3}, rng);
+  bench_sm90_combo(kCombos[2], {{16384, 4096, 8192}, {4096, 16384, 8192}, {8192, 8192, 8192}}, {0},
+                   rng);
 }
 
 }  // namespace
@@ -459,29 +473,44 @@ int main(int argc, char** argv) {
                 std::string("cutlass:") + block_gemm_cutlass_name(q, v));
       }
 
-  // lowbit's own kernel (1x128 x 128x128 only), BLOCK_N 128 and 192 (tiles straddling two B
+  // lowbit's own kernel: 1x128 x 128x128 at BLOCK_N 128 and 192 (tiles straddling two B
   // scale blocks), with and without multicast, on the same ragged shapes (odd and even N tile
   // counts: a multicast pair's second CTA past N), tile groups 3 (runs of unequal length) and 8;
   // the full run adds shapes with more tiles than SMs (each CTA walks several tiles) and more K
   // blocks than pipeline stages.
+  // 1x128 x 1x128 (wgrad, E4M3 x E4M3 and E4M3 x E5M2) has n128 unicast only: configuration 0
+  // twice per shape and output (tile groups 3 and 8, biases rotating).
   for (const auto& sh : ragged)
     for (const Combo& cb : kCombos) {
-      if (cb.b_block != abi::kGemmBlock_2d) continue;
+      const bool b1d = cb.b_block == abi::kGemmBlock_1d;
       for (DType o : outs)
-        for (int v = 0; v < 4; ++v) {
+        for (int i = 0; i < 4; ++i) {
+          const int v = b1d ? 0 : i;
+          if (b1d && i >= 2) break;
           const Case c{sh[0], sh[1], sh[2], &cb, o, idx++ % 3};
           const int group = idx % 2 ? 3 : 8;
           check(c, Run::kSm90, v, group, false, sm90_label(v, group));
         }
     }
+  // The 1x128 x 1x128 kernel refuses BLOCK_N 192 and multicast with a Status.
+  for (int v = 1; v < 4; ++v)
+    check(Case{200, 136, 448, &kCombos[2], DType::kBF16, 0}, Run::kSm90, v, 8, false,
+          sm90_label(v, 8) + " 1x128 refused", true);
   // The large shapes once per configuration (their CPU reference takes seconds), dtypes rotating.
+  // 1x128 x 1x128 adds its two dtype pairs per shape at n128.
   if (!quick)
-    for (const auto& sh : {std::array<int64_t, 3>{2200, 2056, 400}, {1300, 2184, 1040}})
+    for (const auto& sh : {std::array<int64_t, 3>{2200, 2056, 400}, {1300, 2184, 1040}}) {
       for (int v = 0; v < 4; ++v) {
         const Case c{sh[0], sh[1], sh[2], &kCombos[v % 2], outs[(v / 2 + idx) % 2], idx % 3};
         ++idx;
         check(c, Run::kSm90, v, 16, false, sm90_label(v, 16));
       }
+      for (int w = 2; w < 4; ++w) {
+        const Case c{sh[0], sh[1], sh[2], &kCombos[w], outs[(w + idx) % 2], idx % 3};
+        ++idx;
+        check(c, Run::kSm90, 0, 16, false, sm90_label(0, 16));
+      }
+    }
 
   // The routed GEMM on what lowbit.gemm passes (M, N multiples of 16, K of 128).
   // Every bias on the small shapes of the full run; one bias per case otherwise (--quick keeps
@@ -491,11 +520,9 @@ int main(int argc, char** argv) {
   int n_case = 0;
   for (const char* mode : {"cublaslt", "cutlass", "sm90own", "auto"}) {
     set_mode(mode);
-    const bool own_only = std::strcmp(mode, "sm90own") == 0;
     for (const auto& sh : padded)
       for (const Combo& cb : kCombos)
         for (DType o : outs) {
-          if (own_only && cb.b_block != abi::kGemmBlock_2d) continue;
           const bool every_bias = !quick && sh[0] * sh[1] * sh[2] < (int64_t(1) << 26);
           const int pick = n_case++ % 3;
           for (int bias = 0; bias < 3; ++bias) {
@@ -511,8 +538,10 @@ int main(int argc, char** argv) {
   set_mode("auto");
   check(Case{96, 160, 384, &kCombos[0], DType::kBF16, 1}, Run::kRouted, 0, 1, true,
         "routed auto graph");
-  set_mode("sm90own");  // one candidate: it runs inside the capture
+  set_mode("sm90own:n128/group8");  // one candidate: it runs inside the capture
   check(Case{96, 160, 384, &kCombos[1], DType::kF32, 2}, Run::kRouted, 0, 1, true,
+        "routed sm90own graph");
+  check(Case{96, 160, 384, &kCombos[3], DType::kBF16, 1}, Run::kRouted, 0, 1, true,
         "routed sm90own graph");
   set_mode("bogus");
   check(Case{64, 128, 128, &kCombos[0], DType::kBF16, 0}, Run::kRouted, 0, 1, false, "bad env",

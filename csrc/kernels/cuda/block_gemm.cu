@@ -181,8 +181,11 @@ std::vector<Choice> candidates(const GemmParams& p, const Mode& mode) {
   // sm90own's multicast configurations (variant bit 0) run only when named: on the H200 they
   // measured ~0.5x of unicast at every shape (a per-stage refill round trip of ~7500 SM clocks
   // for both BLOCK_N, i.e. latency-bound; cause not found), so measuring them only costs time.
+  // Its 1x128 x 1x128 (wgrad) kernel comes in n128 unicast only (v == 0), and like the rest of
+  // sm90own only when named (Mode::own is false under auto).
+  const bool b1d = p.b_block == abi::kGemmBlock_1d;
   if (mode.own && block_gemm_sm90_eligible(p))
-    for (int v = 0; v < 4; ++v)
+    for (int v = 0; v < (b1d ? 1 : 4); ++v)
       for (int g : kSm90Groups) {
         const Choice o{kSm90, v, g};
         if (mode.variant.empty() ? !(v & 1) : mode.variant == sm90_name(o)) c.push_back(o);
@@ -324,7 +327,8 @@ Status block_gemm_cuda(const GemmParams& p, void* stream_ptr) {
         (p.bias && p.out_dtype != DType::kF32
              ? "; a bias with a BF16 output needs lowbit's CUTLASS kernel"
              : "; CUTLASS needs 1x128 x 128x128 or 1x128 x 1x128 scales, K % 16 == 0, N % 8 == 0 "
-               "and 16-byte aligned pointers; sm90own 1x128 x 128x128 on sm_90") +
+               "and 16-byte aligned pointers; sm90own 1x128 x 128x128 or (n128 only) 1x128 x 1x128 "
+               "on sm_90") +
         ")");
   if (cands.size() == 1) return run_choice(p, cands[0], stream);
   // Inside a CUDA-graph capture (XLA command buffers): nothing is timed or kept, and cuBLASLt runs

@@ -1,5 +1,6 @@
 // lowbit's own sm_90a FP8 block-scaled GEMM (lowbit/block_gemm.h, block_gemm_sm90): A (M, K) with
-// 1x128 scales, B (N, K) with 128x128 scales (fprop, dgrad), BF16 or F32 out, optional bias.
+// 1x128 scales, B (N, K) with 128x128 scales (fprop, dgrad) or 1x128 scales (wgrad: "1Dx1D"),
+// BF16 or F32 out, optional bias.
 //
 // Structure (DeepGEMM's, written for lowbit's scale layouts): a persistent grid (one CTA per SM)
 // walks the 128 x BLOCK_N output tiles (BLOCK_N 128 or 192) in a grouped order (`group` M tiles
@@ -20,6 +21,12 @@
 // less: 24 instead of 32 KB at BLOCK_N 128). A stage's "empty" barrier then counts both CTAs' 16
 // consumer warps (remote arrivals through mapa), and each producer stays until every stage is freed
 // before it exits.
+//
+// 1Dx1D (kB1d; BLOCK_N 128, unicast, A E4M3 x B E4M3 or E5M2): B's scales are per output column
+// per K block, so the stage also carries B's 128 column scales of the K block (TMA, like A's),
+// and the promotion is acc += partial * (sa[row, kb] * sb[column, kb]): one FMUL and one FFMA per
+// element (the 128x128 case's row x block product is one FMUL per row). The consumer reads the
+// column scales from the stage during the promotion and frees the stage after it.
 //
 // Shapes: TMA clips M and N and zero-fills a partial last K block (K % 16 == 0 for TMA's row
 // stride), so no operand needs padding. Scale padding entries are never read for stored outputs.
@@ -48,21 +55,22 @@ constexpr uint32_t kThreads = 384;         // producer + 2 consumer warpgroups
 constexpr uint32_t kConsumerWarps = 8;
 
 // BLOCK_N 128 or 192 (a 192-column tile straddles two of B's 128-row scale blocks); as many
-// stages as fit in 227 KB of shared memory (+ 1 KB alignment slack).
-template <int kBN>
+// stages as fit in 227 KB of shared memory (+ 1 KB alignment slack). kB1d: B's column scales too.
+template <int kBN, bool kB1d>
 struct Tiles {
   static constexpr uint32_t kBTile = kBN * kBK;
+  static constexpr uint32_t kSbBytes = kB1d ? kBN * 4 : 0;  // B's scales of one K block
   static constexpr int kStages = kBN == 128 ? 6 : 5;
   static constexpr int kAcc = kBN / 2;  // accumulator registers per thread (per set)
-  static constexpr size_t kSmem =
-      size_t(kStages) * (kATile + kBTile + kScaleBytes) + 2 * kStages * sizeof(uint64_t) + 1024;
+  static constexpr size_t kSmem = size_t(kStages) * (kATile + kBTile + kScaleBytes + kSbBytes) +
+                                  2 * kStages * sizeof(uint64_t) + 1024;
   static_assert(kSmem <= 227 * 1024, "shared memory");
 };
 
 struct Args {
   int m, n, num_m, num_n, nkb, group;  // num_n: BLOCK_N tiles
   int ld_sb, sb_rows;                  // B's 128x128 scales: round_up4(nkb), ceil(N / 128)
-  const float* sb;                     // (sb_rows, ld_sb)
+  const float* sb;                     // (sb_rows, ld_sb); 1Dx1D: through tma_sb instead
   const void* bias;
   int bias_f32;
   void* out;
@@ -107,22 +115,26 @@ __device__ __forceinline__ void store_pair(const Args& a, int64_t row, int col, 
   }
 }
 
-template <bool kE5m2A, bool kF32Out, bool kMc, int kBN>
+// kE5m2A / kE5m2B: the operands' FP8 formats; kB1d: B's scales 1x128 (else 128x128).
+template <bool kE5m2A, bool kE5m2B, bool kB1d, bool kF32Out, bool kMc, int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
     block_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a,
                            const __grid_constant__ CUtensorMap tma_b,
-                           const __grid_constant__ CUtensorMap tma_sa, const Args args) {
+                           const __grid_constant__ CUtensorMap tma_sa,
+                           const __grid_constant__ CUtensorMap tma_sb, const Args args) {
 #if LOWBIT_SM90A
   using namespace sm90;
-  using T = Tiles<kBN>;
+  using T = Tiles<kBN, kB1d>;
+  static_assert(!kB1d || (kBN == 128 && !kMc), "1Dx1D: BLOCK_N 128, unicast");
   constexpr int kStages = T::kStages, kAcc = T::kAcc;
   extern __shared__ uint8_t smem_raw[];
   // The 128B swizzle's pattern repeats every 1024 bytes: tiles start 1024-aligned.
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
   const uint32_t a0 = raw + pad, b0 = a0 + kStages * kATile, sa0 = b0 + kStages * T::kBTile;
-  const uint32_t bar0 = sa0 + kStages * kScaleBytes;
+  const uint32_t sb0 = sa0 + kStages * kScaleBytes, bar0 = sb0 + kStages * T::kSbBytes;
   const float* sa_smem = reinterpret_cast<const float*>(smem_raw + (sa0 - raw));
+  const float* sb_smem = reinterpret_cast<const float*>(smem_raw + (sb0 - raw));
   auto full = [&](int s) { return bar0 + 8u * s; };
   auto empty = [&](int s) { return bar0 + 8u * (kStages + s); };
 
@@ -137,6 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     tma_prefetch_desc(&tma_a);
     tma_prefetch_desc(&tma_b);
     tma_prefetch_desc(&tma_sa);
+    if constexpr (kB1d) tma_prefetch_desc(&tma_sb);
   }
   if constexpr (kMc)
     cluster_sync();
@@ -154,9 +167,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       walk.coords(t, args, mb, nb);
       for (int kb = 0; kb < args.nkb; ++kb) {
         mbar_wait(empty(s), ph ^ 1);
-        // A's and B's tiles and A's scales: the same bytes either way (multicast: half of A's
-        // tile comes from the peer CTA's load).
-        mbar_arrive_expect_tx(full(s), kATile + T::kBTile + kScaleBytes);
+        // A's and B's tiles and scales: the same bytes either way (multicast: half of A's tile
+        // comes from the peer CTA's load).
+        mbar_arrive_expect_tx(full(s), kATile + T::kBTile + kScaleBytes + T::kSbBytes);
         if constexpr (kMc) {
           const int half = walk.rank * (kBM / 2);
           tma_load_2d_multicast(a0 + s * kATile + half * kBK, &tma_a, full(s), kb * kBK,
@@ -166,6 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         tma_load_2d(b0 + s * T::kBTile, &tma_b, full(s), kb * kBK, nb * kBN);
         tma_load_2d(sa0 + s * kScaleBytes, &tma_sa, full(s), mb * kBM, kb);
+        if constexpr (kB1d) tma_load_2d(sb0 + s * T::kSbBytes, &tma_sb, full(s), nb * kBN, kb);
         if (++s == kStages) s = 0, ph ^= 1;
       }
     }
@@ -207,7 +221,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < (kPipe ? kAcc : 1); ++i) part1[i] = 0.f;
   // What a K block's promotion needs once its wgmmas are done: its stage (freed then) and the
   // scale products of the thread's rows (lo: r_in, hi: r_in + 8) with B's first and second
-  // 128-block of the tile.
+  // 128-block of the tile (1Dx1D: s0_lo / s0_hi are the rows' own scales; the columns' are read
+  // from the stage).
   struct Pending {
     float s0_lo, s0_hi, s1_lo, s1_hi;
     int stage;
@@ -219,18 +234,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     walk.coords(t, args, mb, nb);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
-    // B's scale rows: the tile's first column's 128-block, and the next one for the columns from
-    // `split` on (192-wide tiles; clamped at the last row: a multicast CTA past N, or a tile that
-    // ends before the next block, reads a real row and stores nothing from it).
+    // 128x128: B's scale rows, the tile's first column's 128-block and the next one for the columns
+    // from `split` on (192-wide tiles; clamped at the last row: a multicast CTA past N, or a tile
+    // that ends before the next block, reads a real row and stores nothing from it).
     const int n0 = nb * kBN, split = 128 - n0 % 128;
-    const float* sb_row0 = args.sb + int64_t(min(n0 / 128, args.sb_rows - 1)) * args.ld_sb;
-    const float* sb_row1 = args.sb + int64_t(min(n0 / 128 + 1, args.sb_rows - 1)) * args.ld_sb;
-    // One K block ahead: the loads' latency hides behind the wgmmas.
-    float sb0_next = __ldg(sb_row0), sb1_next = kBN % 128 ? __ldg(sb_row1) : 0.f;
+    const float *sb_row0 = nullptr, *sb_row1 = nullptr;
+    float sb0_next = 0.f, sb1_next = 0.f;
+    if constexpr (!kB1d) {
+      sb_row0 = args.sb + int64_t(min(n0 / 128, args.sb_rows - 1)) * args.ld_sb;
+      sb_row1 = args.sb + int64_t(min(n0 / 128 + 1, args.sb_rows - 1)) * args.ld_sb;
+      // One K block ahead: the loads' latency hides behind the wgmmas.
+      sb0_next = __ldg(sb_row0);
+      if (kBN % 128) sb1_next = __ldg(sb_row1);
+    }
     // Waits for K block kb's stage, issues its four wgmmas into p as one committed group.
     auto issue = [&](float* p, int kb, Pending& q) {
       const float sb0 = sb0_next, sb1 = sb1_next;
-      if (kb + 1 < args.nkb) {
+      if (!kB1d && kb + 1 < args.nkb) {
         sb0_next = __ldg(sb_row0 + kb + 1);
         if (kBN % 128) sb1_next = __ldg(sb_row1 + kb + 1);
       }
@@ -242,30 +262,54 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kBK / 32; ++k)
-        wgmma<kE5m2A, kBN>(p, sw128_desc(a_tile + k * 32), sw128_desc(b_tile + k * 32), k);
+        wgmma<kE5m2A, kE5m2B, kBN>(p, sw128_desc(a_tile + k * 32), sw128_desc(b_tile + k * 32), k);
       wgmma_commit();
-      q.s0_lo = sa_lo * sb0, q.s0_hi = sa_hi * sb0;
-      q.s1_lo = sa_lo * sb1, q.s1_hi = sa_hi * sb1;
+      if constexpr (kB1d) {
+        q.s0_lo = sa_lo, q.s0_hi = sa_hi;
+      } else {
+        q.s0_lo = sa_lo * sb0, q.s0_hi = sa_hi * sb0;
+        q.s1_lo = sa_lo * sb1, q.s1_hi = sa_hi * sb1;
+      }
       q.stage = s;
       if (++s == kStages) s = 0, ph ^= 1;
     };
     // After the wait that completed p's group: free its stage, acc += p * scales.
     auto finish = [&](float* p, const Pending& q) {
       fence_regs<kAcc>(p);
+      if constexpr (kB1d) {
+        // acc += p * (sa * sb) with the columns' scales from the stage, which is freed after
+        // (the thread's columns 8i + 2 (lane % 4) + {0, 1}: one 8-byte load per i). Fencing acc
+        // keeps the FFMAs before the stage's release: without it the compiler moved them after
+        // the arrive and kept all 32 loaded scales live across it (44 bytes of spills). The empty
+        // asm (a memory clobber) issues the loads eight at a time, for register headroom.
+        const float* sbs = sb_smem + q.stage * kBN + 2 * (lane % 4);
+#pragma unroll
+        for (int i = 0; i < kBN / 8; ++i) {
+          if (i % 8 == 0) asm volatile("" ::: "memory");
+          const float2 b = *reinterpret_cast<const float2*>(sbs + 8 * i);
+          acc[4 * i + 0] = fmaf(p[4 * i + 0], q.s0_lo * b.x, acc[4 * i + 0]);
+          acc[4 * i + 1] = fmaf(p[4 * i + 1], q.s0_lo * b.y, acc[4 * i + 1]);
+          acc[4 * i + 2] = fmaf(p[4 * i + 2], q.s0_hi * b.x, acc[4 * i + 2]);
+          acc[4 * i + 3] = fmaf(p[4 * i + 3], q.s0_hi * b.y, acc[4 * i + 3]);
+        }
+        fence_regs<kAcc>(acc);
+      }
       __syncwarp();
       if (lane == 0) {
         mbar_arrive(empty(q.stage));
         if constexpr (kMc) mbar_arrive_cluster(empty(q.stage), walk.rank ^ 1);
       }
+      if constexpr (!kB1d) {
 #pragma unroll
-      for (int i = 0; i < kBN / 8; ++i) {
-        // Columns 8i .. 8i + 7 lie in one 128-block (split is a multiple of 64).
-        const bool first = kBN % 128 == 0 || 8 * i < split;
-        const float s_lo = first ? q.s0_lo : q.s1_lo, s_hi = first ? q.s0_hi : q.s1_hi;
-        acc[4 * i + 0] = fmaf(p[4 * i + 0], s_lo, acc[4 * i + 0]);
-        acc[4 * i + 1] = fmaf(p[4 * i + 1], s_lo, acc[4 * i + 1]);
-        acc[4 * i + 2] = fmaf(p[4 * i + 2], s_hi, acc[4 * i + 2]);
-        acc[4 * i + 3] = fmaf(p[4 * i + 3], s_hi, acc[4 * i + 3]);
+        for (int i = 0; i < kBN / 8; ++i) {
+          // Columns 8i .. 8i + 7 lie in one 128-block (split is a multiple of 64).
+          const bool first = kBN % 128 == 0 || 8 * i < split;
+          const float s_lo = first ? q.s0_lo : q.s1_lo, s_hi = first ? q.s0_hi : q.s1_hi;
+          acc[4 * i + 0] = fmaf(p[4 * i + 0], s_lo, acc[4 * i + 0]);
+          acc[4 * i + 1] = fmaf(p[4 * i + 1], s_lo, acc[4 * i + 1]);
+          acc[4 * i + 2] = fmaf(p[4 * i + 2], s_hi, acc[4 * i + 2]);
+          acc[4 * i + 3] = fmaf(p[4 * i + 3], s_hi, acc[4 * i + 3]);
+        }
       }
     };
     if constexpr (kPipe) {
@@ -367,14 +411,18 @@ bool make_map(CUtensorMap* map, CUtensorMapDataType type, const void* base, uint
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
+// The kernel's TMA maps: A, B, A's scales, B's 1x128 scales (1Dx1D only; else a copy of sa).
+struct Maps {
+  CUtensorMap a, b, sa, sb;
+};
+
 // Persistent grid: one CTA per SM, or (multicast) as many 2-CTA clusters as fit at once (an SM
 // pair of one GPC each; cudaOccupancyMaxActiveClusters, cached per device), never more than the
 // work.
-template <bool kE5m2A, bool kF32Out, bool kMc, int kBN>
-Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa,
-              const Args& args, int dev, int sms, cudaStream_t stream) {
-  auto kernel = block_gemm_sm90_kernel<kE5m2A, kF32Out, kMc, kBN>;
-  constexpr size_t kSmemBytes = Tiles<kBN>::kSmem;
+template <bool kE5m2A, bool kE5m2B, bool kB1d, bool kF32Out, bool kMc, int kBN>
+Status launch(const Maps& maps, const Args& args, int dev, int sms, cudaStream_t stream) {
+  auto kernel = block_gemm_sm90_kernel<kE5m2A, kE5m2B, kB1d, kF32Out, kMc, kBN>;
+  constexpr size_t kSmemBytes = Tiles<kBN, kB1d>::kSmem;
   // The shared-memory opt-in once per device (a driver call per launch costs small GEMMs).
   static std::atomic<bool> smem_set[64];
   cudaError_t e = cudaSuccess;
@@ -410,7 +458,8 @@ Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& t
   } else {
     cfg.gridDim = dim3(unsigned(std::min<int64_t>(work, sms)));
   }
-  if (e == cudaSuccess) e = cudaLaunchKernelEx(&cfg, kernel, ta, tb, tsa, args);
+  if (e == cudaSuccess)
+    e = cudaLaunchKernelEx(&cfg, kernel, maps.a, maps.b, maps.sa, maps.sb, args);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return Status::Invalid(std::string("block_gemm sm90own: launch: ") + cudaGetErrorString(e));
@@ -419,17 +468,28 @@ Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& t
 }
 
 template <int kBN>
-Status dispatch(bool e5, bool f32, bool mc, const CUtensorMap& ta, const CUtensorMap& tb,
-                const CUtensorMap& tsa, const Args& args, int dev, int sms, cudaStream_t s) {
+Status dispatch(bool e5, bool f32, bool mc, const Maps& maps, const Args& args, int dev, int sms,
+                cudaStream_t s) {
   switch ((e5 ? 4 : 0) + (f32 ? 2 : 0) + (mc ? 1 : 0)) {
-    case 0: return launch<false, false, false, kBN>(ta, tb, tsa, args, dev, sms, s);
-    case 1: return launch<false, false, true, kBN>(ta, tb, tsa, args, dev, sms, s);
-    case 2: return launch<false, true, false, kBN>(ta, tb, tsa, args, dev, sms, s);
-    case 3: return launch<false, true, true, kBN>(ta, tb, tsa, args, dev, sms, s);
-    case 4: return launch<true, false, false, kBN>(ta, tb, tsa, args, dev, sms, s);
-    case 5: return launch<true, false, true, kBN>(ta, tb, tsa, args, dev, sms, s);
-    case 6: return launch<true, true, false, kBN>(ta, tb, tsa, args, dev, sms, s);
-    default: return launch<true, true, true, kBN>(ta, tb, tsa, args, dev, sms, s);
+    case 0: return launch<false, false, false, false, false, kBN>(maps, args, dev, sms, s);
+    case 1: return launch<false, false, false, false, true, kBN>(maps, args, dev, sms, s);
+    case 2: return launch<false, false, false, true, false, kBN>(maps, args, dev, sms, s);
+    case 3: return launch<false, false, false, true, true, kBN>(maps, args, dev, sms, s);
+    case 4: return launch<true, false, false, false, false, kBN>(maps, args, dev, sms, s);
+    case 5: return launch<true, false, false, false, true, kBN>(maps, args, dev, sms, s);
+    case 6: return launch<true, false, false, true, false, kBN>(maps, args, dev, sms, s);
+    default: return launch<true, false, false, true, true, kBN>(maps, args, dev, sms, s);
+  }
+}
+
+// 1Dx1D: A E4M3, B E4M3 or E5M2, BLOCK_N 128, unicast.
+Status dispatch_1d1d(bool e5b, bool f32, const Maps& maps, const Args& args, int dev, int sms,
+                     cudaStream_t s) {
+  switch ((e5b ? 2 : 0) + (f32 ? 1 : 0)) {
+    case 0: return launch<false, false, true, false, false, 128>(maps, args, dev, sms, s);
+    case 1: return launch<false, false, true, true, false, 128>(maps, args, dev, sms, s);
+    case 2: return launch<false, true, true, false, false, 128>(maps, args, dev, sms, s);
+    default: return launch<false, true, true, true, false, 128>(maps, args, dev, sms, s);
   }
 }
 
@@ -438,9 +498,16 @@ Status dispatch(bool e5, bool f32, bool mc, const CUtensorMap& ta, const CUtenso
 bool block_gemm_sm90_eligible(const GemmParams& p) {
   const int64_t out_align = p.out_dtype == DType::kF32 ? 4 : 8;
   const int64_t lim = int64_t(1) << 30;
-  if (p.a_block != abi::kGemmBlock_1d || p.b_block != abi::kGemmBlock_2d) return false;
-  if ((p.a_dtype != DType::kE4M3 && p.a_dtype != DType::kE5M2) || p.b_dtype != DType::kE4M3)
+  constexpr DType E4 = DType::kE4M3, E5 = DType::kE5M2;
+  if (p.a_block != abi::kGemmBlock_1d) return false;
+  if (p.b_block == abi::kGemmBlock_2d) {  // fprop, dgrad
+    if ((p.a_dtype != E4 && p.a_dtype != E5) || p.b_dtype != E4) return false;
+  } else if (p.b_block == abi::kGemmBlock_1d) {  // wgrad: B's scales through TMA too
+    if (p.a_dtype != E4 || (p.b_dtype != E4 && p.b_dtype != E5) || !aligned16(p.b_scale_inv))
+      return false;
+  } else {
     return false;
+  }
   if (p.k % 16 != 0 || p.n % out_align != 0 || p.m >= lim || p.n >= lim || p.k >= lim) return false;
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out) || !aligned16(p.a_scale_inv))
     return false;
@@ -460,23 +527,34 @@ Status block_gemm_sm90(const GemmParams& p, const BlockGemmSm90Config& c, void* 
   if (p.k == 0) return Status::Invalid("gemm: K == 0 must be handled by the caller");
   if (!block_gemm_sm90_eligible(p))
     return Status::Invalid(
-        "block_gemm sm90own: needs an sm_90 GPU, 1x128 E4M3/E5M2 A x 128x128 E4M3 B, K a multiple "
-        "of 16, N of 8 (BF16 out) or 4 (F32) and 16-byte aligned A, B, out and A's scales");
+        "block_gemm sm90own: needs an sm_90 GPU, 1x128 E4M3/E5M2 A x 128x128 E4M3 B or 1x128 E4M3 "
+        "A x 1x128 E4M3/E5M2 B, K a multiple of 16, N of 8 (BF16 out) or 4 (F32) and 16-byte "
+        "aligned A, B, out and scales");
   if (c.group < 1) return Status::Invalid("block_gemm sm90own: group must be >= 1");
   if (c.block_n != 128 && c.block_n != 192)
     return Status::Invalid("block_gemm sm90own: block_n must be 128 or 192");
+  const bool b1d = p.b_block == abi::kGemmBlock_1d;
+  if (b1d && (c.block_n != 128 || c.multicast))
+    return Status::Invalid(
+        "block_gemm sm90own: 1x128 x 1x128 runs at block_n 128 without multicast");
   const int nkb = int(ceil_div(p.k, kBK));
   const int64_t ld_sa = round_up4(p.m);
-  CUtensorMap ta, tb, tsa;
+  Maps maps;
   // Multicast: each CTA of a pair loads half of A's tile rows for both.
   const uint32_t a_rows = c.multicast ? kBM / 2 : kBM;
-  if (!make_map(&ta, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, p.k, p.m, p.k, kBK, a_rows,
-                CU_TENSOR_MAP_SWIZZLE_128B) ||
-      !make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.b, p.k, p.n, p.k, kBK, uint32_t(c.block_n),
-                CU_TENSOR_MAP_SWIZZLE_128B) ||
-      !make_map(&tsa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.a_scale_inv, ld_sa, nkb, ld_sa * 4, kBM, 1,
-                CU_TENSOR_MAP_SWIZZLE_NONE))
-    return Status::Invalid("block_gemm sm90own: cuTensorMapEncodeTiled failed");
+  bool ok = make_map(&maps.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, p.k, p.m, p.k, kBK, a_rows,
+                     CU_TENSOR_MAP_SWIZZLE_128B) &&
+            make_map(&maps.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.b, p.k, p.n, p.k, kBK,
+                     uint32_t(c.block_n), CU_TENSOR_MAP_SWIZZLE_128B) &&
+            make_map(&maps.sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.a_scale_inv, ld_sa, nkb,
+                     ld_sa * 4, kBM, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+  maps.sb = maps.sa;
+  // B's 1x128 scales (nkb, round_up4(N)): the tile's block_n columns of one K block per box.
+  const int64_t ld_sbn = round_up4(p.n);
+  if (ok && b1d)
+    ok = make_map(&maps.sb, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.b_scale_inv, ld_sbn, nkb, ld_sbn * 4,
+                  uint32_t(c.block_n), 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+  if (!ok) return Status::Invalid("block_gemm sm90own: cuTensorMapEncodeTiled failed");
   Args args{};
   args.m = int(p.m), args.n = int(p.n);
   args.num_m = int(ceil_div(p.m, kBM)), args.num_n = int(ceil_div(p.n, c.block_n));
@@ -493,8 +571,9 @@ Status block_gemm_sm90(const GemmParams& p, const BlockGemmSm90Config& c, void* 
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool e5 = p.a_dtype == DType::kE5M2, f32 = p.out_dtype == DType::kF32;
-  return c.block_n == 192 ? dispatch<192>(e5, f32, c.multicast, ta, tb, tsa, args, dev, sms, s)
-                          : dispatch<128>(e5, f32, c.multicast, ta, tb, tsa, args, dev, sms, s);
+  if (b1d) return dispatch_1d1d(p.b_dtype == DType::kE5M2, f32, maps, args, dev, sms, s);
+  return c.block_n == 192 ? dispatch<192>(e5, f32, c.multicast, maps, args, dev, sms, s)
+                          : dispatch<128>(e5, f32, c.multicast, maps, args, dev, sms, s);
 }
 
 }  // namespace lowbit

@@ -208,11 +208,13 @@ LOWBIT_WGMMA(wgmma_n128_e4m3_e4m3, 128, "e4m3", "e4m3", LOWBIT_WG_R64, LOWBIT_WG
 LOWBIT_WGMMA(wgmma_n128_e5m2_e4m3, 128, "e5m2", "e4m3", LOWBIT_WG_R64, LOWBIT_WG_D64, 64, 65, 66)
 LOWBIT_WGMMA(wgmma_n192_e4m3_e4m3, 192, "e4m3", "e4m3", LOWBIT_WG_R96, LOWBIT_WG_D96, 96, 97, 98)
 LOWBIT_WGMMA(wgmma_n192_e5m2_e4m3, 192, "e5m2", "e4m3", LOWBIT_WG_R96, LOWBIT_WG_D96, 96, 97, 98)
+LOWBIT_WGMMA(wgmma_n128_e4m3_e5m2, 128, "e4m3", "e5m2", LOWBIT_WG_R64, LOWBIT_WG_D64, 64, 65, 66)
 #else
 __device__ __forceinline__ void wgmma_n128_e4m3_e4m3(float*, uint64_t, uint64_t, int) {}
 __device__ __forceinline__ void wgmma_n128_e5m2_e4m3(float*, uint64_t, uint64_t, int) {}
 __device__ __forceinline__ void wgmma_n192_e4m3_e4m3(float*, uint64_t, uint64_t, int) {}
 __device__ __forceinline__ void wgmma_n192_e5m2_e4m3(float*, uint64_t, uint64_t, int) {}
+__device__ __forceinline__ void wgmma_n128_e4m3_e5m2(float*, uint64_t, uint64_t, int) {}
 #endif
 #undef LOWBIT_WGMMA
 #undef LOWBIT_WG_R96
@@ -221,14 +223,22 @@ __device__ __forceinline__ void wgmma_n192_e5m2_e4m3(float*, uint64_t, uint64_t,
 #undef LOWBIT_WG_D64
 #undef LOWBIT_WG_D16
 
-// One m64nNk32 wgmma with A E5M2 or E4M3 and B E4M3, N 128 or 192.
-template <bool kE5m2A, int N>
+// One m64nNk32 wgmma: A E5M2 or E4M3 with B E4M3 at N 128 or 192, or A E4M3 with B E5M2 at N
+// 128 (the wgrad's E4M3 activations x E5M2 gradients).
+template <bool kE5m2A, bool kE5m2B, int N>
 __device__ __forceinline__ void wgmma(float* d, uint64_t da, uint64_t db, int accumulate) {
   static_assert(N == 128 || N == 192, "BLOCK_N 128 or 192");
-  if constexpr (N == 128 && kE5m2A) wgmma_n128_e5m2_e4m3(d, da, db, accumulate);
-  if constexpr (N == 128 && !kE5m2A) wgmma_n128_e4m3_e4m3(d, da, db, accumulate);
-  if constexpr (N == 192 && kE5m2A) wgmma_n192_e5m2_e4m3(d, da, db, accumulate);
-  if constexpr (N == 192 && !kE5m2A) wgmma_n192_e4m3_e4m3(d, da, db, accumulate);
+  static_assert(!kE5m2B || (!kE5m2A && N == 128), "B E5M2: A E4M3, BLOCK_N 128 only");
+  if constexpr (kE5m2B)
+    wgmma_n128_e4m3_e5m2(d, da, db, accumulate);
+  else if constexpr (N == 128 && kE5m2A)
+    wgmma_n128_e5m2_e4m3(d, da, db, accumulate);
+  else if constexpr (N == 128)
+    wgmma_n128_e4m3_e4m3(d, da, db, accumulate);
+  else if constexpr (kE5m2A)
+    wgmma_n192_e5m2_e4m3(d, da, db, accumulate);
+  else
+    wgmma_n192_e4m3_e4m3(d, da, db, accumulate);
 }
 
 }  // namespace sm90
