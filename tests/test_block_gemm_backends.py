@@ -100,7 +100,7 @@ def test_each_cutlass_variant(gpu_device, rng, monkeypatch, variant):
 @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("bias_dtype", [None, BF16, F32], ids=["nobias", "bias_bf16", "bias_f32"])
 def test_sm90own_vs_float64(gpu_device, rng, monkeypatch, config, combo, out_dtype, bias_dtype):
-    """lowbit's own sm_90a kernel (1x128 . 128x128 only), forced: the router's pick among its
+    """lowbit's own sm_90a kernel on 1x128 . 128x128, forced: the router's pick among its
     configurations, and single ones (BLOCK_N 128/192, TMA multicast). The last shape has more
     tiles than an H100/H200 has SMs, so each persistent CTA walks several."""
     if not str(getattr(gpu_device, "compute_capability", "9.0")).startswith("9."):
@@ -108,6 +108,30 @@ def test_sm90own_vs_float64(gpu_device, rng, monkeypatch, config, combo, out_dty
     monkeypatch.setenv("LOWBIT_BLOCK_GEMM", config)
     for shape in [(130, 200, 300), (7, 129, 1000), (2100, 2200, 512)]:
         _case(gpu_device, rng, combo, shape, out_dtype, bias_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["sm90own", "sm90own:n128/group16"])
+@pytest.mark.parametrize("combo", ["wgrad", "wgrad_e5m2"])
+@pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bias_dtype", [None, BF16, F32], ids=["nobias", "bias_bf16", "bias_f32"])
+def test_sm90own_wgrad_vs_float64(gpu_device, rng, monkeypatch, config, combo, out_dtype, bias_dtype):
+    """lowbit's own kernel on 1x128 . 1x128 (wgrad; n128 unicast, B's column scales per K block),
+    forced by name: it is no candidate under auto until it has run on a GPU."""
+    if not str(getattr(gpu_device, "compute_capability", "9.0")).startswith("9."):
+        pytest.skip("sm90own needs compute capability 9.x")
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", config)
+    for shape in [(130, 200, 300), (7, 129, 1000), (2100, 2200, 512)]:
+        _case(gpu_device, rng, combo, shape, out_dtype, bias_dtype)
+
+
+@pytest.mark.gpu
+def test_sm90own_wgrad_has_no_n192(gpu_device, rng, monkeypatch):
+    if not str(getattr(gpu_device, "compute_capability", "9.0")).startswith("9."):
+        pytest.skip("sm90own needs compute capability 9.x")
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", "sm90own:n192/group8")
+    with pytest.raises(Exception, match="no block-scaled GEMM"):
+        _case(gpu_device, rng, "wgrad", (64, 128, 128), BF16, None)
 
 
 @pytest.mark.gpu
