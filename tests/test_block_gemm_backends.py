@@ -58,6 +58,20 @@ def _case(device, rng, combo, shape, out_dtype, bias_dtype):
     assert rel(out, ref) < tol
 
 
+def _need_sm90(gpu_device):
+    if not str(getattr(gpu_device, "compute_capability", "9.0")).startswith("9."):
+        pytest.skip("sm90own needs compute capability 9.x")
+
+
+def _sm90own_cases(gpu_device, rng, monkeypatch, config, combo, out_dtype, bias_dtype):
+    """The forced sm90own configuration on three shapes; the last has more tiles than an
+    H100/H200 has SMs, so each persistent CTA walks several."""
+    _need_sm90(gpu_device)
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", config)
+    for shape in [(130, 200, 300), (7, 129, 1000), (2100, 2200, 512)]:
+        _case(gpu_device, rng, combo, shape, out_dtype, bias_dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cublaslt", "cutlass", "auto"])
 @pytest.mark.parametrize("combo", list(COMBOS))
@@ -101,13 +115,8 @@ def test_each_cutlass_variant(gpu_device, rng, monkeypatch, variant):
 @pytest.mark.parametrize("bias_dtype", [None, BF16, F32], ids=["nobias", "bias_bf16", "bias_f32"])
 def test_sm90own_vs_float64(gpu_device, rng, monkeypatch, config, combo, out_dtype, bias_dtype):
     """lowbit's own sm_90a kernel on 1x128 . 128x128, forced: the router's pick among its
-    configurations, and single ones (BLOCK_N 128/192, TMA multicast). The last shape has more
-    tiles than an H100/H200 has SMs, so each persistent CTA walks several."""
-    if not str(getattr(gpu_device, "compute_capability", "9.0")).startswith("9."):
-        pytest.skip("sm90own needs compute capability 9.x")
-    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", config)
-    for shape in [(130, 200, 300), (7, 129, 1000), (2100, 2200, 512)]:
-        _case(gpu_device, rng, combo, shape, out_dtype, bias_dtype)
+    configurations, and single ones (BLOCK_N 128/192, TMA multicast)."""
+    _sm90own_cases(gpu_device, rng, monkeypatch, config, combo, out_dtype, bias_dtype)
 
 
 @pytest.mark.gpu
@@ -118,17 +127,12 @@ def test_sm90own_vs_float64(gpu_device, rng, monkeypatch, config, combo, out_dty
 def test_sm90own_wgrad_vs_float64(gpu_device, rng, monkeypatch, config, combo, out_dtype, bias_dtype):
     """lowbit's own kernel on 1x128 . 1x128 (wgrad; n128 unicast, B's column scales per K block),
     forced by name: it is no candidate under auto until it has run on a GPU."""
-    if not str(getattr(gpu_device, "compute_capability", "9.0")).startswith("9."):
-        pytest.skip("sm90own needs compute capability 9.x")
-    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", config)
-    for shape in [(130, 200, 300), (7, 129, 1000), (2100, 2200, 512)]:
-        _case(gpu_device, rng, combo, shape, out_dtype, bias_dtype)
+    _sm90own_cases(gpu_device, rng, monkeypatch, config, combo, out_dtype, bias_dtype)
 
 
 @pytest.mark.gpu
 def test_sm90own_wgrad_has_no_n192(gpu_device, rng, monkeypatch):
-    if not str(getattr(gpu_device, "compute_capability", "9.0")).startswith("9."):
-        pytest.skip("sm90own needs compute capability 9.x")
+    _need_sm90(gpu_device)
     monkeypatch.setenv("LOWBIT_BLOCK_GEMM", "sm90own:n192/group8")
     with pytest.raises(Exception, match="no block-scaled GEMM"):
         _case(gpu_device, rng, "wgrad", (64, 128, 128), BF16, None)
