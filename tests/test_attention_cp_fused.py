@@ -202,7 +202,7 @@ def _structure(mesh, strategy):
 
 
 def _run(case):
-    from helpers import randn
+    from helpers import jaxpr_eqns, randn
     from jax.sharding import Mesh
 
     from lowbit.ops.attention import attention
@@ -212,6 +212,14 @@ def _run(case):
     if case in ("ring_structure", "all_gather_structure"):
         strategy = case[: -len("_structure")]
         names, big, q_block, block = _structure(mesh, strategy)
+        # unbalanced causal: a later device's block is computed and dropped, not branched on
+        with jax.set_mesh(mesh):
+            q = jax.ShapeDtypeStruct((1, 512, 4, 8), jnp.bfloat16)
+            f = lambda q, k, v: jnp.sum(  # noqa: E731
+                fused_context_parallel(q, k, v, axis="cp", strategy=strategy).astype(jnp.float32)
+            )
+            unbalanced = jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(q, q, q)
+        assert "cond" not in [e.primitive.name for e in jaxpr_eqns(unbalanced.jaxpr)]
         if strategy == "ring":
             assert "all_gather" not in names and "psum_scatter" not in names, names
             # (k, v) passed on 3 times forward, 3 times backward; (dk, dv) 4 times

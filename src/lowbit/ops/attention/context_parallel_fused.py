@@ -8,7 +8,8 @@ one's attention; memory O(s / n)) or all-gather (all blocks gathered first, then
 step runs the kernel on whole blocks without a mask array, so the scores are never formed:
 
 * step 0 (its own block): causal (top-left), or no mask;
-* causal, unbalanced: a block before its own in full, one after it skipped;
+* causal, unbalanced: a block before its own in full, one after it computed and dropped (no
+  branch: see :func:`_visible`);
 * causal, load balanced (DualChunkSwap: device ``r`` holds chunks ``r`` and ``2n - 1 - r``):
   a block of a lower device is seen by both query chunks through its first chunk only, one of a
   higher device by the second query chunk only, in full: each step is half a block's work on
@@ -124,14 +125,13 @@ def _blocks(cfg: _Cfg, kv):
         yield src, tuple(jax.lax.dynamic_slice_in_dim(a, src * blk, blk, axis=1) for a in full)
 
 
-def _case(cfg: _Cfg, me, src, branches, *operands):
-    """The branch of a step past the first (``src != me``): "full" without causality; causal
-    and unbalanced: "full" / "skip" for a lower / higher device (a ``cond``: XLA's GPU
-    conditional reads its predicate on the host, a stall per step; the balanced schedule takes
-    :func:`_chunk_offset` instead)."""
-    if not cfg.causal:
-        return branches["full"](*operands)
-    return jax.lax.cond(src < me, branches["full"], branches["skip"], *operands)
+def _visible(cfg: _Cfg, me, src):
+    """Whether a step past the first contributes: always without causality; causal and
+    unbalanced, only a lower device's block. No branch on it: a skipped block is computed and
+    dropped (its log-sum-exp at -inf, its gradients zeroed), because XLA's GPU conditional reads
+    its predicate on the host, a stall per step, while every device of the ring waits for the
+    slowest one's step anyway (the highest device sees every block in full)."""
+    return jnp.bool_(True) if not cfg.causal else src < me
 
 
 def _chunk_offset(me, src, c: int):
@@ -173,10 +173,6 @@ def _add_rows(acc, rows, start, axis: int = 1):
 def _forward(cfg: _Cfg, q, k, v):
     fwd = _KERNELS[cfg.kernels][0]
     acc, c, me = acc_dtype(q.dtype), q.shape[1] // 2, jax.lax.axis_index(cfg.axis)
-    branches = {
-        "full": lambda o, lse, kb, vb: _merge_rows(o, lse, fwd(q, kb, vb, False, cfg.scale), 0),
-        "skip": lambda o, lse, kb, vb: (o, lse),
-    }
     o = lse = None
     for src, (kb, vb) in _blocks(cfg, (k, v)):
         if o is None:  # step 0: the device's own block
@@ -188,7 +184,9 @@ def _forward(cfg: _Cfg, q, k, v):
             part = fwd(_rows(q, off, c), _rows(kb, off, c), _rows(vb, off, c), False, cfg.scale)
             o, lse = _merge_rows(o, lse, part, off)
         else:
-            o, lse = _case(cfg, me, src, branches, o, lse, kb, vb)
+            po, pl = fwd(q, kb, vb, False, cfg.scale)
+            pl = jnp.where(_visible(cfg, me, src), pl, -jnp.inf)  # weight 0 in the merge
+            o, lse = _merge_rows(o, lse, (po, pl), 0)
     return o.astype(q.dtype), lse
 
 
@@ -220,10 +218,6 @@ def _attend_bwd(cfg, res, do):
                   ((gk1, gk2), (gv1, gv2)))  # fmt: skip
         return dq, dk.astype(kb.dtype), dv.astype(vb.dtype)
 
-    branches = {
-        "full": lambda dq, kb, vb: grads(dq, q, kb, vb, o, do, lse, False, 0),
-        "skip": lambda dq, kb, vb: (dq, jnp.zeros_like(kb), jnp.zeros_like(vb)),
-    }
     dq, travelling, full = jnp.zeros(q.shape, acc), None, None
     if cfg.strategy != "ring":
         full = (jnp.zeros((k.shape[0], k.shape[1] * n, *k.shape[2:]), k.dtype),) * 2
@@ -234,7 +228,10 @@ def _attend_bwd(cfg, res, do):
         elif cfg.causal and cfg.balanced:
             dq, gk, gv = balanced(dq, src, kb, vb)
         else:
-            dq, gk, gv = _case(cfg, me, src, branches, dq, kb, vb)
+            gq, gk, gv = bwd(q, kb, vb, o, do, lse, False, cfg.scale)
+            keep = _visible(cfg, me, src)  # a skipped block's terms may be inf: select, not scale
+            gq, gk, gv = (jnp.where(keep, g, jnp.zeros_like(g)) for g in (gq, gk, gv))
+            dq = _add_rows(dq, gq, 0)
         if full is not None:  # all-gather: each block's gradient in its slot
             full = tuple(
                 jax.lax.dynamic_update_slice_in_dim(f, g, src * k.shape[1], axis=1)
