@@ -317,3 +317,44 @@ def test_bad_permutation_arguments_name_the_argument():
         with pytest.raises(ValueError) as info:
             thunk()
         assert all(w.lower() in str(info.value).lower() for w in words), str(info.value)
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_te_moe_with_grouped_quantizer_sets_equals_moe_block(name):
+    """TE's way to quantize moe(): QuantizerFactory.create_set(n_groups=E) (one DelayedScaling
+    history per expert), the same step as lowbit's moe_block with that recipe; the sets'
+    gradient is the block's updated state. Within FP8 bounds of the float32 block."""
+    F = 16
+    ks = jax.random.split(jax.random.PRNGKey(3), 4)
+    x = jax.random.normal(ks[0], (2, 8, H))
+    gate = jax.random.normal(ks[1], (H, E)) * 0.3
+    wi = jax.random.normal(ks[2], (E, H, 2 * F)) * 0.3
+    wo = jax.random.normal(ks[3], (E, F, H)) * 0.3
+    r = lowbit.DelayedScaling(amax_history_len=4) if name == "delayed" else lowbit.Float8CurrentScaling()
+    qs = te.quantize.QuantizerFactory.create_set(n_quantizer_sets=2, fp8_recipe=r, n_groups=E)
+    state = (lowbit.init_grouped_delayed_state(r, E),) * 2 if name == "delayed" else None
+
+    def te_loss(x, qs):
+        y = te.moe.moe(
+            x, gate, wi, wo, num_experts=E, num_experts_per_tok=K, quantizer_sets=qs, ep_axis="ep"
+        )[0]
+        return jnp.sum(y**2), y
+
+    def lowbit_loss(x, state):
+        y = moe_block(x, gate, wi, wo, num_experts_per_tok=K, recipe=r, state=state)[0]
+        return jnp.sum(y**2), y
+
+    (_, y), (dx, dqs) = jax.value_and_grad(te_loss, argnums=(0, 1), has_aux=True)(x, qs)
+    (_, want), (dx_want, dstate) = jax.value_and_grad(lowbit_loss, argnums=(0, 1), has_aux=True)(x, state)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_want))
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(moe_block(x, gate, wi, wo, num_experts_per_tok=K)[0], np.float64)
+    assert np.linalg.norm(np.asarray(y) - ref) / np.linalg.norm(ref) < 0.1
+    if name == "delayed":
+        got = te.quantize.recipe_of(dqs[0])[1]
+        assert got["kernel_amax_history"].shape == (4, E) and got["x_scale"].shape == (E,)
+        for k, v in dstate[0].items():
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v), err_msg=k)
+    with pytest.raises(ValueError, match="n_groups"):
+        te.quantize.QuantizerFactory.create_set(fp8_recipe=r, n_groups=0)

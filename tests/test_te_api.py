@@ -144,8 +144,10 @@ def test_quantizer_factory():
     assert te_q.recipe_of(d)[0] == recipe.DelayedScaling(amax_history_len=4)
     assert {e.name for e in te_q.QuantizeLayout} == {"ROWWISE", "COLWISE", "ROWWISE_COLWISE"}
     assert {e.name for e in te_q.TensorSource} == {"X", "KERNEL", "DGRAD"}
-    with pytest.raises(NotImplementedError, match="n_groups"):
-        te_q.QuantizerFactory.create_set(n_groups=4)
+    g = te_q.QuantizerFactory.create_set(fp8_recipe=recipe.DelayedScaling(amax_history_len=4), n_groups=3)
+    assert g.x.amax_history.shape == (4, 3) and g.kernel.scale.shape == (3,)  # one per group
+    with pytest.raises(ValueError, match="n_groups"):
+        te_q.QuantizerFactory.create_set(n_groups=0)
 
 
 def test_mesh_resource_and_axis_rules():

@@ -21,6 +21,7 @@ from flax.core.frozen_dict import FrozenDict
 from lowbit import capabilities
 from lowbit.autocast import autocast, get_recipe
 from lowbit.capabilities import get_supported_quantization_recipes, get_supported_scaling_modes
+from lowbit.delayed_scaling import init_grouped_delayed_state
 from lowbit.flax import OVERWRITE_WITH_GRADIENT
 from lowbit.quantization.scaling_modes import ScalingMode
 from lowbit.recipe import (
@@ -283,11 +284,14 @@ class QuantizerFactory:
         fp8_recipe: Optional[Recipe] = None,
         **kwargs: Any,
     ) -> Union[QuantizerSet, Tuple[QuantizerSet, ...]]:
-        if n_groups is not None:
-            raise NotImplementedError(
-                "QuantizerFactory.create_set(n_groups=...): grouped quantizer sets "
-                "are not "
-                "supported by lowbit.te; use lowbit.grouped_gemm with a recipe"
+        """``n_groups``: sets for a grouped GEMM of that many groups (grouped_dense, moe.moe):
+        DelayedScaling gets one scale and amax history per group
+        (:func:`lowbit.init_grouped_delayed_state`'s layout); other recipes are stateless."""
+        if n_groups is not None and (
+            isinstance(n_groups, bool) or not isinstance(n_groups, (int, np.integer)) or n_groups < 1
+        ):
+            raise ValueError(
+                f"QuantizerFactory.create_set: n_groups must be a positive int or None, got {n_groups!r}"
             )
         if kwargs:
             raise NotImplementedError(f"QuantizerFactory.create_set: unsupported arguments {sorted(kwargs)}")
@@ -300,7 +304,10 @@ class QuantizerFactory:
             recipe = _recipe_for_mode(ScalingMode(int(scaling_mode)), fwd_dtype, bwd_dtype, 1024)
         else:
             recipe = get_recipe()
-        sets = tuple(quantizer_set_for_recipe(recipe) for _ in range(n_quantizer_sets))
+        state = None
+        if n_groups is not None and isinstance(recipe, DelayedScaling):
+            state = init_grouped_delayed_state(recipe, int(n_groups))
+        sets = tuple(quantizer_set_for_recipe(recipe, state) for _ in range(n_quantizer_sets))
         return sets[0] if n_quantizer_sets == 1 else sets
 
 
