@@ -276,3 +276,28 @@ def test_profile_builds_a_moe_case_and_names_bad_ones():
     assert all(bool(jax.numpy.isfinite(v).all()) for v in jax.tree_util.tree_leaves(loss))
     with pytest.raises(ValueError, match="G64 deepseek"):
         moe.build_case("G64 deepseek fp8 late")
+
+
+def test_moe_te_api_rows_run_on_lowbit_te_and_leave_out_an_absent_peer(monkeypatch):
+    """The TE-API moe() rows: on the CPU only the lowbit.te peer runs (TE is not importable, and
+    its NCCL EP needs two GPUs); its row is finite and has vs_bf16 against lowbit's BF16 block."""
+    import math
+
+    from lowbit.bench import moe, moe_peers
+
+    monkeypatch.setattr(moe_peers, "te_peer", lambda: None)
+    monkeypatch.setenv("LOWBIT_MOE_CASES", "te-api moe delayed")
+    assert moe.count(True) == len(moe.CPU_SHAPES) * (1 + 1 + 3 * len(moe.PIECE_IMPLS))
+    rows = {r["name"]: r for r in moe.run(True)}
+    r = rows["G4 small te-api moe delayed [lowbit.te]"]
+    assert r["peer"] == "lowbit.te" and math.isfinite(r["ms"]) and r["ms"] > 0
+    assert math.isfinite(r["vs_bf16"]) and r["vs_bf16"] > 0 and r["weights"] == "cast in step"
+    assert not any("[transformer_engine]" in n for n in rows)
+    assert not any("te-api moe none" in n for n in rows)  # only the selected case
+    monkeypatch.setattr(moe_peers, "te_peer", lambda: "te")  # installed, but one rank: left out
+    assert [p.name for p in moe_peers.peers(1)] == ["lowbit"]
+    import jax
+
+    monkeypatch.setenv("LOWBIT_MOE_TE_EP", str(jax.device_count() + 1))  # more than the devices
+    with pytest.raises(ValueError, match="LOWBIT_MOE_TE_EP"):
+        moe_peers.ep_size()

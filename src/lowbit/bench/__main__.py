@@ -23,7 +23,7 @@ SUITES = {
     "grouped": ("lowbit.bench.grouped", None),
     "moe": (
         "lowbit.bench.moe",
-        ["name", "ms", "TFLOPs", "vs_xla", "vs_bf16", "floor_ms", "weight_GB", "weights"],
+        ["name", "ms", "TFLOPs", "vs_xla", "vs_bf16", "floor_ms", "weight_GB", "weights", "note"],
     ),
     "layer": ("lowbit.bench.layer", ["model", "name", "ms", "speedup", "sm_mhz", "power_w", "note"]),
     "attention": ("lowbit.bench.attention", ["model", "name", "shape", "ms", "speedup", "goal"]),

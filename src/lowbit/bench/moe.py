@@ -19,6 +19,9 @@ written; FP8 with casts: read once by the cast, both copies written and read, dW
 primary: the copies read, dW written): at 128 experts of 128 tokens the step is
 bandwidth-bound on them.
 
+``te-api moe none`` / ``delayed`` / ``current``: TE's ``moe()`` API, one row per peer that runs
+it (``... [lowbit.te]``, ``... [transformer_engine]``; lowbit.bench.moe_peers says where TE's runs).
+
 The ``pieces`` rows time the block's non-GEMM steps alone, forward+backward in BF16 (the gate
 and top-k router with the aux loss; the dispatch plan and the permutation of the tokens; the
 weighted combine: these two return their output and their vjp at a random cotangent, as in
@@ -33,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 import lowbit
+from lowbit.bench import moe_peers
 from lowbit.bench.common import env_names, time_fn
 from lowbit.moe import kernels, quantize_experts
 from lowbit.moe.block import moe_block
@@ -231,7 +235,8 @@ def run(small: bool, progress=None) -> list[dict]:
         x, gate, wi, wo = _operands(T, H, E, F)
         flops = 3 * 2.0 * T * k * H * 3 * F
         base = None
-        for case in _selected(CASES, "LOWBIT_MOE_CASES"):
+        selected = _selected(CASES + moe_peers.CASES, "LOWBIT_MOE_CASES")
+        for case in [c for c in selected if c in CASES]:
             fn, recipe = _step(case, k)
             state, qws = _extras(case, recipe, wi, wo)
             try:
@@ -258,6 +263,8 @@ def run(small: bool, progress=None) -> list[dict]:
             if progress:
                 progress()
             del fn, state, qws
+        te_cases = [c for c in selected if c in moe_peers.CASES]
+        rows += moe_peers.rows(name, (T, H, E, F, k), (x, gate, wi, wo), te_cases, iters, progress)
         for impl in PIECE_IMPLS:
             for piece, fn, args in _pieces(x, gate, E, k, impl):
                 ms = time_fn(fn, *args, warmup=2, iters=iters, repeats=3)
@@ -268,11 +275,13 @@ def run(small: bool, progress=None) -> list[dict]:
     for r in rows:  # against lowbit's own BF16 block, the goal
         bf = next(b for b in rows if b["shape"] == r["shape"] and b["case"] == "lowbit bf16")
         r["vs_bf16"] = None if r["case"].startswith("pieces") else bf["ms"] / r["ms"]
-        for key in ("TFLOPs", "vs_xla", "floor_ms", "weight_GB", "weights"):
+        for key in ("TFLOPs", "vs_xla", "floor_ms", "weight_GB", "weights", "note"):
             r.setdefault(key, None)
     return rows
 
 
 def count(small: bool) -> int:
     shapes = _selected([s[0] for s in (CPU_SHAPES if small else GPU_SHAPES)], "LOWBIT_MOE_SHAPES")
-    return len(shapes) * (len(_selected(CASES, "LOWBIT_MOE_CASES")) + 3 * len(PIECE_IMPLS))
+    cases = _selected(CASES + moe_peers.CASES, "LOWBIT_MOE_CASES")
+    te_cases = [c for c in cases if c in moe_peers.CASES]
+    return len(shapes) * (len(cases) - len(te_cases) + 3 * len(PIECE_IMPLS) + moe_peers.count(te_cases))
