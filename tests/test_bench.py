@@ -301,3 +301,37 @@ def test_moe_te_api_rows_run_on_lowbit_te_and_leave_out_an_absent_peer(monkeypat
     monkeypatch.setenv("LOWBIT_MOE_TE_EP", str(jax.device_count() + 1))  # more than the devices
     with pytest.raises(ValueError, match="LOWBIT_MOE_TE_EP"):
         moe_peers.ep_size()
+
+
+def test_moe_te_api_rows_leave_out_a_peer_that_refuses(monkeypatch, capsys):
+    """A TE peer whose EP bootstrap fails, or that refuses a case, gets no row (the reason is
+    printed); lowbit.te's rows stay."""
+    import dataclasses
+
+    from lowbit.bench import moe, moe_peers
+    from lowbit.bench.peers import lowbit_peer
+
+    fake_te = dataclasses.replace(lowbit_peer(), name="te")  # lowbit.te under TE's peer name
+    monkeypatch.setattr(moe_peers, "peers", lambda n: [lowbit_peer(), fake_te])
+    T, H, E, F, k = moe.CPU_SHAPES[0][1:]
+    ops = moe._operands(T, H, E, F)
+
+    def no_ep(*a):
+        raise RuntimeError("no borrowed comm")
+
+    monkeypatch.setattr(moe_peers, "_te_bootstrap", no_ep)
+    got = moe_peers.rows("G4 small", (T, H, E, F, k), ops, ["te-api moe none"], iters=1)
+    assert [r["name"] for r in got] == ["G4 small te-api moe none [lowbit.te]"]
+    assert "TE moe() rows left out: ep_bootstrap: RuntimeError: no borrowed comm" in capsys.readouterr().err
+    monkeypatch.setattr(moe_peers, "_te_bootstrap", lambda *a: None)
+    sets = moe_peers._quantizer_sets
+
+    def refuse(peer, recipe, E):
+        if peer.name == "te":
+            raise NotImplementedError("only MXFP8 grouped quantizers")
+        return sets(peer, recipe, E)
+
+    monkeypatch.setattr(moe_peers, "_quantizer_sets", refuse)
+    got = moe_peers.rows("G4 small", (T, H, E, F, k), ops, ["te-api moe current"], iters=1)
+    assert [r["peer"] for r in got] == ["lowbit.te"]
+    assert "[transformer_engine] left out: NotImplementedError" in capsys.readouterr().err
