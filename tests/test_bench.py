@@ -292,6 +292,7 @@ def test_moe_te_api_rows_run_on_lowbit_te_and_leave_out_an_absent_peer(monkeypat
     r = rows["G4 small te-api moe delayed [lowbit.te]"]
     assert r["peer"] == "lowbit.te" and math.isfinite(r["ms"]) and r["ms"] > 0
     assert math.isfinite(r["vs_bf16"]) and r["vs_bf16"] > 0 and r["weights"] == "cast in step"
+    assert r["floor_ms"] > 0 and r["weight_GB"] > 0
     assert not any("[transformer_engine]" in n for n in rows)
     assert not any("te-api moe none" in n for n in rows)  # only the selected case
     monkeypatch.setattr(moe_peers, "te_peer", lambda: "te")  # installed, but one rank: left out

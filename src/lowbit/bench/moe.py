@@ -264,7 +264,10 @@ def run(small: bool, progress=None) -> list[dict]:
                 progress()
             del fn, state, qws
         te_cases = [c for c in selected if c in moe_peers.CASES]
-        rows += moe_peers.rows(name, (T, H, E, F, k), (x, gate, wi, wo), te_cases, iters, progress)
+        for r in moe_peers.rows(name, (T, H, E, F, k), (x, gate, wi, wo), te_cases, iters, progress):
+            like = "lowbit bf16" if r["case"].endswith("none") else "fp8 delayed"  # its casts in step
+            r["floor_ms"] = flops / PEAK["bf16" if like == "lowbit bf16" else "fp8"] * 1e3
+            rows.append(dict(r, weight_GB=weight_bytes(like, E, H, F) / 1e9))
         for impl in PIECE_IMPLS:
             for piece, fn, args in _pieces(x, gate, E, k, impl):
                 ms = time_fn(fn, *args, warmup=2, iters=iters, repeats=3)

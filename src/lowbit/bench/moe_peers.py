@@ -134,9 +134,8 @@ def _place(mesh, x, gate, wi, wo, n: int):
 
 def rows(shape_name: str, dims: tuple, operands: tuple, cases, iters: int, progress=None) -> list:
     """The TE-API rows of one shape ``dims`` = (T, H, E, F, k) for the selected ``cases``: dicts
-    with the MoE rows' keys (vs_bf16 is filled in by the caller) plus ``peer`` and ``note``."""
-    from lowbit.bench.moe import PEAK, weight_bytes
-
+    with the MoE rows' keys (floor_ms, weight_GB and vs_bf16 filled in by the caller) plus
+    ``peer`` and ``note``."""
     T, H, E, F, k = dims
     if not cases:
         return []
@@ -176,8 +175,6 @@ def rows(shape_name: str, dims: tuple, operands: tuple, cases, iters: int, progr
                         "peer": tag,
                         "ms": ms,
                         "TFLOPs": flops / (ms * 1e-3) / 1e12,
-                        "floor_ms": flops / PEAK["fp8" if fp8 else "bf16"] * 1e3,
-                        "weight_GB": weight_bytes("fp8 delayed" if fp8 else "lowbit bf16", E, H, F) / 1e9,
                         "weights": "cast in step" if fp8 else "bf16",
                         "note": _note(peer.name, n),
                     }
