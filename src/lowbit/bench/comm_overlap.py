@@ -14,7 +14,7 @@ import collections
 
 import jax
 
-from lowbit.bench.profile import traced_calls
+from lowbit.bench.profile import _gpu_events, traced_calls
 
 
 def _is_comm(name: str) -> bool:
@@ -23,14 +23,7 @@ def _is_comm(name: str) -> bool:
 
 def device_events(trace, device: int = 0) -> list:
     """(start_ns, end_ns, name) of every kernel on GPU ``device``'s stream lines."""
-    out = []
-    for plane in trace.planes:
-        if plane.name != f"/device:GPU:{device}":
-            continue
-        for line in plane.lines:
-            if line.name.startswith("Stream"):
-                out += [(ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in line.events]
-    return sorted(out)
+    return [(s, s + d, name) for s, d, name, _ in _gpu_events(trace, device)]
 
 
 def _union(intervals) -> list:

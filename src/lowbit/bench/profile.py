@@ -17,6 +17,7 @@ import collections
 import glob
 import os
 import tempfile
+from typing import Optional
 
 import jax
 
@@ -60,12 +61,14 @@ def traced_calls(fn, args, steps: int):
         return _trace(d)
 
 
-def _gpu_events(trace) -> list:
-    """(start_ns, duration_ns, name, details) of every kernel on the trace's GPU stream lines,
-    in start order; details are the event's stats (grid/block sizes where the trace has them)."""
+def _gpu_events(trace, device: Optional[int] = None) -> list:
+    """(start_ns, duration_ns, name, details) of every kernel on the trace's GPU stream lines
+    (GPU ``device``'s only, when given), in start order; details are the event's stats
+    (grid/block sizes where the trace has them)."""
     events = []
     for plane in trace.planes:
-        if not plane.name.startswith("/device:GPU"):
+        one = device is not None and plane.name == f"/device:GPU:{device}"
+        if not (one or (device is None and plane.name.startswith("/device:GPU"))):
             continue
         for line in plane.lines:
             if not line.name.startswith("Stream"):
