@@ -9,7 +9,8 @@ step runs the kernel on whole blocks without a mask array, so the scores are nev
 
 * step 0 (its own block): causal (top-left), or no mask;
 * causal, unbalanced: a block before its own in full, one after it computed and dropped (no
-  branch: see :func:`_visible`);
+  branch: XLA's GPU conditional reads its predicate on the host, a stall per step, while every
+  device of the ring waits for the highest one, which sees every block in full anyway);
 * causal, load balanced (DualChunkSwap: device ``r`` holds chunks ``r`` and ``2n - 1 - r``):
   a block of a lower device is seen by both query chunks through its first chunk only, one of a
   higher device by the second query chunk only, in full: each step is half a block's work on
@@ -125,15 +126,6 @@ def _blocks(cfg: _Cfg, kv):
         yield src, tuple(jax.lax.dynamic_slice_in_dim(a, src * blk, blk, axis=1) for a in full)
 
 
-def _visible(cfg: _Cfg, me, src):
-    """Whether a step past the first contributes: always without causality; causal and
-    unbalanced, only a lower device's block. No branch on it: a skipped block is computed and
-    dropped (its log-sum-exp at -inf, its gradients zeroed), because XLA's GPU conditional reads
-    its predicate on the host, a stall per step, while every device of the ring waits for the
-    slowest one's step anyway (the highest device sees every block in full)."""
-    return jnp.bool_(True) if not cfg.causal else src < me
-
-
 def _chunk_offset(me, src, c: int):
     """Load balanced, a step past the first is two c x c blocks without a branch: (second query
     chunk, first key chunk) on every device, plus (chunk at ``off``, chunk at ``off``) with
@@ -185,7 +177,8 @@ def _forward(cfg: _Cfg, q, k, v):
             o, lse = _merge_rows(o, lse, part, off)
         else:
             po, pl = fwd(q, kb, vb, False, cfg.scale)
-            pl = jnp.where(_visible(cfg, me, src), pl, -jnp.inf)  # weight 0 in the merge
+            if cfg.causal:  # unbalanced: a later device's block is computed and dropped
+                pl = jnp.where(src < me, pl, -jnp.inf)  # weight 0 in the merge
             o, lse = _merge_rows(o, lse, (po, pl), 0)
     return o.astype(q.dtype), lse
 
@@ -229,8 +222,8 @@ def _attend_bwd(cfg, res, do):
             dq, gk, gv = balanced(dq, src, kb, vb)
         else:
             gq, gk, gv = bwd(q, kb, vb, o, do, lse, False, cfg.scale)
-            keep = _visible(cfg, me, src)  # a skipped block's terms may be inf: select, not scale
-            gq, gk, gv = (jnp.where(keep, g, jnp.zeros_like(g)) for g in (gq, gk, gv))
+            if cfg.causal:  # a dropped block's terms may be inf: select, not scale
+                gq, gk, gv = (jnp.where(src < me, g, jnp.zeros_like(g)) for g in (gq, gk, gv))
             dq = _add_rows(dq, gq, 0)
         if full is not None:  # all-gather: each block's gradient in its slot
             full = tuple(
