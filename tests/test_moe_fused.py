@@ -133,15 +133,15 @@ def _routing(seed, t=T, k=K, e=E):
     return jax.lax.top_k(_logits(seed, t, e), k)[1].astype(jnp.int32)
 
 
-@pytest.mark.parametrize("align,capacity", [(0, None), (8, None), (0, 9), (16, 7)])
-def test_plan_fused_bit_equal(device, align, capacity):
+@pytest.mark.parametrize(
+    "align,capacity,round_rows",
+    [(0, None, False), (8, None, False), (0, 9, False), (16, 7, False), (16, None, True)],
+)
+def test_plan_fused_bit_equal(device, align, capacity, round_rows):
     ex = _routing(4)
-    f = to_cpu(
-        run_on(device, lambda e: plan_dispatch(e, E, align_size=align, capacity=capacity, impl="fused"), ex)
-    )
-    x = to_cpu(
-        run_on(device, lambda e: plan_dispatch(e, E, align_size=align, capacity=capacity, impl="xla"), ex)
-    )
+    kw = dict(align_size=align, capacity=capacity, round_rows=round_rows)
+    f = to_cpu(run_on(device, lambda e: plan_dispatch(e, E, impl="fused", **kw), ex))
+    x = to_cpu(run_on(device, lambda e: plan_dispatch(e, E, impl="xla", **kw), ex))
     for name in ("dest", "src", "group_sizes", "offsets", "tokens_per_expert"):
         np.testing.assert_array_equal(getattr(f, name), getattr(x, name), err_msg=name)
 

@@ -20,7 +20,7 @@ def _routing(seed, t=T, k=K, e=E):
     return np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
 
 
-def dispatch64(experts, e, align=0, capacity=None):
+def dispatch64(experts, e, align=0, capacity=None, round_rows=False):
     """NumPy plan: (dest (T, k), rows, group sizes) by the documented rules."""
     t, k = experts.shape
     a = max(align, 1)
@@ -29,6 +29,8 @@ def dispatch64(experts, e, align=0, capacity=None):
     sizes = -(-kept // a) * a
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     rows = t * k + e * (a - 1)
+    if round_rows:
+        rows = -(-rows // a) * a
     if capacity is not None:
         rows = min(rows, e * (-(-capacity // a) * a))
     dest = np.full((t, k), rows)
@@ -51,12 +53,17 @@ def _matrix(dest, rows):
     return A
 
 
-@pytest.mark.parametrize("align, capacity", [(0, None), (4, None), (0, 5), (8, 3)])
-def test_plan_permute_unpermute_match_numpy(align, capacity):
+@pytest.mark.parametrize(
+    "align, capacity, round_rows",
+    [(0, None, False), (4, None, False), (0, 5, False), (8, 3, False), (16, None, True)],
+)
+def test_plan_permute_unpermute_match_numpy(align, capacity, round_rows):
     ex = _routing(0)
-    dest, rows, sizes = dispatch64(ex, E, align, capacity)
-    plan = perm.plan_dispatch(jnp.asarray(ex), E, align_size=align, capacity=capacity)
+    dest, rows, sizes = dispatch64(ex, E, align, capacity, round_rows)
+    plan = perm.plan_dispatch(jnp.asarray(ex), E, align_size=align, capacity=capacity, round_rows=round_rows)
     assert plan.src.shape == (rows,)
+    if round_rows:
+        assert rows % align == 0 and rows > T * K + E * (align - 1)  # 48 + 90 = 138 -> 144
     np.testing.assert_array_equal(np.asarray(plan.dest), dest)
     np.testing.assert_array_equal(np.asarray(plan.group_sizes), sizes)
     np.testing.assert_array_equal(

@@ -49,11 +49,20 @@ def exclusive_cumsum(a, axis=0):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def buffer_rows(pairs: int, num_experts: int, align_size: int = 0, capacity: Optional[int] = None) -> int:
+def buffer_rows(
+    pairs: int,
+    num_experts: int,
+    align_size: int = 0,
+    capacity: Optional[int] = None,
+    round_rows: bool = False,
+) -> int:
     """Static rows of the dispatch buffer: every pair plus the worst-case alignment padding
-    (``num_experts * (align_size - 1)``), or ``num_experts`` aligned capacities if smaller."""
+    (``num_experts * (align_size - 1)``; ``round_rows``: rounded up to a multiple of
+    ``align_size``), or ``num_experts`` aligned capacities if smaller."""
     a = max(int(align_size), 1)
     rows = pairs + num_experts * (a - 1)
+    if round_rows:
+        rows = -(-rows // a) * a
     if capacity is not None:
         rows = min(rows, num_experts * (-(-int(capacity) // a) * a))
     return rows
@@ -66,9 +75,11 @@ def plan_dispatch(
     align_size: int = 0,
     capacity: Optional[int] = None,
     impl: Optional[str] = None,
+    round_rows: bool = False,
 ) -> DispatchPlan:
     """The plan for (T, k) int ``experts`` (see the module docstring). ``align_size`` > 0 rounds
-    each expert's group up to a multiple of it; ``capacity`` caps each expert's pairs (the first
+    each expert's group up to a multiple of it (``round_rows``: the buffer's rows too, so that
+    its row stride is aligned as well); ``capacity`` caps each expert's pairs (the first
     ``capacity`` in token order are kept)."""
     if jnp.ndim(experts) != 2 or not jnp.issubdtype(jnp.result_type(experts), jnp.integer):
         raise ValueError(
@@ -82,7 +93,7 @@ def plan_dispatch(
     impl = _fused.check_impl("plan_dispatch", impl)
     T, k = experts.shape
     P = T * k
-    rows = buffer_rows(P, num_experts, align_size, capacity)
+    rows = buffer_rows(P, num_experts, align_size, capacity, round_rows)
     if impl == "fused":
         dest, src, sizes, offsets, counts = _fused.plan_fused(
             experts, num_experts, rows, align_size, capacity
