@@ -116,7 +116,16 @@ __global__ void row_group_kernel(const int64_t* starts, const int64_t* ends, int
   }
 }
 
-// Per-group amax: a warp per row (16-byte loads when rows are aligned), one atomic per row.
+// The warp's max of mx into *out (all lanes call).
+__device__ __forceinline__ void warp_amax_to(float mx, float* out) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+  if ((threadIdx.x & 31) == 0) atomic_max_nonneg(out, mx);
+}
+
+// Per-group amax (current scaling): each warp reads a contiguous run of rows, a row at a time
+// (16-byte loads when rows are aligned), and adds one atomic per group it meets. It was a warp
+// per row with one atomic per row: the rows of a group, read together, all hit one address.
 template <int IN>
 __global__ void __launch_bounds__(256)
     grouped_amax_kernel(const void* xv, int64_t M, int64_t K, bool vec, const int32_t* row_group,
@@ -126,14 +135,23 @@ __global__ void __launch_bounds__(256)
   const T* x = static_cast<const T*>(xv);
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t m = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); m < M;
-       m += warps) {
-    const int g = row_group[m];
-    if (g < 0) continue;  // warp-uniform
+  const int64_t w = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int64_t per = (M + warps - 1) / warps, m0 = w * per, m1 = m0 + per < M ? m0 + per : M;
+  int gcur = -1, gnext = m0 < m1 ? row_group[m0] : -1;  // warp-uniform
+  float mx = 0.0f;  // this lane's max over the rows of group gcur so far
+  for (int64_t m = m0; m < m1; ++m) {
+    const int g = gnext;
+    if (m + 1 < m1) gnext = row_group[m + 1];  // in flight with this row's loads
+    if (g != gcur) {
+      if (gcur >= 0) warp_amax_to(mx, amax + gcur);
+      gcur = g;
+      mx = 0.0f;
+    }
+    if (g < 0) continue;
     const T* row = x + m * K;
-    float mx = 0.0f;
     if (vec) {
       const uint4* r4 = reinterpret_cast<const uint4*>(row);
+#pragma unroll 4
       for (int64_t i = lane; i < K / CH; i += 32) {
         float v[CH];
         unpack16<IN>(__ldg(r4 + i), v);
@@ -142,10 +160,8 @@ __global__ void __launch_bounds__(256)
     } else {
       for (int64_t i = lane; i < K; i += 32) mx = fmaxf(mx, fabsf(In<IN>::f(row[i])));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
-    if (lane == 0) atomic_max_nonneg(amax + g, mx);
   }
+  if (gcur >= 0) warp_amax_to(mx, amax + gcur);
 }
 
 // Per-group scale_inv of the tensor modes (an empty group has amax 0, hence scale 1), and the
@@ -353,7 +369,7 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
     constexpr int CH = 16 / int(sizeof(typename In<IN>::T));
     const bool vec = K % CH == 0 && aligned16(p.x);
     grouped_amax_kernel<IN>
-        <<<grid_for(M * 32, 256, 4096), 256, 0, st>>>(p.x, M, K, vec, row_group, p.amax);
+        <<<grid_for(M * 32, 256, 2048), 256, 0, st>>>(p.x, M, K, vec, row_group, p.amax);
     if (auto s = launch_status("grouped_amax_kernel"); !s.ok()) return s;
   }
   if (p.mode == ScalingMode::kBlock1d) return run_grouped_block1d<IN, FMT>(p, st, starts, ends);
