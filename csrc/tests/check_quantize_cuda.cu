@@ -12,6 +12,8 @@
 //   build/check_quantize_cuda bench      bf16 -> FP8 rowwise+colwise at 8192x16384 vs a D2D copy
 //                                        (bench mxfp8: only the cases whose name contains "mxfp8";
 //                                        bench block: the FP8 block scaling cases)
+//   build/check_quantize_cuda bench grouped   the grouped per-tensor cast at the MoE layer's
+//                                        shapes (issue 27), with a bitwise check of its kernels
 //   build/check_quantize_cuda cvtcheck   hardware FP8 cvt vs encode_rne over all 2^32 floats
 // Exit status: 0 when every comparison passed.
 //
@@ -436,11 +438,31 @@ struct GCase {
   bool row, col;
   std::vector<int32_t> sizes;
   int special;
+  int64_t inf_row = -1;  // >= 0: one +Inf in this row (a non-finite amax in its group only)
 };
+
+// G group sizes summing to M, multiples of `align` (the last takes the rest), drawn at random.
+std::vector<int32_t> ragged_sizes(int64_t M, int G, int align, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<double> w(static_cast<size_t>(G));
+  double sum = 0.0;
+  for (auto& x : w) sum += (x = 0.2 + rng.uniform());
+  std::vector<int32_t> sizes(static_cast<size_t>(G));
+  int64_t left = M;
+  for (int g = 0; g < G; ++g) {
+    int64_t n = g + 1 < G ? int64_t(double(M) * w[size_t(g)] / sum) / align * align : left;
+    n = std::min(n, left);
+    sizes[size_t(g)] = int32_t(n);
+    left -= n;
+  }
+  return sizes;
+}
 
 void run_grouped_case(const GCase& q, uint64_t seed, cudaStream_t st) {
   const int64_t M = q.M, K = q.K, G = int64_t(q.sizes.size()), n = M * K;
   std::vector<uint8_t> xh = make_input(q.xdt, M, K, q.special, seed);
+  if (q.inf_row >= 0 && q.inf_row < M && K > 0)
+    host_store(xh.data(), q.xdt, q.inf_row * K + K / 2, INFINITY);
   Rng rng(seed ^ 0x6006);
   std::vector<float> scales(size_t(std::max<int64_t>(G, 1)));
   for (auto& s : scales) s = float(std::ldexp(1.0, rng.range(-8, 8)) * (1.0 + rng.uniform()));
@@ -730,6 +752,38 @@ int run_checks(bool quick) {
   std::printf("%s grouped quantize: %d cases, %d failures\n", g_failures > f0 ? "FAIL" : "PASS",
               g_cases - c0, g_failures - f0);
 
+  // --- grouped tile cast: 128-row tiles in one group (kGroupTiles), across group ends
+  //     (kGroupRows), in no group (zeros) ---
+  const int ft = g_failures, ct = g_cases;
+  {
+    const int M = 1024;
+    std::vector<std::vector<int32_t>> size_sets = {
+        {128, 256, 640},                  // every group end on a tile edge: no per-row tile
+        {100, 28, 300, 5, 0, 591},        // ends inside tiles, an empty group, a group of 5 rows
+        {200, 300},                       // rows past the last group: tiles 4..7 in no group
+        {0, 0},                           // every row in no group
+        ragged_sizes(M, 64, 1, 7),        // 64 ragged groups (the MoE tokens)
+        ragged_sizes(M, 64, 16, 8),       // 64 ragged groups of multiples of 16 rows
+        ragged_sizes(M - 37, 200, 1, 9),  // many groups per tile, 37 rows in no group
+    };
+    for (DType xdt : xdts)
+      for (ScalingMode mode :
+           {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor, ScalingMode::kMxfp8_1d})
+        for (DType qdt : {DType::kE4M3, DType::kE5M2})
+          for (const Layout& lay : layouts) {
+            if (mode == ScalingMode::kMxfp8_1d && lay.col) continue;  // rowwise only
+            for (size_t k = 0; k < size_sets.size(); ++k)
+              for (int v = 0; v < 3; ++v) {  // clean; specials everywhere; one Inf in one group
+                if (quick && (counter++ % 4) != 0) continue;
+                GCase q{xdt, M, 128, mode, qdt, lay.row, lay.col, size_sets[k], v == 1 ? 1 : 0};
+                if (v == 2) q.inf_row = 310;  // group 2 of set 1, a one-group tile of set 0
+                run_grouped_case(q, seed++, st);
+              }
+          }
+  }
+  std::printf("%s grouped tile cast: %d cases, %d failures\n", g_failures > ft ? "FAIL" : "PASS",
+              g_cases - ct, g_failures - ft);
+
   // --- CUDA graph capture ---
   const int f1 = g_failures, c1 = g_cases;
   run_graph_case(DType::kBF16, 256, 512, ScalingMode::kCurrentTensor, DType::kE4M3, false, false);
@@ -970,6 +1024,216 @@ int run_bench(const std::string& filter) {
   return g_failures ? 1 : 0;
 }
 
+// ---- bench grouped: the grouped per-tensor cast (issue 27) ----
+// Counts mismatching bytes of two device buffers.
+__global__ void count_diff_kernel(const uint8_t* a, const uint8_t* b, int64_t n,
+                                  unsigned long long* bad) {
+  unsigned long long c = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    c += a[i] != b[i];
+  if (c) atomicAdd(bad, c);
+}
+
+unsigned long long count_diff(const Dev& a, const Dev& b, size_t n, cudaStream_t st) {
+  Dev bad(8, 0);
+  count_diff_kernel<<<4096, 256, 0, st>>>(static_cast<const uint8_t*>(a.p),
+                                          static_cast<const uint8_t*>(b.p), int64_t(n),
+                                          static_cast<unsigned long long*>(bad.p));
+  unsigned long long h = 0;
+  CK(cudaMemcpyAsync(&h, bad.p, 8, cudaMemcpyDeviceToHost, st));
+  CK(cudaStreamSynchronize(st));
+  return h;
+}
+
+// One grouped case: bf16 (R, C) -> FP8 rowwise + colwise, delayed scaling with the fused
+// per-group amax (what the MoE layer's _quantize runs). Times the whole grouped_quantize_cuda
+// call, its two cast kernels alone (tile metadata built here on the host), the per-row kernel
+// over every tile (the kernel as it was before issue 27: per-row scales, 2 blocks per SM), the
+// non-grouped quantize of the same (R, C), current scaling (amax pass + cast) and a D2D copy;
+// checks that the call, the cast kernels and the per-row kernel write the same bytes.
+void bench_grouped_case(const char* name, int64_t R, int64_t C, const std::vector<int32_t>& sizes,
+                        DType qdt, cudaStream_t st) {
+  const int64_t n = R * C, G = int64_t(sizes.size()), TR = (R + cuda::kTileR - 1) / cuda::kTileR;
+  Dev x{size_t(n) * 2}, y{size_t(n) * 2}, q{size_t(n)}, qc{size_t(n)}, q2{size_t(n)},
+      qc2{size_t(n)}, dsz{size_t(G) * 4}, dscale{size_t(G) * 4}, amax{size_t(G) * 4},
+      si{size_t(G) * 4}, sic{size_t(G) * 4}, rg{size_t(R) * 4}, ti{size_t(TR) * 8},
+      rl{size_t(TR) * 4}, cnt{4}, all{size_t(TR) * 4}, cnt_all{4};
+  fill_bf16_kernel<<<4096, 256, 0, st>>>(static_cast<uint16_t*>(x.p), n, 77u);
+  dsz.up(sizes.data(), size_t(G) * 4);
+  std::vector<float> scale(static_cast<size_t>(G));
+  for (int64_t g = 0; g < G; ++g) scale[size_t(g)] = std::ldexp(1.0f, int(g % 5) - 2);
+  dscale.up(scale.data(), size_t(G) * 4);
+
+  // Host copy of the tile metadata (grouped_quantize.cu builds it on the device).
+  std::vector<int32_t> row_group(size_t(R), -1), list, every(static_cast<size_t>(TR));
+  int64_t r = 0;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t k = 0; k < std::max(sizes[size_t(g)], 0) && r < R; ++k)
+      row_group[size_t(r++)] = int32_t(g);
+  std::vector<int2> info(static_cast<size_t>(TR));
+  for (int64_t t = 0; t < TR; ++t) {
+    const int32_t g0 = row_group[size_t(t * cuda::kTileR)],
+                  g1 = row_group[size_t(std::min(t * cuda::kTileR + cuda::kTileR, R) - 1)];
+    int bits = 0;
+    if (g0 >= 0) std::memcpy(&bits, &scale[size_t(g0)], 4);
+    info[size_t(t)] = make_int2(g0 != g1  ? cuda::kTileRowScales
+                                : g0 >= 0 ? g0
+                                          : cuda::kTileNoGroup,
+                                g0 == g1 && g0 >= 0 ? bits : 0);
+    if (g0 != g1) list.push_back(int32_t(t));
+    every[size_t(t)] = int32_t(t);
+  }
+  const int32_t nl = int32_t(list.size()), nall = int32_t(TR);
+  rg.up(row_group.data(), size_t(R) * 4);
+  ti.up(info.data(), size_t(TR) * 8);
+  if (nl) rl.up(list.data(), size_t(nl) * 4);
+  cnt.up(&nl, 4);
+  all.up(every.data(), size_t(TR) * 4);
+  cnt_all.up(&nall, 4);
+  CK(cudaStreamSynchronize(st));
+
+  const double copy_ms = time_ms(
+      [&] { CK(cudaMemcpyAsync(y.p, x.p, size_t(n) * 2, cudaMemcpyDeviceToDevice, st)); }, st);
+  const double bw_copy = 4.0 * double(n) / (copy_ms * 1e-3) / 1e9;
+  std::printf("bench grouped %s: %lldx%lld, %lld groups (%d of %lld tile rows per-row), -> %s\n",
+              name, (long long)R, (long long)C, (long long)G, nl, (long long)TR, dname(qdt));
+  std::printf("bench grouped   %-48s %8.1f us  %6.0f GB/s (read+write)\n", "D2D copy of x",
+              copy_ms * 1e3, bw_copy);
+  auto line = [&](const char* what, float ms, double extra_read) {
+    const double bw = 4.0 * double(n) / (ms * 1e-3) / 1e9;
+    std::printf("bench grouped   %-48s %8.1f us  %6.0f GB/s  %5.1f%% of D2D", what, ms * 1e3, bw,
+                100.0 * bw / bw_copy);
+    if (extra_read > 0)
+      std::printf("  (%.1f%% counting the amax read)",
+                  100.0 * (4.0 + extra_read) * double(n) / (ms * 1e-3) / 1e9 / bw_copy);
+    std::printf("\n");
+  };
+
+  GroupedQuantizeParams p;
+  p.x = x.p;
+  p.x_dtype = DType::kBF16;
+  p.rows = R;
+  p.cols = C;
+  p.group_sizes = static_cast<const int32_t*>(dsz.p);
+  p.num_groups = G;
+  p.mode = ScalingMode::kDelayedTensor;
+  p.q_dtype = qdt;
+  p.rowwise = p.colwise = true;
+  p.scale = static_cast<const float*>(dscale.p);
+  p.data = q.p;
+  p.scale_inv = si.p;
+  p.colwise_data = qc.p;
+  p.colwise_scale_inv = sic.p;
+  p.amax = static_cast<float*>(amax.p);
+  Dev ws{grouped_quantize_workspace_bytes(p)};
+  p.workspace = ws.p;
+  if (Status s = grouped_quantize_cuda(p, st); !s.ok()) {
+    std::printf("FAIL bench grouped %s: %s\n", name, s.message.c_str());
+    ++g_failures;
+    return;
+  }
+  line("grouped_quantize_cuda (delayed, fused amax)",
+       time_ms([&] { grouped_quantize_cuda(p, st); }, st), 0);
+
+  cuda::CastArgs a;
+  a.x = x.p;
+  a.R = R;
+  a.C = C;
+  a.rowwise = a.colwise = true;
+  a.q_row = static_cast<uint8_t*>(q2.p);
+  a.q_col = static_cast<uint8_t*>(qc2.p);
+  a.delayed = static_cast<const float*>(dscale.p);
+  a.amax_in = static_cast<const float*>(amax.p);
+  a.amax_out = static_cast<float*>(amax.p);
+  a.row_group = static_cast<const int32_t*>(rg.p);
+  a.tile_info = static_cast<const int2*>(ti.p);
+  a.rows_list = static_cast<const int32_t*>(rl.p);
+  a.rows_count = static_cast<const int32_t*>(cnt.p);
+  int64_t tiles = 0;
+  cuda::set_tiles(a, &tiles);
+  const bool e5 = qdt == DType::kE5M2;
+  auto tiles_kernel =
+      e5 ? cuda::cast_tile_kernel<1, cuda::kTensor, cuda::kFmtE5M2, cuda::kGroupTiles>
+         : cuda::cast_tile_kernel<1, cuda::kTensor, cuda::kFmtE4M3, cuda::kGroupTiles>;
+  auto rows_kernel =
+      e5 ? cuda::cast_tile_kernel<1, cuda::kTensor, cuda::kFmtE5M2, cuda::kGroupRows>
+         : cuda::cast_tile_kernel<1, cuda::kTensor, cuda::kFmtE4M3, cuda::kGroupRows>;
+  const unsigned rows_grid = unsigned(std::min<int64_t>(G, TR) * a.tiles_c);
+  auto casts = [&] {
+    tiles_kernel<<<unsigned(tiles), cuda::kTileThreads, 0, st>>>(a, cuda::PlainLoad{});
+    if (rows_grid) rows_kernel<<<rows_grid, cuda::kTileThreads, 0, st>>>(a, cuda::PlainLoad{});
+  };
+  casts();
+  CK(cudaStreamSynchronize(st));
+  const unsigned long long d1 =
+      count_diff(q, q2, size_t(n), st) + count_diff(qc, qc2, size_t(n), st);
+  line("cast kernels alone (one-group tiles + per-row)", time_ms(casts, st), 0);
+  cuda::CastArgs b = a;
+  b.rows_list = static_cast<const int32_t*>(all.p);
+  b.rows_count = static_cast<const int32_t*>(cnt_all.p);
+  auto old = [&] {
+    rows_kernel<<<unsigned(tiles), cuda::kTileThreads, 0, st>>>(b, cuda::PlainLoad{});
+  };
+  CK(cudaMemsetAsync(q2.p, 0x5A, size_t(n), st));
+  CK(cudaMemsetAsync(qc2.p, 0x5A, size_t(n), st));
+  old();
+  CK(cudaStreamSynchronize(st));
+  const unsigned long long d2 =
+      count_diff(q, q2, size_t(n), st) + count_diff(qc, qc2, size_t(n), st);
+  line("per-row kernel on every tile (before issue 27)", time_ms(old, st), 0);
+
+  QuantizeParams u;
+  u.x = x.p;
+  u.x_dtype = DType::kBF16;
+  u.rows = R;
+  u.cols = C;
+  u.mode = ScalingMode::kDelayedTensor;
+  u.q_dtype = qdt;
+  u.rowwise = u.colwise = true;
+  u.scale = static_cast<const float*>(dscale.p);
+  u.data = q2.p;
+  u.colwise_data = qc2.p;
+  u.scale_inv = si.p;
+  u.colwise_scale_inv = sic.p;
+  u.amax = static_cast<float*>(amax.p);
+  Dev uws{quantize_workspace_bytes(u)};
+  u.workspace = uws.p;
+  line("non-grouped quantize_cuda (delayed, fused amax)",
+       time_ms([&] { quantize_cuda(u, st); }, st), 0);
+  GroupedQuantizeParams c = p;
+  c.mode = ScalingMode::kCurrentTensor;
+  line("grouped_quantize_cuda (current: amax pass + cast)",
+       time_ms([&] { grouped_quantize_cuda(c, st); }, st), 2.0);
+  CK(cudaGetLastError());
+  const bool ok = d1 == 0 && d2 == 0;
+  std::printf(
+      "%s bench grouped %s: call vs cast kernels %llu bytes differ, vs per-row kernel %llu\n",
+      ok ? "PASS" : "FAIL", name, d1, d2);
+  if (!ok) ++g_failures;
+}
+
+int run_bench_grouped() {
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  const std::vector<int32_t> ragged = ragged_sizes(98304, 64, 1, 27),
+                             ragged16 = ragged_sizes(98304, 64, 16, 28), equal(64, 4096),
+                             eight = ragged_sizes(32768, 8, 1, 29);
+  bench_grouped_case("(a) tokens, 64 ragged groups", 98304, 4096, ragged, DType::kE4M3, st);
+  bench_grouped_case("(a) tokens, 64 ragged groups, 16-row multiples", 98304, 4096, ragged16,
+                     DType::kE4M3, st);
+  bench_grouped_case("(b) weights wi, 64 experts of 4096 rows", 262144, 3072, equal, DType::kE4M3,
+                     st);
+  bench_grouped_case("(c) tokens, 8 ragged groups", 32768, 4096, eight, DType::kE4M3, st);
+  bench_grouped_case("(a) gradients, 64 ragged groups, E5M2", 98304, 4096, ragged, DType::kE5M2,
+                     st);
+  CK(cudaStreamDestroy(st));
+  return g_failures ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -986,6 +1250,7 @@ int main(int argc, char** argv) {
     else
       mode = a;
   }
+  if (mode == "bench" && filter == "grouped") return run_bench_grouped();
   if (mode == "bench") return run_bench(filter);
   if (mode == "cvtcheck") return run_cvtcheck();
   if (mode == "check") return run_checks(quick);

@@ -43,6 +43,12 @@ struct CastArgs {
   // [i * part_cols, (i + 1) * part_cols), row stride part_cols; part_cols is whole tiles.
   const void* parts[kMaxQuantizeParts] = {};
   int64_t part_cols = 0;
+  // Grouped tile casts (kGroupTiles / kGroupRows below). Last, so that the non-grouped kernels'
+  // parameter offsets stay as they were.
+  const int2* tile_info = nullptr;      // per tile row: {group or kTileRowScales / kTileNoGroup,
+                                        // bits of the group's tensor scale}
+  const int32_t* rows_list = nullptr;   // the kTileRowScales tile rows, in any order
+  const int32_t* rows_count = nullptr;  // how many
 };
 
 // Whether the fused cast takes an (R, C) input: whole 16-element chunks, 16-byte aligned rows of
@@ -86,12 +92,50 @@ constexpr uint8_t kMxEmptyScale = 127;
 //    block amaxes come from the neighbouring lanes that hold the rest of the block (shuffles).
 // Why: scattered one-byte MXFP8 scale stores are expensive; this mapping turns a column's scale
 // bytes and its colwise data into one request each.
+// Grouped tile casts (grouped_quantize.cu) are two launches of the tile kernel. kGroupTiles: every
+// tile whose rows below R are all in one group g >= 0 (tile_info.x = g; all tiles but at most one
+// per group end) is cast exactly as a non-grouped tile, with g's scale (tile_info.y) and one amax
+// atomic into amax_out[g]; a tile whose rows are in no group (kTileNoGroup) writes zeros; the
+// others (kTileRowScales) exit. kGroupRows: a grid over rows_list, the kTileRowScales tiles, with
+// each row's group from row_group (per-row scales, rows in no group written as zeros, one amax
+// atomic per run of same-group rows in a warp). Why two kernels: in one, the per-row path's
+// registers made the common tiles spill at 3 resident blocks, and at 2 the grouped cast ran at
+// about half the non-grouped speed (H200 profile, issue 27).
+enum TileGrouping : int { kUngrouped = 0, kGroupTiles = 1, kGroupRows = 2 };
+constexpr int kTileRowScales = -1, kTileNoGroup = -2;
+
+// kGroupTiles, a tile whose rows are all in no group: zero bytes in both copies (MXFP8: scale
+// bytes kMxEmptyScale), with the thread-to-chunk mappings of the tile kernel's phases 2 and 3.
+template <int KIND>
+__device__ __forceinline__ void cast_tile_zeros(const CastArgs& a, int64_t r0, int64_t c0, int CH,
+                                                int CPR, int PER) {
+  static_assert(KIND == kTensor || KIND == kMx, "grouped quantize: FP8 kinds only");
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  if (a.rowwise)
+    for (int i = 0; i < PER; ++i) {
+      const int id = i * kTileThreads + t, lr = id / CPR, lc = (id % CPR) * CH;
+      const int64_t gr = r0 + lr, gc = c0 + lc;
+      if (gr >= a.R || gc >= a.C) continue;
+      uint8_t* q = a.q_row + gr * a.C + gc;
+      if (CH == 8)
+        *reinterpret_cast<uint2*>(q) = make_uint2(0u, 0u);
+      else
+        *reinterpret_cast<uint32_t*>(q) = 0u;
+      if (KIND == kMx && (lc & 31) == 0) a.s_row[gr * (a.C / 32) + gc / 32] = kMxEmptyScale;
+    }
+  if (a.colwise) {  // tensor scaling only (grouped MXFP8 is rowwise)
+    const int64_t gc = c0 + warp * 4 + (lane >> 3), gr = r0 + 16 * (lane & 7);
+    if (gc < a.C && gr < a.R)
+      *reinterpret_cast<uint4*>(a.q_col + gc * a.R + gr) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // 16-bit inputs, FP8 kinds: ask for 3 resident blocks (<= 42 registers; faster than the
 // compiler's own choice of 2). NVFP4 would spill there for no gain and f32 needs the registers;
-// the grouped variants (per-row scales) would spill at 3, so they ask for 2.
-template <int IN, int KIND, bool GROUPED>
+// kGroupRows (per-row scales) would spill at 3, so it asks for 2.
+template <int IN, int KIND, int GROUPED>
 constexpr int tile_min_blocks() {
-  return IN != 0 && (KIND == kTensor || KIND == kMx) ? (GROUPED ? 2 : 3) : 1;
+  return IN != 0 && (KIND == kTensor || KIND == kMx) ? (GROUPED == kGroupRows ? 2 : 3) : 1;
 }
 // What the tile kernel casts is what it loads, unless a Load functor maps each loaded chunk
 // first (norm.cu's NormLoad: the LayerNorm output recomputed from x and the row statistics).
@@ -109,7 +153,7 @@ struct PlainLoad {
   __device__ __forceinline__ void publish(float) const {}
 };
 
-template <int IN, int KIND, int FMT, bool GROUPED, bool PARTS = false, typename Load = PlainLoad>
+template <int IN, int KIND, int FMT, int GROUPED, bool PARTS = false, typename Load = PlainLoad>
 __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPED>())
     cast_tile_kernel(const CastArgs a, const Load load = Load{}) {
   using T = typename In<IN>::T;
@@ -120,17 +164,23 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
   constexpr float FMAX = fmt_max<FMT>();
   static_assert(PER * kTileThreads == kTileR * CPR, "tile/threads mismatch");
   static_assert(NW * 4 == kTileC && kTileR == 8 * 16, "column-phase mapping");
+  constexpr bool ROWS = GROUPED == kGroupRows, TILES = GROUPED == kGroupTiles;
 
   __shared__ __align__(16) T tile[kTileR][kTileC];
   __shared__ float red[NW];
   __shared__ float tpart[NW][8];  // NVFP4 2-D: per warp and row group, amax of its 4 columns
-  __shared__ float rscale[GROUPED ? kTileR : 1];
-  __shared__ int rok[GROUPED ? kTileR : 1];
-  __shared__ float rmax[GROUPED ? kTileR : 1];  // grouped fused amax: each row's max over the tile
+  __shared__ float rscale[ROWS ? kTileR : 1];
+  __shared__ int rok[ROWS ? kTileR : 1];
+  __shared__ float rmax[ROWS ? kTileR : 1];  // grouped fused amax: each row's max over the tile
+  __shared__ int2 tinfo;                     // kGroupTiles: tile_info of the tile
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int64_t R = a.R, C = a.C;
-  const uint32_t tr = blockIdx.x / a.tiles_c, tc = blockIdx.x - tr * a.tiles_c;
+  uint32_t tr = blockIdx.x / a.tiles_c, tc = blockIdx.x - tr * a.tiles_c;
+  if constexpr (ROWS) {  // block-uniform
+    if (tr >= uint32_t(*a.rows_count)) return;
+    tr = uint32_t(a.rows_list[tr]);
+  }
   const int64_t r0 = int64_t(tr) * kTileR, c0 = int64_t(tc) * kTileC;
   // The tile's source: x (row stride C), or the part that holds its columns.
   const T* __restrict__ x = static_cast<const T*>(a.x);
@@ -161,7 +211,13 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
       if (r0 + lr < R && c0 + lc < C) raw[i] = load.template apply<IN>(lsh, raw[i], lr, lc);
     }
   }
-  if constexpr (GROUPED) {
+  if constexpr (TILES) {  // block-uniform
+    const int2 ti = __ldg(&a.tile_info[tr]);
+    if (ti.x == kTileNoGroup) cast_tile_zeros<KIND>(a, r0, c0, CH, CPR, PER);
+    if (ti.x < 0) return;    // kTileRowScales: the kGroupRows launch's tile
+    if (t == 0) tinfo = ti;  // read after the barrier: kept in registers, it made the tile spill
+  }
+  if constexpr (ROWS) {
     if (t < kTileR) {
       const int64_t gr = r0 + t;
       const int g = gr < R ? a.row_group[gr] : -1;
@@ -174,7 +230,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
     const int id = i * kTileThreads + t, lr = id / CPR, ch = id % CPR;
     *reinterpret_cast<uint4*>(&tile[lr][(ch ^ ((lr >> 4) & 7)) * CH]) = raw[i];
   }
-  if constexpr (GROUPED) {
+  if constexpr (ROWS) {
     // Fused per-group amax (amax_out[g], delayed scaling): each row's max over the tile (the
     // CPR lanes that share a row), then one atomic per run of same-group rows in each warp.
     if (a.amax_out) {
@@ -201,7 +257,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
     if (lane == 0) red[warp] = m;
   }
   __syncthreads();
-  if constexpr (GROUPED) {
+  if constexpr (ROWS) {
     if (a.amax_out && t < kTileR) {  // warps 0..3: a segmented max-scan over their 32 rows
       const int64_t gr = r0 + t;
       const int g = gr < R ? a.row_group[gr] : -1;
@@ -219,11 +275,12 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
     float m = 0.0f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) m = fmaxf(m, red[w]);
-    atomic_max_nonneg(a.amax_out, m);
+    atomic_max_nonneg(a.amax_out + (TILES ? tinfo.x : 0), m);
   }
 
   float scale = 1.0f, S_row = 1.0f, S_col = 1.0f;
-  if constexpr (KIND == kTensor && !GROUPED) scale = tensor_scale<FMT>(a, 0);
+  if constexpr (KIND == kTensor && GROUPED == kUngrouped) scale = tensor_scale<FMT>(a, 0);
+  if constexpr (KIND == kTensor && TILES) scale = __int_as_float(tinfo.y);
   if (blockIdx.x == 0 && t == 0) load.publish(scale);
   if constexpr (KIND == kNv1 || KIND == kNv2) {
     S_row = nvfp4_tensor_scale(*a.amax_in);
@@ -270,12 +327,12 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
 #pragma unroll
         for (int k = 0; k < 16; k += 2) {
           float sa = scale, sb = scale;
-          if constexpr (GROUPED) {
+          if constexpr (ROWS) {
             sa = rscale[16 * g + k];
             sb = rscale[16 * g + k + 1];
           }
           uint32_t pr = enc_fp8x2<FMT>(__fmul_rn(v[k], sa), __fmul_rn(v[k + 1], sb));
-          if constexpr (GROUPED) {  // rows in no group are zero bytes
+          if constexpr (ROWS) {  // rows in no group are zero bytes
             if (!rok[16 * g + k]) pr &= 0xff00u;
             if (!rok[16 * g + k + 1]) pr &= 0x00ffu;
           }
@@ -331,7 +388,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
       if constexpr (KIND == kTensor || KIND == kMx) {
         uint8_t b = 0;
         float sc = scale;
-        if constexpr (KIND == kTensor && GROUPED) sc = rscale[lr];
+        if constexpr (KIND == kTensor && ROWS) sc = rscale[lr];
         if constexpr (KIND == kMx) {
           float m = amax_n<CH>(v);
 #pragma unroll
@@ -354,7 +411,7 @@ __global__ void __launch_bounds__(kTileThreads, tile_min_blocks<IN, KIND, GROUPE
           }
           w[k >> 2] |= enc_fp8x2<FMT>(ea, eb) << ((k & 3) * 8);
         }
-        if constexpr (GROUPED) {
+        if constexpr (ROWS) {
           if (!rok[lr]) {
 #pragma unroll
             for (int k = 0; k < CH / 4; ++k) w[k] = 0u;

@@ -1,9 +1,11 @@
 // CUDA grouped quantize: docs/numerics.md "Grouped quantize". group_sizes stays on the device;
 // everything derived from it is computed there:
-//   offsets (one block: exclusive scan of max(size, 0), clamped to M) -> row -> group map
-//   (binary search per row) -> per-group amax (atomicMax per row; delayed scaling: fused into the
-//   cast) -> per-group scale_inv -> fused cast (the tile kernel of cast_kernels.cuh with per-row
-//   scales; rows in no group are zeros).
+//   offsets (one block: exclusive scan of max(size, 0), clamped to M; zeroes amax) -> row ->
+//   group map and each 128-row tile's group if it has one (binary search per row) -> per-group
+//   amax (atomicMax per row; delayed scaling: fused into the cast) -> per-group scale_inv and the
+//   one-group tiles' scales -> fused cast (the tile kernel of cast_kernels.cuh: a one-group tile
+//   is cast as a non-grouped one with its group's scale, the others with per-row scales; rows in
+//   no group are zeros).
 // BLOCK_1D: offsets -> one kernel over 128x128 tiles of each group (grouped_block1d_kernel: the
 //   block casts of both copies and the per-group amax from one read of x).
 #include "cast_kernels.cuh"
@@ -13,22 +15,35 @@ namespace lowbit {
 namespace cuda {
 namespace {
 
-// Workspace layout: [0, 256) reserved | starts int64[G] | ends int64[G] | row_group int32[M].
+// Workspace layout: [0, 256) header (int32 at 0: the number of kTileRowScales tile rows) |
+// starts int64[G] | ends int64[G] | row_group int32[M] | (16-byte aligned) tile_info
+// int2[TR] | rows_list int32[TR] (TR = ceil(M / kTileR); cast_kernels.cuh's kGroupTiles).
 constexpr size_t kHeader = 256;
 size_t starts_off() { return kHeader; }
 size_t ends_off(int64_t G) { return kHeader + size_t(G) * 8; }
 size_t rowgroup_off(int64_t G) { return kHeader + size_t(G) * 16; }
+size_t tileinfo_off(int64_t G, int64_t M) {
+  return (rowgroup_off(G) + size_t(M) * sizeof(int32_t) + 15) & ~size_t(15);
+}
+__host__ __device__ int64_t tile_rows(int64_t M) { return (M + kTileR - 1) / kTileR; }
+size_t rowslist_off(int64_t G, int64_t M) {
+  return tileinfo_off(G, M) + size_t(tile_rows(M)) * sizeof(int2);
+}
 
 // Group g owns rows [starts[g], ends[g]): the exclusive / inclusive cumulative sums of the sizes
 // (negative sizes count as 0), clamped to M. One block of 1024 threads walks the groups in
-// chunks, carrying the running total; 64-bit sums cannot overflow.
+// chunks, carrying the running total; 64-bit sums cannot overflow. Also zeroes amax[G] (what a
+// memset did, one launch fewer) and the count of rows_list.
 __global__ void __launch_bounds__(1024)
-    group_offsets_kernel(const int32_t* sizes, int64_t G, int64_t M, int64_t* starts,
-                         int64_t* ends) {
+    group_offsets_kernel(const int32_t* sizes, int64_t G, int64_t M, int64_t* starts, int64_t* ends,
+                         float* amax, int32_t* rows_count) {
   __shared__ long long warp_sum[32];
   __shared__ long long carry;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  if (t == 0) carry = 0;
+  if (t == 0) {
+    carry = 0;
+    *rows_count = 0;
+  }
   __syncthreads();
   for (int64_t base = 0; base < G; base += 1024) {
     const int64_t g = base + t;
@@ -55,6 +70,7 @@ __global__ void __launch_bounds__(1024)
     if (g < G) {
       starts[g] = (incl - n) < M ? (incl - n) : M;
       ends[g] = incl < M ? incl : M;
+      amax[g] = 0.0f;
     }
     __syncthreads();  // everyone has read carry and warp_sum
     if (t == 1023) carry = incl;
@@ -62,26 +78,54 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// Each row's group: the last g with starts[g] <= m, if m < ends[g] (an empty group there means
+// Row m's group: the last g with starts[g] <= m, if m < ends[g] (an empty group there means
 // every earlier group ended before m too); -1 for rows after the last group.
+__device__ int32_t group_of_row(const int64_t* starts, const int64_t* ends, int64_t G, int64_t m) {
+  int64_t lo = 0, hi = G;  // first g with starts[g] > m
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (starts[mid] <= m)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  const int64_t g = lo - 1;
+  return (g >= 0 && m < ends[g]) ? int32_t(g) : -1;
+}
+
+// row_group[M], and tile_info[tile row].x: g when the tile's first and last rows (below M) are
+// both in group g (groups are runs of consecutive rows and the rows in no group come after all
+// of them, so every row between is in g too; g = -1: kTileNoGroup), else kTileRowScales, and
+// such a tile row is appended to rows_list (at most one per group end: at most G of them).
+// .y (the scale) is set by grouped_finalize_kernel.
 __global__ void row_group_kernel(const int64_t* starts, const int64_t* ends, int64_t G, int64_t M,
-                                 int32_t* row_group) {
-  for (int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; m < M;
+                                 int32_t* row_group, int2* tile_info, int32_t* rows_list,
+                                 int32_t* rows_count) {
+  const int64_t TR = tile_rows(M);
+  for (int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; m < M + TR;
        m += int64_t(gridDim.x) * blockDim.x) {
-    int64_t lo = 0, hi = G;  // first g with starts[g] > m
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) >> 1;
-      if (starts[mid] <= m)
-        lo = mid + 1;
-      else
-        hi = mid;
+    if (m < M) {
+      row_group[m] = group_of_row(starts, ends, G, m);
+    } else {
+      const int64_t r0 = (m - M) * kTileR, rl = (r0 + kTileR < M ? r0 + kTileR : M) - 1;
+      const int32_t g = group_of_row(starts, ends, G, r0);
+      const bool one = group_of_row(starts, ends, G, rl) == g;
+      tile_info[m - M] = make_int2(one ? (g >= 0 ? g : kTileNoGroup) : kTileRowScales, 0);
+      if (!one) rows_list[atomicAdd(rows_count, 1)] = int32_t(m - M);
     }
-    const int64_t g = lo - 1;
-    row_group[m] = (g >= 0 && m < ends[g]) ? int32_t(g) : -1;
   }
 }
 
-// Per-group amax: a warp per row (16-byte loads when rows are aligned), one atomic per row.
+// The warp's max of mx into *out (all lanes call).
+__device__ __forceinline__ void warp_amax_to(float mx, float* out) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+  if ((threadIdx.x & 31) == 0) atomic_max_nonneg(out, mx);
+}
+
+// Per-group amax (current scaling): each warp reads a contiguous run of rows, a row at a time
+// (16-byte loads when rows are aligned), and adds one atomic per group it meets. It was a warp
+// per row with one atomic per row: the rows of a group, read together, all hit one address.
 template <int IN>
 __global__ void __launch_bounds__(256)
     grouped_amax_kernel(const void* xv, int64_t M, int64_t K, bool vec, const int32_t* row_group,
@@ -91,14 +135,23 @@ __global__ void __launch_bounds__(256)
   const T* x = static_cast<const T*>(xv);
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t m = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); m < M;
-       m += warps) {
-    const int g = row_group[m];
-    if (g < 0) continue;  // warp-uniform
+  const int64_t w = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int64_t per = (M + warps - 1) / warps, m0 = w * per, m1 = m0 + per < M ? m0 + per : M;
+  int gcur = -1, gnext = m0 < m1 ? row_group[m0] : -1;  // warp-uniform
+  float mx = 0.0f;  // this lane's max over the rows of group gcur so far
+  for (int64_t m = m0; m < m1; ++m) {
+    const int g = gnext;
+    if (m + 1 < m1) gnext = row_group[m + 1];  // in flight with this row's loads
+    if (g != gcur) {
+      if (gcur >= 0) warp_amax_to(mx, amax + gcur);
+      gcur = g;
+      mx = 0.0f;
+    }
+    if (g < 0) continue;
     const T* row = x + m * K;
-    float mx = 0.0f;
     if (vec) {
       const uint4* r4 = reinterpret_cast<const uint4*>(row);
+#pragma unroll 4
       for (int64_t i = lane; i < K / CH; i += 32) {
         float v[CH];
         unpack16<IN>(__ldg(r4 + i), v);
@@ -107,21 +160,29 @@ __global__ void __launch_bounds__(256)
     } else {
       for (int64_t i = lane; i < K; i += 32) mx = fmaxf(mx, fabsf(In<IN>::f(row[i])));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
-    if (lane == 0) atomic_max_nonneg(amax + g, mx);
   }
+  if (gcur >= 0) warp_amax_to(mx, amax + gcur);
 }
 
-// Per-group scale_inv of the tensor modes (an empty group has amax 0, hence scale 1).
+// Per-group scale_inv of the tensor modes (an empty group has amax 0, hence scale 1), and the
+// scale of each one-group tile (tile_info[i].y for i < TR; the tile kernel's tensor_scale).
+template <int FMT>
 __global__ void grouped_finalize_kernel(int64_t G, const float* delayed, const float* amax,
-                                        float fmax, float* si_row, float* si_col) {
-  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < G;
-       g += int64_t(gridDim.x) * blockDim.x) {
-    const float s = delayed ? delayed[g] : scale_from_amax(amax[g], fmax);
-    const float inv = 1.0f / s;
-    if (si_row) si_row[g] = inv;
-    if (si_col) si_col[g] = inv;
+                                        float* si_row, float* si_col, int2* tile_info, int64_t TR) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < G || i < TR;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    if (i < G) {
+      const float s = delayed ? delayed[i] : scale_from_amax(amax[i], fmt_max<FMT>());
+      const float inv = 1.0f / s;
+      if (si_row) si_row[i] = inv;
+      if (si_col) si_col[i] = inv;
+    }
+    if (i < TR) {
+      const int g = tile_info[i].x;
+      if (g >= 0)
+        tile_info[i].y =
+            __float_as_int(delayed ? delayed[g] : scale_from_amax(amax[g], fmt_max<FMT>()));
+    }
   }
 }
 
@@ -284,19 +345,20 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
   int64_t* starts = reinterpret_cast<int64_t*>(ws + starts_off());
   int64_t* ends = reinterpret_cast<int64_t*>(ws + ends_off(G));
   int32_t* row_group = reinterpret_cast<int32_t*>(ws + rowgroup_off(G));
+  int2* tile_info = reinterpret_cast<int2*>(ws + tileinfo_off(G, M));
+  int32_t* rows_list = reinterpret_cast<int32_t*>(ws + rowslist_off(G, M));
+  int32_t* rows_count = reinterpret_cast<int32_t*>(ws);
+  const int64_t TR = tile_rows(M);
   const bool tensor = KIND == kTensor;
 
   if (G > 0) {
-    group_offsets_kernel<<<1, 1024, 0, st>>>(p.group_sizes, G, M, starts, ends);
+    group_offsets_kernel<<<1, 1024, 0, st>>>(p.group_sizes, G, M, starts, ends, p.amax, rows_count);
     if (auto s = launch_status("group_offsets_kernel"); !s.ok()) return s;
-    if (auto s =
-            api_status(cudaMemsetAsync(p.amax, 0, size_t(G) * sizeof(float), st), "memset amax");
-        !s.ok())
-      return s;
   }
   const bool block = p.mode == ScalingMode::kBlock1d;  // its cast takes the per-group amax
   if (M > 0 && !block) {
-    row_group_kernel<<<grid_for(M, 256, 8192), 256, 0, st>>>(starts, ends, G, M, row_group);
+    row_group_kernel<<<grid_for(M + TR, 256, 8192), 256, 0, st>>>(starts, ends, G, M, row_group,
+                                                                  tile_info, rows_list, rows_count);
     if (auto s = launch_status("row_group_kernel"); !s.ok()) return s;
   }
   const bool fast = tile_cast_fits(M, K, aligned16(p.x), p.rowwise ? p.data : nullptr,
@@ -307,16 +369,16 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
     constexpr int CH = 16 / int(sizeof(typename In<IN>::T));
     const bool vec = K % CH == 0 && aligned16(p.x);
     grouped_amax_kernel<IN>
-        <<<grid_for(M * 32, 256, 4096), 256, 0, st>>>(p.x, M, K, vec, row_group, p.amax);
+        <<<grid_for(M * 32, 256, 2048), 256, 0, st>>>(p.x, M, K, vec, row_group, p.amax);
     if (auto s = launch_status("grouped_amax_kernel"); !s.ok()) return s;
   }
   if (p.mode == ScalingMode::kBlock1d) return run_grouped_block1d<IN, FMT>(p, st, starts, ends);
 
   if (tensor && G > 0) {
-    grouped_finalize_kernel<<<grid_for(G, 256), 256, 0, st>>>(
-        G, p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr, p.amax, fmt_max<FMT>(),
+    grouped_finalize_kernel<FMT><<<grid_for(G > TR ? G : TR, 256), 256, 0, st>>>(
+        G, p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr, p.amax,
         p.rowwise ? static_cast<float*>(p.scale_inv) : nullptr,
-        p.colwise ? static_cast<float*>(p.colwise_scale_inv) : nullptr);
+        p.colwise ? static_cast<float*>(p.colwise_scale_inv) : nullptr, tile_info, TR);
     if (auto s = launch_status("grouped_finalize_kernel"); !s.ok()) return s;
   }
   if (n == 0) return Status::Ok();
@@ -335,12 +397,20 @@ Status run_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
   a.delayed = p.mode == ScalingMode::kDelayedTensor ? p.scale : nullptr;
   a.amax_in = p.amax;
   a.row_group = row_group;
+  a.tile_info = tile_info;
+  a.rows_list = rows_list;
+  a.rows_count = rows_count;
   a.amax_out = fused_amax && G > 0 ? p.amax : nullptr;
   if (fast) {
     int64_t tiles = 0;
     if (!set_tiles(a, &tiles)) return Status::Invalid("grouped_quantize: tensor too large");
-    cast_tile_kernel<IN, KIND, FMT, true><<<unsigned(tiles), kTileThreads, 0, st>>>(a);
-    return launch_status("cast_tile_kernel (grouped)");
+    cast_tile_kernel<IN, KIND, FMT, kGroupTiles><<<unsigned(tiles), kTileThreads, 0, st>>>(a);
+    if (auto s = launch_status("cast_tile_kernel (grouped tiles)"); !s.ok()) return s;
+    if (G == 0) return Status::Ok();  // no kTileRowScales tiles (rows_count not set)
+    // At most min(G, TR) tile rows cross a group end; blocks past rows_count exit.
+    const int64_t rows_tiles = (G < TR ? G : TR) * int64_t(a.tiles_c);
+    cast_tile_kernel<IN, KIND, FMT, kGroupRows><<<unsigned(rows_tiles), kTileThreads, 0, st>>>(a);
+    return launch_status("cast_tile_kernel (grouped rows)");
   }
   constexpr int B = generic_block<KIND>();
   if (a.rowwise) {
@@ -376,7 +446,7 @@ Status dispatch_grouped(const GroupedQuantizeParams& p, cudaStream_t st) {
 
 size_t grouped_quantize_workspace_bytes(const GroupedQuantizeParams& p) {
   const int64_t G = p.num_groups > 0 ? p.num_groups : 0, M = p.rows > 0 ? p.rows : 0;
-  const size_t bytes = cuda::rowgroup_off(G) + size_t(M) * sizeof(int32_t);
+  const size_t bytes = cuda::rowslist_off(G, M) + size_t(cuda::tile_rows(M)) * sizeof(int32_t);
   return (bytes + 255) & ~size_t(255);
 }
 
