@@ -206,7 +206,7 @@ def eval_batches(data: np.ndarray, cfg: Config) -> np.ndarray:
     n -= n % cfg.batch
     starts = np.arange(n) * cfg.seq
     if cfg.eval_spread:  # evenly over the held-out text (all its files), not its first n windows
-        starts = np.arange(n) * ((len(data) - cfg.seq - 1) // max(n, 1))
+        starts = np.linspace(0, len(data) - cfg.seq - 1, n).astype(np.int64)
     w = data[starts[:, None] + np.arange(cfg.seq + 1)].astype(np.int32)
     return w.reshape(n // cfg.batch, cfg.batch, cfg.seq + 1)
 

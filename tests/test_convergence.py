@@ -216,9 +216,11 @@ def test_eval_windows_spread_over_the_held_out_text(conv):
     data = np.arange(100_000)  # each window's first token is its start
     cfg = dataclasses.replace(conv.SMALL, eval_spread=True)
     w = conv.eval_batches(data, cfg).reshape(-1, cfg.seq + 1)
-    n, stride = cfg.eval_batches * cfg.batch, (len(data) - cfg.seq - 1) // (cfg.eval_batches * cfg.batch)
-    assert (w == np.arange(n)[:, None] * stride + np.arange(cfg.seq + 1)).all()
-    assert stride >= cfg.seq and w[-1, -1] > 0.95 * len(data)  # disjoint, reaching the text's end
+    n = cfg.eval_batches * cfg.batch
+    starts = w[:, 0]  # first at the start, last ending on the text's last byte, evenly apart
+    assert len(w) == n and starts[0] == 0 and w[-1, -1] == len(data) - 1
+    assert (w == starts[:, None] + np.arange(cfg.seq + 1)).all()
+    assert np.ptp(np.diff(starts)) <= 1 and np.diff(starts).min() > cfg.seq  # disjoint windows
     plain = conv.eval_batches(data, conv.SMALL).reshape(-1, cfg.seq + 1)  # default: the first windows
     assert (plain == np.arange(n)[:, None] * cfg.seq + np.arange(cfg.seq + 1)).all()
 
