@@ -374,15 +374,16 @@ def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
 
 
 def run(recipes, seeds, steps: int, cfg: Config, log=print, corpus="licences", on_row=None) -> list[dict]:
-    """Every (recipe, seed), recipe by recipe (one compile each); on_row(rows) after every run."""
+    """Every recipe for seed 0, then for the next seed ... (a run cut short keeps whole seeds),
+    each recipe compiled once, on the first seed; on_row(rows) after every run."""
     data = load_corpus(corpus)
+    trainers = {name: Trainer(name, cfg, steps) for name in recipes}
     rows = []
-    for name in recipes:
-        trainer = Trainer(name, cfg, steps)
-        for seed in seeds:
+    for seed in seeds:
+        for name, trainer in trainers.items():
             r = trainer.train(seed, data)
             log(
-                f"  {name:12s} seed {seed} train {r['first']:.3f} -> {r['last']:.3f}  "
+                f"  seed {seed} {name:12s} train {r['first']:.3f} -> {r['last']:.3f}  "
                 f"held-out {r['held']:.4f}  ({r['seconds']:.0f} s, {r['step_ms']:.1f} ms/step, "
                 f"compile {trainer.compile_s:.1f} s{'' if r['compile_s'] else ', reused'})"
             )

@@ -9,6 +9,9 @@
 # DENSE_RECIPES / MOE_RECIPES the recipe lists. Each stage runs under its own limit (LIMIT_DENSE,
 # LIMIT_MOE, seconds) and prints its wall time; logs and JSON (rewritten after every run, so a
 # stage cut short keeps its finished runs) in $OUT/convergence_<stage>.{log,json}.
+# PARALLEL=1: both stages at once on the one GPU (45% of its memory each): the compiles overlap
+# on the CPU cores and the launch-bound steps share the GPU; the losses are the same, the
+# ms/step figures are not one model's alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_setup.sh
@@ -30,14 +33,24 @@ print(c.table(json.load(open(sys.argv[1]))['rows']))" "$json"
   fi
 }
 STEPS=${STEPS:-1000} SEEDS=${SEEDS:-0 1 2}
-if has dense; then
+dense() {
   # shellcheck disable=SC2086 # the lists split into words on purpose
   conv dense "${LIMIT_DENSE:-300}" --size gpu --steps "$STEPS" --seeds $SEEDS \
     --recipes ${DENSE_RECIPES:-bf16 delayed current delayed-dpa current-dpa}
-fi
-if has moe; then
+}
+moe() {
   # shellcheck disable=SC2086
   conv moe "${LIMIT_MOE:-180}" --model moe --size gpu --steps "${MOE_STEPS:-$STEPS}" \
     --seeds ${MOE_SEEDS:-$SEEDS} --recipes ${MOE_RECIPES:-bf16 delayed current block}
+}
+if [ "${PARALLEL:-0}" = 1 ]; then
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
+  has dense && dense >"$OUT/stage_dense.txt" 2>&1 &
+  has moe && moe >"$OUT/stage_moe.txt" 2>&1 &
+  wait
+  cat "$OUT"/stage_*.txt 2>/dev/null
+else
+  has dense && dense
+  has moe && moe
 fi
 say done

@@ -238,15 +238,24 @@ def test_one_compile_per_recipe_across_seeds_same_results(conv):
 
 def test_out_json_has_the_rows_and_the_run(conv, tmp_path):
     out = tmp_path / "conv.json"
-    rows = conv.main(["--small", "--steps", "3", "--recipes", "bf16", "current", "--out", str(out)])
+    argv = ["--small", "--steps", "3", "--seeds", "0", "1", "--recipes", "current", "--out", str(out)]
+    rows = conv.main(argv)
     doc = json.loads(out.read_text())
     assert doc["config"] == dataclasses.asdict(conv.SMALL)
     assert doc["jax"] == jax.__version__ and doc["device"] == jax.devices()[0].device_kind
     assert (doc["model"], doc["size"], doc["corpus"], doc["steps"]) == ("dense", "small", "licences", 3)
-    assert [(r["recipe"], r["seed"]) for r in doc["rows"]] == [("bf16", 0), ("current", 0)]
+    # Seed by seed (a run cut short keeps whole seeds), bf16 first; each recipe compiled on seed 0.
+    assert [(r["recipe"], r["seed"]) for r in doc["rows"]] == [
+        ("bf16", 0),
+        ("current", 0),
+        ("bf16", 1),
+        ("current", 1),
+    ]
+    assert [r["compile_s"] > 0 for r in doc["rows"]] == [True, True, False, False]
     for r, want in zip(doc["rows"], rows):
         for k in ("held", "first", "last", "step_ms", "compile_s", "curve"):
             assert r[k] == want[k], k
-        assert len(r["curve"]) == 3 and r["compile_s"] > 0
+        assert len(r["curve"]) == 3 and r["step_ms"] > 0
+    assert "| current |" in conv.table(doc["rows"]) and "| bf16 |" in conv.table(doc["rows"][:3])  # partial
     with pytest.raises(SystemExit):
         conv.main(["--small", "--size", "gpu"])
