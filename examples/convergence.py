@@ -114,19 +114,8 @@ MOE = Config(d_model=128, n_layers=2, n_heads=4, d_ff=256, moe_experts=8)
 SMALL_MOE = dataclasses.replace(MOE, n_layers=1, n_heads=2, seq=16, batch=8, warmup=2, eval_batches=1)
 # One GPU (issues 26, 27): head_dim 512 / 4 = 128, cuDNN's FP8 attention size; MoE experts of
 # ffn d_ff / 2 = 1024 and d 512, multiples of Float8BlockScaling's 128.
-GPU = Config(
-    d_model=512,
-    n_layers=6,
-    n_heads=4,
-    d_ff=2048,
-    seq=512,
-    batch=32,
-    lr=1e-3,
-    warmup=100,
-    eval_batches=32,
-    lowbit_attention=True,
-    eval_spread=True,
-)
+GPU = Config(d_model=512, n_layers=6, n_heads=4, d_ff=2048, seq=512, batch=32, lr=1e-3, warmup=100)
+GPU = dataclasses.replace(GPU, eval_batches=32, lowbit_attention=True, eval_spread=True)
 GPU_MOE = dataclasses.replace(GPU, n_layers=4, moe_experts=8)
 GPU_RECIPES = ("bf16", "delayed", "current", "delayed-dpa", "current-dpa")
 SIZES = ("default", "small", "gpu")
