@@ -7,7 +7,8 @@
 # moe: --model moe --size gpu (4 layers of 8 experts, ffn 1024, top-2) with bf16 delayed current block.
 # STEPS (1000) and SEEDS ("0 1 2") for both, MOE_STEPS / MOE_SEEDS override them for moe;
 # DENSE_RECIPES / MOE_RECIPES the recipe lists. Each stage runs under its own limit (LIMIT_DENSE,
-# LIMIT_MOE, seconds) and prints its wall time; logs and JSON (rewritten after every run, so a
+# LIMIT_MOE, seconds; 240 and 200: the pair fits one 8-minute call) and prints its wall time; logs
+# and JSON (rewritten after every run, so a
 # stage cut short keeps its finished runs) in $OUT/convergence_<stage>.{log,json}.
 # PARALLEL=1: both stages at once on the one GPU (45% of its memory each): the compiles overlap
 # on the CPU cores and the launch-bound steps share the GPU; the losses are the same, the
@@ -35,12 +36,12 @@ print(c.table(json.load(open(sys.argv[1]))['rows']))" "$json"
 STEPS=${STEPS:-1000} SEEDS=${SEEDS:-0 1 2}
 dense() {
   # shellcheck disable=SC2086 # the lists split into words on purpose
-  conv dense "${LIMIT_DENSE:-300}" --size gpu --steps "$STEPS" --seeds $SEEDS \
+  conv dense "${LIMIT_DENSE:-240}" --size gpu --steps "$STEPS" --seeds $SEEDS \
     --recipes ${DENSE_RECIPES:-bf16 delayed current delayed-dpa current-dpa}
 }
 moe() {
   # shellcheck disable=SC2086
-  conv moe "${LIMIT_MOE:-180}" --model moe --size gpu --steps "${MOE_STEPS:-$STEPS}" \
+  conv moe "${LIMIT_MOE:-200}" --model moe --size gpu --steps "${MOE_STEPS:-$STEPS}" \
     --seeds ${MOE_SEEDS:-$SEEDS} --recipes ${MOE_RECIPES:-bf16 delayed current block}
 }
 if [ "${PARALLEL:-0}" = 1 ]; then
