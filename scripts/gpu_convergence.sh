@@ -7,9 +7,9 @@
 # moe: --model moe --size gpu (4 layers of 8 experts, ffn 1024, top-2) with bf16 delayed current block.
 # STEPS (1000) and SEEDS ("0 1 2") for both, MOE_STEPS / MOE_SEEDS override them for moe;
 # DENSE_RECIPES / MOE_RECIPES the recipe lists. Each stage runs under its own limit (LIMIT_DENSE,
-# LIMIT_MOE, seconds; 240 and 200: the pair fits one 8-minute call) and prints its wall time; logs
-# and JSON (rewritten after every run, so a
-# stage cut short keeps its finished runs) in $OUT/convergence_<stage>.{log,json}.
+# LIMIT_MOE, seconds; 240 and 200: the pair fits one 8-minute call) and prints its wall time;
+# logs and JSON (rewritten after every run, seed by seed, so a stage cut short keeps its whole
+# seeds) in $OUT/convergence_<stage>.{log,json}.
 # PARALLEL=1: both stages at once on the one GPU (45% of its memory each): the compiles overlap
 # on the CPU cores and the launch-bound steps share the GPU; the losses are the same, the
 # ms/step figures are not one model's alone.
