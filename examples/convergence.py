@@ -1,15 +1,21 @@
 """Convergence check: a small byte-level decoder LM trained with each recipe vs BF16.
 
-Real text that is always there offline (the Debian licence texts in /usr/share/common-licenses,
-else this repository's docs), byte tokens, the last 10% of every file held out. Every recipe
-trains from the same initial parameters on the same batches; the table gives each recipe's
-held-out loss and its gap to BF16 in percent.
+Real text that is always there offline, byte tokens, the last 10% of every file held out. Every
+recipe trains from the same initial parameters on the same batches; the table gives each
+recipe's held-out loss and its gap to BF16 in percent. Corpora (``--corpus``): ``licences``, the
+Debian licence texts in /usr/share/common-licenses (264 KB; else this repository's docs), the
+default of the CPU sizes; ``python``, the .py files of the running interpreter's standard library
+(sorted, test folders and site-packages left out, capped at 32 MB; ~12 MB), the default of
+``--size gpu``. The python corpus depends on the interpreter's version (3.12 on the GPU
+machine, 3.11 on the CPU one), so compare its losses only between runs of one interpreter.
 
     python examples/convergence.py                     # 500 steps, all recipes, seed 0
     python examples/convergence.py --seeds 0 1 2 --recipes bf16 nvfp4 nvfp4-all
     python examples/convergence.py --small --steps 30  # seconds: what the test runs
     python examples/convergence.py --model moe --steps 300 --seeds 0 1  # MoE decoder, FP8 recipes
     python examples/convergence.py --fp8-attention --steps 300 --recipes bf16 delayed current
+    python examples/convergence.py --size gpu --seeds 0 1 2 --out conv.json  # one GPU: 1000 steps
+    python examples/convergence.py --model moe --size gpu --recipes bf16 delayed current block
 
 ``--model moe``: the MoE decoder (MOE below: 2 layers, d 128, every block's MLP lowbit's
 MoEBlock of 8 experts of ffn 128, top-2, SwiGLU, softmax router with TE's load-balancing aux
@@ -17,6 +23,15 @@ loss in the training loss), its expert grouped GEMMs under the recipe; default r
 delayed, current, block (the grouped GEMM's). ``--moe E``: E experts (in either model).
 ``--fp8-attention``: every run's attention is lowbit's DotProductAttention, and the FP8 recipes
 set ``fp8_dpa=True`` (FP8 attention; BF16 stays BF16).
+
+``--size gpu`` (GPU and GPU_MOE below): d 512, 4 heads of 128 (the one head size of cuDNN's FP8
+attention backward), d_ff 2048, seq 512, batch 32, AdamW 1e-3 with 100 warmup steps, held-out
+loss over 32 batches spread over the held-out text; dense 6 layers, MoE 4 layers of 8 experts
+(ffn 1024, top-2). Every run's attention is lowbit's DotProductAttention (cuDNN BF16 on a GPU),
+so bf16 and the GEMM-only FP8 recipes share one attention kernel; only delayed-dpa and
+current-dpa run FP8 attention. Each recipe's step is compiled once and run for every seed;
+``--out FILE`` writes the rows (with the loss curves, config, jax version and device) as JSON,
+rewritten after every run so that a run cut short keeps what finished.
 
 Recipe names: bf16 (no recipe), delayed, delayed-h16 (amax history of 16 steps, not 1024),
 current, mxfp8, block (Float8BlockScaling), nvfp4 (the default NVFP4 recipe: first and last
@@ -32,7 +47,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import json
 import os
+import sysconfig
 import time
 
 import flax.linen as nn
@@ -87,13 +104,26 @@ class Config:
     moe_top_k: int = 2
     aux_loss: float = 0.01
     fp8_attention: bool = False  # lowbit's DotProductAttention, fp8_dpa under FP8 recipes
+    lowbit_attention: bool = False  # lowbit's DotProductAttention for every recipe (fp8_dpa: the recipe's)
+    eval_spread: bool = False  # held-out windows spread over all the held-out text, not its start
 
 
 SMALL = Config(d_model=32, n_layers=3, n_heads=2, d_ff=64, seq=32, batch=8, warmup=5, eval_batches=2)
 # Experts of ffn d_ff / 2 = 128 and d 128: Float8BlockScaling's 128-wide blocks tile every expert GEMM.
 MOE = Config(d_model=128, n_layers=2, n_heads=4, d_ff=256, moe_experts=8)
 SMALL_MOE = dataclasses.replace(MOE, n_layers=1, n_heads=2, seq=16, batch=8, warmup=2, eval_batches=1)
-CONFIGS = {"dense": (Config(), SMALL, DEFAULT_RECIPES), "moe": (MOE, SMALL_MOE, MOE_RECIPES)}
+# One GPU (issues 26, 27): head_dim 512 / 4 = 128, cuDNN's FP8 attention size; MoE experts of
+# ffn d_ff / 2 = 1024 and d 512, multiples of Float8BlockScaling's 128.
+GPU = Config(d_model=512, n_layers=6, n_heads=4, d_ff=2048, seq=512, batch=32, lr=1e-3, warmup=100)
+GPU = dataclasses.replace(GPU, eval_batches=32, lowbit_attention=True, eval_spread=True)
+GPU_MOE = dataclasses.replace(GPU, n_layers=4, moe_experts=8)
+GPU_RECIPES = ("bf16", "delayed", "current", "delayed-dpa", "current-dpa")
+SIZES = ("default", "small", "gpu")
+CONFIGS = {  # model: ({size: config}, default recipes)
+    "dense": ({"default": Config(), "small": SMALL, "gpu": GPU}, DEFAULT_RECIPES),
+    "moe": ({"default": MOE, "small": SMALL_MOE, "gpu": GPU_MOE}, MOE_RECIPES),
+}
+DEFAULT_STEPS = {"default": 500, "small": 500, "gpu": 1000}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,10 +145,38 @@ def text_files() -> list[str]:
     return out
 
 
-def load_corpus() -> tuple[np.ndarray, np.ndarray]:
+PYTHON_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+PYTHON_CAP = 32 << 20  # bytes
+
+
+def python_files() -> list[str]:
+    """The standard library's .py files in path order, test folders and installed packages left
+    out, up to PYTHON_CAP bytes (the interpreter's version decides the text)."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in PYTHON_SKIP]
+        found += [os.path.join(top, f) for f in files if f.endswith(".py")]
+    out, total = [], 0
+    for f in sorted(found, key=lambda f: os.path.relpath(f, root)):
+        if not os.path.isfile(f) or os.path.islink(f):
+            continue
+        total += os.path.getsize(f)
+        if total > PYTHON_CAP:
+            break
+        out.append(f)
+    return out
+
+
+CORPORA = {"licences": text_files, "python": python_files}
+
+
+def load_corpus(corpus: str = "licences") -> tuple[np.ndarray, np.ndarray]:
     """(train, held-out) byte arrays: the last 10% of every file is held out."""
+    if corpus not in CORPORA:
+        raise ValueError(f"corpus must be one of {list(CORPORA)}, got {corpus!r}")
     train, held = [], []
-    for f in text_files():
+    for f in CORPORA[corpus]():
         with open(f, "rb") as fh:
             b = np.frombuffer(fh.read(), np.uint8)
         cut = int(len(b) * 0.9)
@@ -135,7 +193,10 @@ def train_batches(data: np.ndarray, cfg: Config, steps: int, seed: int) -> np.nd
 def eval_batches(data: np.ndarray, cfg: Config) -> np.ndarray:
     n = min(cfg.eval_batches * cfg.batch, (len(data) - 1) // cfg.seq)
     n -= n % cfg.batch
-    w = data[np.arange(n)[:, None] * cfg.seq + np.arange(cfg.seq + 1)].astype(np.int32)
+    starts = np.arange(n) * cfg.seq
+    if cfg.eval_spread:  # evenly over the held-out text (all its files), not its first n windows
+        starts = np.linspace(0, len(data) - cfg.seq - 1, n).astype(np.int64)
+    w = data[starts[:, None] + np.arange(cfg.seq + 1)].astype(np.int32)
     return w.reshape(n // cfg.batch, cfg.batch, cfg.seq + 1)
 
 
@@ -158,7 +219,8 @@ class Block(nn.Module):
         b, t, _ = x.shape
         h = nn.LayerNorm(dtype=dt)(x)
         q, k, v = jnp.split(dense(3 * c.d_model, "qkv")(h).reshape(b, t, 3 * c.n_heads, -1), 3, axis=2)
-        if c.fp8_attention or getattr(self.recipe, "fp8_dpa", False):  # FP8 where the recipe says fp8_dpa
+        if c.fp8_attention or c.lowbit_attention or getattr(self.recipe, "fp8_dpa", False):
+            # FP8 where the recipe says fp8_dpa, else BF16 (cuDNN on a GPU)
             dpa = lowbit.flax.DotProductAttention(
                 head_dim=q.shape[-1], num_attention_heads=c.n_heads, attn_mask_type="causal", name="attn"
             )
@@ -208,79 +270,115 @@ def xent(logits, targets):
 
 
 # ---------------------------------------------------------------------------------------------
-# Training
+# Training: one compiled step per recipe, run for every seed
 # ---------------------------------------------------------------------------------------------
-def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
-    train_data, held = data
-    recipe = RECIPES[name]()
-    if cfg.fp8_attention and recipe is not None:
-        recipe = dataclasses.replace(recipe, fp8_dpa=True)
-    model = ByteLM(cfg, recipe)
-    batches = train_batches(train_data, cfg, steps, seed)
+class Trainer:
+    """One recipe's training step and held-out loss, jitted and compiled once for the config and
+    run for every seed: the seed's parameters, batches and stochastic-rounding key are arguments,
+    not constants of the program. ``traces`` counts how often each function was traced."""
 
-    def apply(variables, tokens, **kw):  # the recipe in context: lowbit's attention reads it there
-        with lowbit.autocast(recipe=recipe, enabled=recipe is not None):
-            return model.apply(variables, tokens, **kw)
+    def __init__(self, name: str, cfg: Config, steps: int):
+        recipe = RECIPES[name]()
+        if cfg.fp8_attention and recipe is not None:
+            recipe = dataclasses.replace(recipe, fp8_dpa=True)
+        self.name, self.cfg, self.steps, self.recipe = name, cfg, steps, recipe
+        self.model = ByteLM(cfg, recipe)
+        total = max(steps, cfg.warmup + 1)
+        sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, total, cfg.lr / 10)
+        self.opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.95, weight_decay=0.1))
+        self.traces = {"step": 0, "eval": 0}
+        self.compiled = None  # (step, eval_loss) executables, built on the first seed
+        self.compile_s = 0.0
 
-    with lowbit.autocast(recipe=recipe, enabled=recipe is not None):
-        variables = model.init(jax.random.PRNGKey(seed), batches[0, :, :-1])
-    params = variables.pop("params")
-    state = variables  # DelayedScaling's amax histories and scales (else empty)
-    total = max(steps, cfg.warmup + 1)
-    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, total, cfg.lr / 10)
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.95, weight_decay=0.1))
-    opt_state = opt.init(params)
-    sr_key = jax.random.PRNGKey(1000 + seed)
+    def _autocast(self):  # the recipe in context: lowbit's attention reads it there
+        return lowbit.autocast(recipe=self.recipe, enabled=self.recipe is not None)
 
-    def loss_fn(params, state, batch, key):
-        logits, aux = apply({"params": params, **state}, batch[:, :-1], rngs={SR_RNG: key})
-        loss = xent(logits, batch[:, 1:])
-        return loss + aux, loss  # trains on both, reports the cross-entropy
+    def _apply(self, variables, tokens, **kw):
+        with self._autocast():
+            return self.model.apply(variables, tokens, **kw)
 
-    @jax.jit
-    def step(params, state, opt_state, batch, i):
-        (_, loss), (g, g_state) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-            params, state, batch, jax.random.fold_in(sr_key, i)
-        )
-        updates, opt_state = opt.update(g, opt_state, params)
+    def _step(self, params, state, opt_state, batch, i, sr_key):
+        self.traces["step"] += 1  # runs only while tracing
+
+        def loss_fn(params, state):
+            key = jax.random.fold_in(sr_key, i)
+            logits, aux = self._apply({"params": params, **state}, batch[:, :-1], rngs={SR_RNG: key})
+            loss = xent(logits, batch[:, 1:])
+            return loss + aux, loss  # trains on both, reports the cross-entropy
+
+        (_, loss), (g, g_state) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, state)
+        updates, opt_state = self.opt.update(g, opt_state, params)
         # DelayedScaling: the state's "gradient" is its new value.
         state = {OVERWRITE_WITH_GRADIENT: g_state[OVERWRITE_WITH_GRADIENT]} if state else state
         return optax.apply_updates(params, updates), state, opt_state, loss
 
-    @jax.jit
-    def eval_loss(params, state, batch):
-        return xent(apply({"params": params, **state}, batch[:, :-1])[0], batch[:, 1:])
+    def _eval(self, params, state, batch):
+        self.traces["eval"] += 1
+        return xent(self._apply({"params": params, **state}, batch[:, :-1])[0], batch[:, 1:])
 
-    t0, losses = time.time(), []
-    for i in range(steps):
-        params, state, opt_state, loss = step(params, state, opt_state, batches[i], i)
-        losses.append(float(loss))
-        if i == 0:
-            t1 = time.time()  # compiled
-    held_loss = float(np.mean([eval_loss(params, state, b) for b in eval_batches(held, cfg)]))
-    return dict(
-        recipe=name,
-        seed=seed,
-        first=float(np.mean(losses[:5])),
-        last=float(np.mean(losses[-10:])),
-        held=held_loss,
-        curve=losses,  # training cross-entropy per step
-        seconds=time.time() - t0,
-        step_ms=1e3 * (time.time() - t1) / max(steps - 1, 1),
-    )
+    def train(self, seed: int, data) -> dict:
+        train_data, held = data
+        cfg, steps = self.cfg, self.steps
+        t0 = time.time()
+        batches = train_batches(train_data, cfg, steps, seed)
+        evals = eval_batches(held, cfg)
+        with self._autocast():
+            variables = self.model.init(jax.random.PRNGKey(seed), batches[0, :, :-1])
+        params = variables.pop("params")
+        state = variables  # DelayedScaling's amax histories and scales (else empty)
+        opt_state = self.opt.init(params)
+        sr_key = jax.random.PRNGKey(1000 + seed)
+        compile_s = 0.0
+        if self.compiled is None:  # ahead of time: the compile apart from the steps' time
+            tc = time.time()
+            args = (params, state, opt_state, batches[0], np.int32(0), sr_key)
+            self.compiled = (
+                jax.jit(self._step).lower(*args).compile(),
+                jax.jit(self._eval).lower(params, state, evals[0]).compile(),
+            )
+            compile_s = self.compile_s = time.time() - tc
+        step, eval_loss = self.compiled
+        ts, losses = time.time(), []
+        for i in range(steps):
+            params, state, opt_state, loss = step(params, state, opt_state, batches[i], np.int32(i), sr_key)
+            losses.append(loss)  # a device array: no host round trip per step
+        curve = [float(x) for x in jax.device_get(losses)]  # the one wait for the steps
+        step_ms = 1e3 * (time.time() - ts) / max(steps, 1)
+        held_loss = float(np.mean(jax.device_get([eval_loss(params, state, b) for b in evals])))
+        return dict(
+            recipe=self.name,
+            seed=seed,
+            first=float(np.mean(curve[:5])),
+            last=float(np.mean(curve[-10:])),
+            held=held_loss,
+            curve=curve,  # training cross-entropy per step
+            seconds=time.time() - t0,
+            step_ms=step_ms,
+            compile_s=compile_s,  # 0: this recipe's step was compiled for an earlier seed
+        )
 
 
-def run(recipes, seeds, steps: int, cfg: Config, log=print) -> list[dict]:
-    data = load_corpus()
+def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
+    return Trainer(name, cfg, steps).train(seed, data)
+
+
+def run(recipes, seeds, steps: int, cfg: Config, log=print, corpus="licences", on_row=None) -> list[dict]:
+    """Every recipe for seed 0, then for the next seed ... (a run cut short keeps whole seeds),
+    each recipe compiled once, on the first seed; on_row(rows) after every run."""
+    data = load_corpus(corpus)
+    trainers = {name: Trainer(name, cfg, steps) for name in recipes}
     rows = []
     for seed in seeds:
-        for name in recipes:
-            r = train(name, cfg, steps, seed, data)
+        for name, trainer in trainers.items():
+            r = trainer.train(seed, data)
             log(
                 f"  seed {seed} {name:12s} train {r['first']:.3f} -> {r['last']:.3f}  "
-                f"held-out {r['held']:.4f}  ({r['seconds']:.0f} s, {r['step_ms']:.0f} ms/step)"
+                f"held-out {r['held']:.4f}  ({r['seconds']:.0f} s, {r['step_ms']:.1f} ms/step, "
+                f"compile {trainer.compile_s:.1f} s{'' if r['compile_s'] else ', reused'})"
             )
             rows.append(r)
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -292,32 +390,64 @@ def table(rows: list[dict]) -> str:
         "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | gap vs bf16 |",
         "|---" * (len(seeds) + 3) + "|",
     ]
-    base = [held.get(("bf16", s)) for s in seeds]
+    base = {s: held.get(("bf16", s)) for s in seeds}
     for n in names:
-        v = [held[(n, s)] for s in seeds]
-        gaps = [100 * (a / b - 1) for a, b in zip(v, base) if b is not None]
+        v = {s: held[(n, s)] for s in seeds if (n, s) in held}  # a run cut short: seeds missing
+        gaps = [100 * (x / base[s] - 1) for s, x in v.items() if base[s] is not None]
         gap = f"{np.mean(gaps):+.2f}%" if gaps else "n/a"
-        out.append(f"| {n} | " + " | ".join(f"{x:.4f}" for x in v) + f" | {np.mean(v):.4f} | {gap} |")
+        cells = [f"{v[s]:.4f}" if s in v else "" for s in seeds]
+        out.append(f"| {n} | " + " | ".join(cells) + f" | {np.mean(list(v.values())):.4f} | {gap} |")
     return "\n".join(out)
+
+
+def write_json(path: str, rows: list[dict], cfg: Config, **meta) -> None:
+    dev = jax.devices()[0]
+    doc = dict(
+        config=dataclasses.asdict(cfg),
+        jax=jax.__version__,
+        device=dev.device_kind,
+        platform=dev.platform,
+        **meta,
+        rows=rows,
+    )
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    os.replace(tmp, path)  # whole or not at all, if the run is killed while writing
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=None, help="default: 500, --size gpu 1000")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--recipes", nargs="+", choices=list(RECIPES), help="default: the model's set")
     p.add_argument("--model", choices=list(CONFIGS), default="dense", help="dense MLPs or MoE blocks")
-    p.add_argument("--small", action="store_true", help="tiny shapes (seconds; for tests)")
+    p.add_argument("--size", choices=SIZES, default=None, help="default (CPU), small (tests), gpu")
+    p.add_argument("--small", action="store_true", help="tiny shapes (seconds; for tests): --size small")
+    p.add_argument("--corpus", choices=list(CORPORA), default=None, help="default: python for --size gpu")
     p.add_argument("--moe", type=int, default=None, metavar="E", help="MoE MLPs with E experts (top-2)")
     p.add_argument("--fp8-attention", action="store_true", help="lowbit's attention, fp8_dpa for FP8 recipes")
+    p.add_argument("--out", metavar="FILE", help="the rows as JSON (rewritten after every run)")
     a = p.parse_args(argv)
-    full, small, default = CONFIGS[a.model]
-    cfg = dataclasses.replace(small if a.small else full, fp8_attention=a.fp8_attention)
+    if a.small and a.size not in (None, "small"):
+        p.error(f"--small contradicts --size {a.size}")
+    size = "small" if a.small else a.size or "default"
+    sizes, default = CONFIGS[a.model]
+    cfg = dataclasses.replace(sizes[size], fp8_attention=a.fp8_attention)
     if a.moe is not None:
         cfg = dataclasses.replace(cfg, moe_experts=a.moe)
+    steps = a.steps if a.steps is not None else DEFAULT_STEPS[size]
+    corpus = a.corpus or ("python" if size == "gpu" else "licences")
+    if size == "gpu" and a.model == "dense":
+        default = GPU_RECIPES
     recipes = ["bf16"] + [r for r in (a.recipes or default) if r != "bf16"]  # the gaps need the baseline
-    print(f"{cfg}\n{a.steps} steps, seeds {a.seeds}, jax {jax.__version__} on {jax.devices()[0].platform}")
-    rows = run(recipes, a.seeds, a.steps, cfg)
+    dev = jax.devices()[0]
+    print(
+        f"{cfg}\n{steps} steps, seeds {a.seeds}, corpus {corpus}, jax {jax.__version__} on {dev.device_kind}"
+    )
+    meta = dict(model=a.model, size=size, corpus=corpus, steps=steps)
+    on_row = (lambda rows: write_json(a.out, rows, cfg, **meta)) if a.out else None
+    rows = run(recipes, a.seeds, steps, cfg, corpus=corpus, on_row=on_row)
     print(table(rows))
     return rows
 

@@ -3,7 +3,9 @@ precision."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -11,6 +13,7 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import lowbit
@@ -150,3 +153,109 @@ def test_moe_script_every_recipe_learns(conv):
         assert jnp.isfinite(r["held"]) and r["held"] < r["first"], r
         assert abs(r["held"] / base - 1) < 0.02, r  # same init and batches: FP8 tracks BF16
     assert "| block |" in conv.table(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# --size gpu, --corpus python, one compile per recipe, --out
+# ---------------------------------------------------------------------------------------------
+def test_python_corpus_holds_out_each_files_last_tenth(conv):
+    files = conv.python_files()
+    assert len(files) > 100 and files == conv.python_files()  # deterministic order
+    assert not any(set(f.split(os.sep)) & conv.PYTHON_SKIP for f in files)  # no tests, no installed packages
+    assert all(f.endswith(".py") for f in files)
+    train, held = conv.load_corpus("python")
+    assert 0 < sum(os.path.getsize(f) for f in files) <= conv.PYTHON_CAP
+    pos_t = pos_h = 0
+    for f in files:  # every file: first 90% in train, its last 10% in held-out, in file order
+        with open(f, "rb") as fh:
+            b = fh.read()
+        cut = int(len(b) * 0.9)
+        assert train[pos_t : pos_t + cut].tobytes() == b[:cut], f
+        assert held[pos_h : pos_h + len(b) - cut].tobytes() == b[cut:], f
+        pos_t, pos_h = pos_t + cut, pos_h + len(b) - cut
+    assert (pos_t, pos_h) == (len(train), len(held))
+    again = conv.load_corpus("python")
+    assert (again[0] == train).all() and (again[1] == held).all()
+    with pytest.raises(ValueError, match="corpus must be one of"):
+        conv.load_corpus("latin")
+
+
+def test_gpu_configs_fit_cudnn_fp8_attention_and_block_scaling(conv):
+    dense, moe = conv.CONFIGS["dense"][0]["gpu"], conv.CONFIGS["moe"][0]["gpu"]
+    assert conv.CONFIGS["dense"][0]["default"] == conv.Config()  # the CPU results' config untouched
+    for cfg in (dense, moe):
+        assert cfg.d_model // cfg.n_heads == 128  # cuDNN's FP8 attention backward: head_dim 128 only
+        assert cfg.lowbit_attention and not cfg.fp8_attention  # FP8 attention only under *-dpa
+        assert (cfg.d_model, cfg.seq, cfg.batch, cfg.d_ff, cfg.lr, cfg.warmup) == (
+            512,
+            512,
+            32,
+            2048,
+            1e-3,
+            100,
+        )
+    assert (dense.n_layers, dense.moe_experts, moe.n_layers, moe.moe_experts) == (6, 0, 4, 8)
+    # Float8BlockScaling's 128-wide blocks tile every expert GEMM: d and the expert ffn (d_ff / 2).
+    assert moe.d_model % 128 == 0 and (moe.d_ff // 2) % 128 == 0 and moe.d_ff // 2 == 1024
+    assert set(conv.GPU_RECIPES) == {"bf16", "delayed", "current", "delayed-dpa", "current-dpa"}
+    for cfg, name in ((dense, "current-dpa"), (moe, "block")):  # one training step traces (no compile)
+        t = conv.Trainer(name, cfg, 2)
+        tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
+        with t._autocast():
+            variables = jax.eval_shape(
+                t.model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
+            )
+        params = variables.pop("params")
+        opt_state = jax.eval_shape(t.opt.init, params)
+        key = jax.random.PRNGKey(0)
+        out = jax.eval_shape(t._step, params, variables, opt_state, tokens, jnp.int32(0), key)
+        assert out[3].shape == () and t.traces["step"] == 1
+
+
+def test_eval_windows_spread_over_the_held_out_text(conv):
+    data = np.arange(100_000)  # each window's first token is its start
+    cfg = dataclasses.replace(conv.SMALL, eval_spread=True)
+    w = conv.eval_batches(data, cfg).reshape(-1, cfg.seq + 1)
+    n = cfg.eval_batches * cfg.batch
+    starts = w[:, 0]  # first at the start, last ending on the text's last byte, evenly apart
+    assert len(w) == n and starts[0] == 0 and w[-1, -1] == len(data) - 1
+    assert (w == starts[:, None] + np.arange(cfg.seq + 1)).all()
+    assert np.ptp(np.diff(starts)) <= 1 and np.diff(starts).min() > cfg.seq  # disjoint windows
+    plain = conv.eval_batches(data, conv.SMALL).reshape(-1, cfg.seq + 1)  # default: the first windows
+    assert (plain == np.arange(n)[:, None] * cfg.seq + np.arange(cfg.seq + 1)).all()
+
+
+def test_one_compile_per_recipe_across_seeds_same_results(conv):
+    cfg, data = conv.SMALL, conv.load_corpus()
+    t = conv.Trainer("delayed", cfg, 4)
+    rows = [t.train(s, data) for s in (0, 1)]
+    assert t.traces == {"step": 1, "eval": 1}  # the second seed reran the first seed's executables
+    assert rows[0]["compile_s"] > 0 and rows[1]["compile_s"] == 0
+    fresh = conv.Trainer("delayed", cfg, 4).train(1, data)  # seed 1 compiled on its own: same numbers
+    assert fresh["curve"] == rows[1]["curve"] and fresh["held"] == rows[1]["held"]
+    assert rows[0]["curve"] != rows[1]["curve"]
+
+
+def test_out_json_has_the_rows_and_the_run(conv, tmp_path):
+    out = tmp_path / "conv.json"
+    argv = ["--small", "--steps", "3", "--seeds", "0", "1", "--recipes", "current", "--out", str(out)]
+    rows = conv.main(argv)
+    doc = json.loads(out.read_text())
+    assert doc["config"] == dataclasses.asdict(conv.SMALL)
+    assert doc["jax"] == jax.__version__ and doc["device"] == jax.devices()[0].device_kind
+    assert (doc["model"], doc["size"], doc["corpus"], doc["steps"]) == ("dense", "small", "licences", 3)
+    # Seed by seed (a run cut short keeps whole seeds), bf16 first; each recipe compiled on seed 0.
+    assert [(r["recipe"], r["seed"]) for r in doc["rows"]] == [
+        ("bf16", 0),
+        ("current", 0),
+        ("bf16", 1),
+        ("current", 1),
+    ]
+    assert [r["compile_s"] > 0 for r in doc["rows"]] == [True, True, False, False]
+    for r, want in zip(doc["rows"], rows):
+        for k in ("held", "first", "last", "step_ms", "compile_s", "curve"):
+            assert r[k] == want[k], k
+        assert len(r["curve"]) == 3 and r["step_ms"] > 0
+    assert "| current |" in conv.table(doc["rows"]) and "| bf16 |" in conv.table(doc["rows"][:3])  # partial
+    with pytest.raises(SystemExit):
+        conv.main(["--small", "--size", "gpu"])
