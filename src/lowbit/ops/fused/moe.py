@@ -35,15 +35,14 @@ receiver's (local expert, source, token) order. The row order inside each expert
 the one-device order, so dropless results equal one device's up to the GEMMs' summation order.
 
 ``ep_chunks`` c (capacity only) splits each device's tokens into c consecutive chunks, each
-dispatched, computed and combined on its own (two all-to-alls per chunk each way; no chunk
-reads another's values, so the exchanges can overlap other chunks' GEMMs), with
-``ceil(capacity / c)`` rows per (chunk, source, destination) block; the drop rule above then
-holds per chunk.
+dispatched, computed and combined on its own (two all-to-alls per chunk each way; no chunk reads
+another's values, so the exchanges can overlap other chunks' GEMMs), with ``ceil(capacity / c)``
+rows per (chunk, source, destination) block; the drop rule above then holds per chunk.
 
-Tokens travel and enter the GEMMs as bfloat16 (the grouped GEMM rounds its operands to bfloat16
-or quantizes them); fc1's output is bfloat16, the activation runs in float32 and rounds once, the
-weighted sum is float32, the result x's dtype. Gradients: every step is differentiable (the
-grouped GEMM's custom VJP, all_to_all's transpose, ep_dispatch's gather-only row moves, and
+Tokens travel and enter the GEMMs as bfloat16 (the grouped GEMM rounds its operands to bfloat16 or
+quantizes them); fc1's output is bfloat16, the activation runs in float32 and rounds once, the
+weighted sum is float32, the result x's dtype. Gradients: every step is differentiable (the grouped
+GEMM's custom VJP, all_to_all's transpose, ep_dispatch's gather-only row moves, and
 :func:`_ragged_exchange`, whose backward is the reverse ragged exchange; the router's gradient is
 summed over the devices, the experts' stay local).
 """
@@ -172,15 +171,9 @@ def _sort_pairs(x, experts, cfg: _MoeConfig):
     return plan, permute(x.astype(_BF16), plan)
 
 
-# Rows per group unit under a quantizing recipe: the FP8 wgrad reads each group's transposed
-# rows through TMA, which needs 16-byte-aligned group starts and row stride; unaligned groups
-# cost a copy of both operands per call (1.26 ms of a 19 ms step at 64 experts, H200), an
-# unaligned stride the slow fallback GEMM. Padding rows are zero.
-_FP8_GROUP_ALIGN = 16
-
-
 def _local(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
-    align = _FP8_GROUP_ALIGN if cfg.recipe is not None else 0
+    # FP8: groups padded to 16 rows: the wgrad reads each in place (benchmarks/NOTES.md, s13)
+    align = 16 if cfg.recipe is not None else 0
     plan = plan_dispatch(experts, cfg.experts, align_size=align, capacity=cfg.rows or None, round_rows=True)
     xb = x.astype(_BF16)
     # With the fused FP8 dispatch, xs only carries fc1's lhs gradient (its gather leaves the forward).
