@@ -199,10 +199,9 @@ def compare(out: dict, amaxes: dict, sc: dict, ref: dict, recipe, impl: str, sca
 
 
 def ref_amaxes(ref: dict) -> dict:
-    return {
-        r: float(np.abs(ref[k]).max())
-        for r, k in (("P", "p"), ("o", "o"), ("dS", "ds"), *((g, g) for g in GRADS))
-    }
+    """float64's amaxes, and the mean probability on key 0 (an attention sink shows there)."""
+    roles = (("P", "p"), ("o", "o"), ("dS", "ds"), *((g, g) for g in GRADS))
+    return {r: float(np.abs(ref[k]).max()) for r, k in roles} | {"P[:,0]": float(ref["p"][..., 0].mean())}
 
 
 def _fmt(row: dict, keys, prefix: str, spec: str) -> str:
@@ -239,9 +238,8 @@ def probe(path: str, state_mode: str = "checkpoint", raw_dp: bool = False, log=p
     variables, batch, meta = conv.load_checkpoint(path)
     origin = meta.get("attention", "bf16")
     qkv, dos, loss = capture(variables, batch, meta)
-    log(
-        f"{os.path.basename(path)}: {meta['recipe']} seed {meta['seed']} step {meta['step']}, attention {origin}"
-    )
+    name = os.path.basename(path)
+    log(f"{name}: {meta['recipe']} seed {meta['seed']} step {meta['step']}, attention {origin}")
     log(f"  captured loss {loss:.4f} (BF16 attention), {len(qkv)} layers, q {qkv[0][0].shape}")
     run_recipe = conv.RECIPES[meta["recipe"]]()  # its history length fits the stored state
     delayed = run_recipe if isinstance(run_recipe, lowbit.DelayedScaling) else lowbit.DelayedScaling()
