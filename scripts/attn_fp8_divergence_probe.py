@@ -76,19 +76,28 @@ def convergence():
 def capture(variables: dict, batch: np.ndarray, meta: dict):
     """([(q, k, v), ...], [dO, ...], loss): every layer's attention inputs and output cotangent
     under the training loss, BF16 attention, the GEMMs under the run's recipe."""
-    conv = convergence()
     cfg = dataclasses.replace(meta["config"], lowbit_attention=True, fp8_attention=False)
     if cfg.moe_experts:
         raise ValueError("the probe takes the dense model's checkpoints (moe_experts=0)")
-    recipe = conv.RECIPES[meta["recipe"]]()
+    recipe = convergence().RECIPES[meta["recipe"]]()
     if getattr(recipe, "fp8_dpa", False):
         recipe = dataclasses.replace(recipe, fp8_dpa=False)
-    model = conv.ByteLM(cfg, recipe)
-    tokens, targets = jnp.asarray(batch[:, :-1]), jnp.asarray(batch[:, 1:])
     shape = (cfg.batch, cfg.seq, cfg.n_heads, cfg.d_model // cfg.n_heads)
     zeros = [jnp.zeros(shape, jnp.bfloat16) for _ in range(cfg.n_layers)]
+    dos, (qkv, loss) = _capture_fn(cfg, recipe)(zeros, variables, jnp.asarray(batch))
+    if len(qkv) != cfg.n_layers:
+        raise RuntimeError(f"captured {len(qkv)} attention calls, the model has {cfg.n_layers} layers")
+    return qkv, dos, float(loss)
 
-    def loss_fn(deltas):
+
+@functools.cache
+def _capture_fn(cfg, recipe):
+    """The jitted gradient of the training loss in zeros added to the attention outputs (one
+    compile per model and recipe, shared by the checkpoints)."""
+    conv = convergence()
+    model = conv.ByteLM(cfg, recipe)
+
+    def loss_fn(deltas, variables, batch):
         seen = []
 
         def spy(next_fun, args, kwargs, context):
@@ -99,14 +108,11 @@ def capture(variables: dict, batch: np.ndarray, meta: dict):
             return out
 
         with lowbit.autocast(recipe=recipe, enabled=recipe is not None), nn.intercept_methods(spy):
-            logits, aux = model.apply(variables, tokens, rngs={SR_RNG: jax.random.PRNGKey(0)})
-        loss = conv.xent(logits, targets)
+            logits, aux = model.apply(variables, batch[:, :-1], rngs={SR_RNG: jax.random.PRNGKey(0)})
+        loss = conv.xent(logits, batch[:, 1:])
         return loss + aux, (seen, loss)  # the training loss's gradient, as the run's step
 
-    dos, (qkv, loss) = jax.jit(jax.grad(loss_fn, has_aux=True))(zeros)
-    if len(qkv) != cfg.n_layers:
-        raise RuntimeError(f"captured {len(qkv)} attention calls, the model has {cfg.n_layers} layers")
-    return qkv, dos, float(loss)
+    return jax.jit(jax.grad(loss_fn, has_aux=True))
 
 
 # --- 2. FP8 attention, the op's own steps --------------------------------------------------------
@@ -149,59 +155,84 @@ def warm_state(recipe, q, k, v, do, impl):
     return state
 
 
-# --- 3. float64 and the comparison ---------------------------------------------------------------
-def reference(q, k, v, do, scale: float) -> dict:
-    """Causal attention and its backward in float64 (numpy), (b, s, h, d) in and out; ds and p
-    (b, h, sq, sk)."""
-    q, k, v, do = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, do))
-    s = scale * (q @ k.transpose(0, 1, 3, 2))
-    s[..., np.triu(np.ones(s.shape[-2:], bool), 1)] = -np.inf
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    o = p @ v
-    ds = p * (do @ v.transpose(0, 1, 3, 2) - (do * o).sum(-1, keepdims=True))
-    out = dict(
-        o=o, dq=scale * (ds @ k), dk=scale * (ds.transpose(0, 1, 3, 2) @ q), dv=p.transpose(0, 1, 3, 2) @ do
+# --- 3. float64 and the comparison (jitted under jax.enable_x64: on the GPU where there is one) ---
+@jax.jit
+def _reference(q, k, v, do, scale):
+    q, k, v, do = (x.astype(jnp.float64) for x in (q, k, v, do))
+    sq = q.shape[1]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((sq, sq), bool)), s, -jnp.inf), axis=-1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    rows = jnp.sum(do * o, axis=-1).transpose(0, 2, 1)[..., None]  # D = rowsum(dO o), (b, h, sq, 1)
+    ds = p * (jnp.einsum("bqhd,bkhd->bhqk", do, v) - rows)
+    return dict(
+        o=o,
+        dq=scale * jnp.einsum("bhqk,bkhd->bqhd", ds, k),
+        dk=scale * jnp.einsum("bhqk,bqhd->bkhd", ds, q),
+        dv=jnp.einsum("bhqk,bqhd->bkhd", p, do),
+        ds=ds,
+        p=p,
     )
-    return {r: x.transpose(0, 2, 1, 3) for r, x in out.items()} | {"ds": ds, "p": p}
 
 
-def _fp8_small(codes, ref, tiny):
-    """(zero or subnormal, zero) fractions of ``codes`` over the entries where ``ref`` != 0."""
-    live = ref != 0
-    n = max(int(live.sum()), 1)
-    mag = np.abs(codes)
-    return float(((mag < tiny) & live).sum() / n), float(((mag == 0) & live).sum() / n)
+def reference(q, k, v, do, scale: float) -> dict:
+    """Causal attention and its backward in float64: o, dq, dk, dv (b, s, h, d), and dS, P
+    (b, h, sq, sk)."""
+    with jax.enable_x64(True):
+        return _reference(q, k, v, do, jnp.float64(scale))
+
+
+def _small(codes, live, tiny, step):
+    """(zero or subnormal, zero) fractions of FP8 ``codes`` (FP8 values, or values about to be
+    rounded to FP8) over the ``live`` entries: round to nearest puts below ``tiny - step / 2`` on
+    a subnormal or zero and below ``step / 2`` on zero (``tiny``: the smallest normal, ``step``:
+    the subnormals' spacing)."""
+    n = jnp.maximum(jnp.sum(live), 1)
+    mag = jnp.abs(codes)
+    return jnp.sum((mag < tiny - step / 2) & live) / n, jnp.sum((mag < step / 2) & live) / n
+
+
+@jax.jit
+def _metrics(out, sc, ref, ds_factor, top, tiny, step):
+    row = {}
+    for r in ("o",) + GRADS:
+        x, y = out[r].astype(jnp.float64), ref[r]
+        nx, ny = jnp.linalg.norm(x), jnp.linalg.norm(y)
+        row[f"err_{r}"] = jnp.linalg.norm(x - y) / ny
+        if r != "o":
+            row[f"cos_{r}"] = jnp.vdot(x, y) / (nx * ny)
+            row[f"nrm_{r}"] = nx / ny
+            row[f"uf_{r}"], row[f"z_{r}"] = _small(x * sc[r], y != 0, tiny, step)
+    # The FP8 dS never leaves the kernel: float64's dS as this implementation quantizes it
+    # (cuDNN: scale * dS with the dp scale, the emulation dS).
+    dp = ref["ds"] * ds_factor
+    row["uf_ds"], row["z_ds"] = _small(dp * sc["dp"], ref["ds"] != 0, tiny, step)
+    for r, a in (("dp", jnp.max(jnp.abs(dp))),) + tuple((g, jnp.max(jnp.abs(ref[g]))) for g in GRADS):
+        row[f"hr_{r}"] = jnp.where(a > 0, jnp.log2(top / (sc[r] * a)), jnp.nan)
+    return row
 
 
 def compare(out: dict, amaxes: dict, sc: dict, ref: dict, recipe, impl: str, scale: float) -> dict:
     """One row: errors, cosines, norms, underflow, amaxes and headroom against float64."""
     _, bwd = fs.dtypes(recipe)
-    tiny, top = float(jnp.finfo(bwd).smallest_normal), fs.fmax(bwd)
-    row = {}
-    for r in ("o",) + GRADS:
-        x, y = np.asarray(out[r], np.float64), ref[r]
-        row[f"err_{r}"] = float(np.linalg.norm(x - y) / np.linalg.norm(y))
-        if r != "o":
-            row[f"cos_{r}"] = float(np.vdot(x, y) / (np.linalg.norm(x) * np.linalg.norm(y)))
-            row[f"nrm_{r}"] = float(np.linalg.norm(x) / np.linalg.norm(y))
-            row[f"uf_{r}"], row[f"z_{r}"] = _fp8_small(x * float(sc[r]), y, tiny)
-    # The FP8 dS never leaves the kernel: float64's dS rounded to FP8 as this implementation
-    # quantizes it (cuDNN: scale * dS with the dp scale).
-    dp = ref["ds"] * (scale if impl == "cudnn" else 1.0)
-    codes = np.clip(dp * float(sc["dp"]), -top, top).astype(jnp.dtype(bwd)).astype(np.float64)
-    row["uf_ds"], row["z_ds"] = _fp8_small(codes, ref["ds"], tiny)
-    row |= {f"amax_{r}": float(amaxes[r]) for r in ("s", "o", "dp") + GRADS}
-    dp_ref = np.abs(dp).max()
-    for r, a in (("dp", dp_ref),) + tuple((g, np.abs(ref[g]).max()) for g in GRADS):
-        row[f"hr_{r}"] = float(np.log2(top / (float(sc[r]) * a))) if a > 0 else float("nan")
-    return row
+    info = jnp.finfo(bwd)
+    tiny = float(info.smallest_normal)
+    sc = {r: jnp.asarray(sc[r], jnp.float32) for r in ("dp",) + GRADS}
+    with jax.enable_x64(True):
+        factor, top = (jnp.float64(x) for x in (scale if impl == "cudnn" else 1.0, fs.fmax(bwd)))
+        row = _metrics(
+            out, sc, ref, factor, top, jnp.float64(tiny), jnp.float64(tiny * 2.0 ** -int(info.nmant))
+        )
+        row = {k: float(v) for k, v in jax.device_get(row).items()}
+    return row | {f"amax_{r}": float(amaxes[r]) for r in ("s", "o", "dp") + GRADS}
 
 
 def ref_amaxes(ref: dict) -> dict:
     """float64's amaxes, and the mean probability on key 0 (an attention sink shows there)."""
     roles = (("P", "p"), ("o", "o"), ("dS", "ds"), *((g, g) for g in GRADS))
-    return {r: float(np.abs(ref[k]).max()) for r, k in roles} | {"P[:,0]": float(ref["p"][..., 0].mean())}
+    with jax.enable_x64(True):
+        out = {r: float(jnp.max(jnp.abs(ref[k]))) for r, k in roles}
+        return out | {"P[:,0]": float(jnp.mean(ref["p"][..., 0]))}
 
 
 def _fmt(row: dict, keys, prefix: str, spec: str) -> str:
