@@ -296,7 +296,8 @@ class Trainer:
     run for every seed: the seed's parameters, batches and stochastic-rounding key are arguments,
     not constants of the program. ``traces`` counts how often each function was traced.
     ``eval_every``: the held-out loss every that many steps too (0: only at the end);
-    ``save_at``, ``save_dir``: checkpoints after those steps (:func:`save_checkpoint`)."""
+    ``save_at``, ``save_dir``: checkpoints after those steps (:func:`save_checkpoint`); the
+    rows' ``step_ms`` then includes the evaluations and the writes."""
 
     def __init__(self, name: str, cfg: Config, steps: int, eval_every: int = 0, save_at=(), save_dir=None):
         recipe = RECIPES[name]()
