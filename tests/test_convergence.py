@@ -403,7 +403,7 @@ def test_divergence_probe_on_a_saved_checkpoint(probe_mod, saved_run):
     lines = []
     rows = probe_mod.probe(str(ckpt / "delayed-dpa_seed0_step2.npz"), log=lines.append)
     text = "\n".join(lines)
-    assert "cudnn rows skipped: no GPU backend" in text and "summary delayed emulate" in text
+    assert "cudnn rows skipped: " in text and "summary delayed emulate" in text  # head_dim 16, or no GPU
     assert {(r["recipe"], r["impl"]) for r in rows} == {("delayed", "emulate"), ("current", "emulate")}
     assert sorted({r["layer"] for r in rows}) == list(range(3))
     for r in rows:
@@ -416,3 +416,48 @@ def test_divergence_probe_on_a_saved_checkpoint(probe_mod, saved_run):
     for layer in range(3):  # current scaling's gradient scales are bounds: dk's sits binades below
         d, c = ({r["recipe"]: r for r in rows if r["layer"] == layer}[n] for n in ("delayed", "current"))
         assert abs(d["hr_dk"]) < 2 and c["hr_dk"] > d["hr_dk"] + 5, (d["hr_dk"], c["hr_dk"])
+
+
+# --- GPU: the probe's cuDNN rows (cuDNN's FP8 attention: head_dim 128) ---------------------
+@pytest.mark.gpu
+def test_probe_cudnn_rows_against_the_emulation(probe_mod, gpu_device):
+    """cuDNN and the emulation on the same tensors through the probe's steps: both near float64,
+    near each other, and cuDNN's dp amax the emulation's times the softmax scale (the convention
+    convert_dp relies on)."""
+    r = np.random.default_rng(2)
+    q, k, v, do = (jnp.asarray(r.standard_normal((2, 256, 4, 128)), jnp.bfloat16) for _ in range(4))
+    scale = 128**-0.5
+    ref = probe_mod.reference(q, k, v, do, scale)
+    recipe = lowbit.DelayedScaling(fp8_dpa=True)
+    rows, states = {}, {}
+    for impl in ("cudnn", "emulate"):
+        states[impl] = probe_mod.warm_state(recipe, q, k, v, do, impl)
+        out, amaxes, sc, _ = probe_mod.fp8_step(q, k, v, do, states[impl], recipe=recipe, impl=impl)
+        rows[impl] = probe_mod.compare(out, amaxes, sc, ref, recipe, impl, scale)
+    for row in rows.values():
+        assert row["err_o"] < 0.1 and max(row[f"err_{g}"] for g in ("dq", "dk", "dv")) < 0.2, row
+    for key in ("err_o", "err_dq", "err_dk", "err_dv"):
+        assert abs(rows["cudnn"][key] - rows["emulate"][key]) < 0.05, (key, rows)
+    ratio = rows["cudnn"]["amax_dp"] / (rows["emulate"]["amax_dp"] * scale)
+    assert 0.8 < ratio < 1.25, ratio
+    moved = probe_mod.convert_dp(states["cudnn"], scale, "cudnn", "emulate")["dp_scale"]
+    assert 0.8 < float(moved[0] / states["emulate"]["dp_scale"][0]) < 1.25
+
+
+@pytest.mark.gpu
+def test_probe_on_a_gpu_checkpoint(conv, probe_mod, gpu_device, tmp_path):
+    """End to end with cuDNN's FP8 attention: a two-layer model of 128-wide heads trained by
+    delayed-dpa on cuDNN, checkpointed, probed with both implementations."""
+    cfg = dataclasses.replace(conv.SMALL, d_model=256, n_heads=2, d_ff=256, seq=64, batch=4, n_layers=2)
+    cfg = dataclasses.replace(cfg, lowbit_attention=True, attention_impl="cudnn")
+    t = conv.Trainer("delayed-dpa", cfg, 3, save_at=[2], save_dir=str(tmp_path))
+    t.train(0, conv.load_corpus())
+    lines = []
+    rows = probe_mod.probe(str(tmp_path / "delayed-dpa_seed0_step2.npz"), log=lines.append)
+    assert "skipped" not in "\n".join(lines)
+    assert {(r["recipe"], r["impl"]) for r in rows} == {
+        (n, i) for n in ("delayed", "current") for i in ("cudnn", "emulate")
+    }
+    for r in rows:
+        assert all(np.isfinite(v) for v in r.values() if isinstance(v, float)), r
+        assert r["err_o"] < 0.15 and min(r[f"cos_{g}"] for g in ("dq", "dk", "dv")) > 0.97, r
