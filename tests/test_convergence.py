@@ -398,11 +398,10 @@ def test_probe_steps_equal_the_fp8_op(probe_mod):
             assert moved < 0.02 and err < 0.02, (type(recipe).__name__, name, moved, err)
 
 
-def test_divergence_probe_on_a_saved_checkpoint(probe_mod, saved_run):
+def test_divergence_probe_on_a_saved_checkpoint(probe_mod, saved_run, capsys):
     _, _, ckpt = saved_run
-    lines = []
-    rows = probe_mod.probe(str(ckpt / "delayed-dpa_seed0_step2.npz"), log=lines.append)
-    text = "\n".join(lines)
+    rows = probe_mod.main([str(ckpt / "delayed-dpa_seed0_step2.npz")])
+    text = capsys.readouterr().out
     assert "cudnn rows skipped: " in text and "summary delayed emulate" in text  # head_dim 16, or no GPU
     assert {(r["recipe"], r["impl"]) for r in rows} == {("delayed", "emulate"), ("current", "emulate")}
     assert sorted({r["layer"] for r in rows}) == list(range(3))
