@@ -33,6 +33,14 @@ current-dpa run FP8 attention. Each recipe's step is compiled once and run for e
 ``--out FILE`` writes the rows (with the loss curves, config, jax version and device) as JSON,
 rewritten after every run so that a run cut short keeps what finished.
 
+Probing a run (issue 26): ``--attention-impl {auto,cudnn,emulate}`` picks the FP8 attention's
+implementation under the ``-dpa`` recipes (auto: cuDNN on a GPU where it applies, else the float32
+emulation; BF16 attention is not affected); ``--eval-every N`` adds the held-out loss every N
+steps (``eval_curve`` in the rows); ``--save-at S [S ...] --save-dir DIR`` writes, for every seed
+and recipe, ``DIR/<recipe>_seed<seed>_step<S>.npz``: the parameters and DelayedScaling state after
+S steps and the batch the next step trains on with them (what scripts/attn_fp8_divergence_probe.py
+reads; :func:`load_checkpoint`).
+
 Recipe names: bf16 (no recipe), delayed, delayed-h16 (amax history of 16 steps, not 1024),
 current, mxfp8, block (Float8BlockScaling), nvfp4 (the default NVFP4 recipe: first and last
 transformer layer in BF16), and NVFP4 variants: nvfp4-all (every layer in NVFP4), nvfp4-last
@@ -57,9 +65,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import traverse_util
 
 import lowbit
 from lowbit.flax import OVERWRITE_WITH_GRADIENT, SR_RNG, layer_dot_general_cls
+from lowbit.ops.attention.fp8 import cudnn_fp8_available
 
 
 def _nvfp4_layers(first: int, last: int):
@@ -106,6 +116,7 @@ class Config:
     fp8_attention: bool = False  # lowbit's DotProductAttention, fp8_dpa under FP8 recipes
     lowbit_attention: bool = False  # lowbit's DotProductAttention for every recipe (fp8_dpa: the recipe's)
     eval_spread: bool = False  # held-out windows spread over all the held-out text, not its start
+    attention_impl: str = "auto"  # the FP8 attention's implementation under fp8_dpa (ATTENTION_IMPLS)
 
 
 SMALL = Config(d_model=32, n_layers=3, n_heads=2, d_ff=64, seq=32, batch=8, warmup=5, eval_batches=2)
@@ -124,6 +135,9 @@ CONFIGS = {  # model: ({size: config}, default recipes)
     "moe": ({"default": MOE, "small": SMALL_MOE, "gpu": GPU_MOE}, MOE_RECIPES),
 }
 DEFAULT_STEPS = {"default": 500, "small": 500, "gpu": 1000}
+# --attention-impl -> DotProductAttention's implementation field, whose FP8 path runs cuDNN for
+# "cudnn", the emulation for any other name ("xla"), and picks for None.
+ATTENTION_IMPLS = {"auto": None, "cudnn": "cudnn", "emulate": "xla"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,8 +235,13 @@ class Block(nn.Module):
         q, k, v = jnp.split(dense(3 * c.d_model, "qkv")(h).reshape(b, t, 3 * c.n_heads, -1), 3, axis=2)
         if c.fp8_attention or c.lowbit_attention or getattr(self.recipe, "fp8_dpa", False):
             # FP8 where the recipe says fp8_dpa, else BF16 (cuDNN on a GPU)
+            impl = ATTENTION_IMPLS[c.attention_impl] if getattr(self.recipe, "fp8_dpa", False) else None
             dpa = lowbit.flax.DotProductAttention(
-                head_dim=q.shape[-1], num_attention_heads=c.n_heads, attn_mask_type="causal", name="attn"
+                head_dim=q.shape[-1],
+                num_attention_heads=c.n_heads,
+                attn_mask_type="causal",
+                implementation=impl,
+                name="attn",
             )
             a = dpa(q, k, v).reshape(b, t, -1)
         else:
@@ -275,9 +294,12 @@ def xent(logits, targets):
 class Trainer:
     """One recipe's training step and held-out loss, jitted and compiled once for the config and
     run for every seed: the seed's parameters, batches and stochastic-rounding key are arguments,
-    not constants of the program. ``traces`` counts how often each function was traced."""
+    not constants of the program. ``traces`` counts how often each function was traced.
+    ``eval_every``: the held-out loss every that many steps too (0: only at the end);
+    ``save_at``, ``save_dir``: checkpoints after those steps (:func:`save_checkpoint`); the
+    rows' ``step_ms`` then includes the evaluations and the writes."""
 
-    def __init__(self, name: str, cfg: Config, steps: int):
+    def __init__(self, name: str, cfg: Config, steps: int, eval_every: int = 0, save_at=(), save_dir=None):
         recipe = RECIPES[name]()
         if cfg.fp8_attention and recipe is not None:
             recipe = dataclasses.replace(recipe, fp8_dpa=True)
@@ -289,6 +311,22 @@ class Trainer:
         self.traces = {"step": 0, "eval": 0}
         self.compiled = None  # (step, eval_loss) executables, built on the first seed
         self.compile_s = 0.0
+        self.eval_every, self.save_at, self.save_dir = eval_every, frozenset(save_at), save_dir
+        if self.save_at and (save_dir is None or not all(0 <= s < steps for s in self.save_at)):
+            raise ValueError(
+                f"save_at must be steps in [0, {steps}) with a save_dir, got {sorted(self.save_at)}"
+            )
+        self.final = None  # the last run's {"params": ..., **state}
+
+    def attention(self) -> str:
+        """What runs this recipe's attention: "cudnn" or "emulate" (FP8), or "bf16"."""
+        if not getattr(self.recipe, "fp8_dpa", False):
+            return "bf16"
+        if self.cfg.attention_impl != "auto":
+            return self.cfg.attention_impl
+        c = self.cfg
+        q = jax.ShapeDtypeStruct((c.batch, c.seq, c.n_heads, c.d_model // c.n_heads), jnp.bfloat16)
+        return "cudnn" if cudnn_fp8_available(q, q) is None else "emulate"
 
     def _autocast(self):  # the recipe in context: lowbit's attention reads it there
         return lowbit.autocast(recipe=self.recipe, enabled=self.recipe is not None)
@@ -338,13 +376,25 @@ class Trainer:
             )
             compile_s = self.compile_s = time.time() - tc
         step, eval_loss = self.compiled
-        ts, losses = time.time(), []
+        ts, losses, evals_at = time.time(), [], []
         for i in range(steps):
+            if i in self.save_at:
+                meta = dict(recipe=self.name, seed=seed, step=i, config=dataclasses.asdict(cfg))
+                path = os.path.join(self.save_dir, f"{self.name}_seed{seed}_step{i}.npz")
+                save_checkpoint(
+                    path, {"params": params, **state}, batches[i], attention=self.attention(), **meta
+                )
             params, state, opt_state, loss = step(params, state, opt_state, batches[i], np.int32(i), sr_key)
             losses.append(loss)  # a device array: no host round trip per step
+            if self.eval_every and (i + 1) % self.eval_every == 0:  # dispatched, read at the end
+                evals_at.append((i + 1, [eval_loss(params, state, b) for b in evals]))
         curve = [float(x) for x in jax.device_get(losses)]  # the one wait for the steps
         step_ms = 1e3 * (time.time() - ts) / max(steps, 1)
         held_loss = float(np.mean(jax.device_get([eval_loss(params, state, b) for b in evals])))
+        self.final = {"params": params, **state}
+        extra = {"attention": self.attention()}
+        if self.eval_every:
+            extra["eval_curve"] = [[n, float(np.mean(jax.device_get(v)))] for n, v in evals_at]
         return dict(
             recipe=self.name,
             seed=seed,
@@ -355,18 +405,40 @@ class Trainer:
             seconds=time.time() - t0,
             step_ms=step_ms,
             compile_s=compile_s,  # 0: this recipe's step was compiled for an earlier seed
+            **extra,
         )
+
+
+def save_checkpoint(path: str, variables, batch, **meta) -> None:
+    """``variables`` ({"params": ..., **state}) as ``variables/<tree path>`` arrays, ``batch``,
+    and ``meta`` (JSON) in one .npz."""
+    flat = traverse_util.flatten_dict(jax.device_get(variables), sep="/")
+    arrays = {f"variables/{k}": np.asarray(v) for k, v in flat.items()}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    np.savez(path, batch=np.asarray(batch), meta=np.array(json.dumps(meta)), **arrays)
+
+
+def load_checkpoint(path: str) -> tuple[dict, np.ndarray, dict]:
+    """(variables, batch, meta) of a :func:`save_checkpoint` file; ``meta["config"]`` a Config."""
+    with np.load(path, allow_pickle=False) as f:
+        flat = {k[len("variables/") :]: f[k] for k in f.files if k.startswith("variables/")}
+        batch, meta = f["batch"], json.loads(str(f["meta"]))
+    meta["config"] = Config(**meta["config"])
+    return traverse_util.unflatten_dict(flat, sep="/"), batch, meta
 
 
 def train(name: str, cfg: Config, steps: int, seed: int, data) -> dict:
     return Trainer(name, cfg, steps).train(seed, data)
 
 
-def run(recipes, seeds, steps: int, cfg: Config, log=print, corpus="licences", on_row=None) -> list[dict]:
+def run(
+    recipes, seeds, steps: int, cfg: Config, log=print, corpus="licences", on_row=None, **trainer_kw
+) -> list[dict]:
     """Every recipe for seed 0, then for the next seed ... (a run cut short keeps whole seeds),
-    each recipe compiled once, on the first seed; on_row(rows) after every run."""
+    each recipe compiled once, on the first seed; on_row(rows) after every run. ``trainer_kw``:
+    :class:`Trainer`'s eval_every, save_at, save_dir."""
     data = load_corpus(corpus)
-    trainers = {name: Trainer(name, cfg, steps) for name in recipes}
+    trainers = {name: Trainer(name, cfg, steps, **trainer_kw) for name in recipes}
     rows = []
     for seed in seeds:
         for name, trainer in trainers.items():
@@ -428,15 +500,32 @@ def main(argv=None):
     p.add_argument("--moe", type=int, default=None, metavar="E", help="MoE MLPs with E experts (top-2)")
     p.add_argument("--fp8-attention", action="store_true", help="lowbit's attention, fp8_dpa for FP8 recipes")
     p.add_argument("--out", metavar="FILE", help="the rows as JSON (rewritten after every run)")
+    p.add_argument(
+        "--attention-impl",
+        choices=list(ATTENTION_IMPLS),
+        default="auto",
+        help="FP8 attention's (-dpa recipes)",
+    )
+    p.add_argument("--eval-every", type=int, default=0, metavar="N", help="held-out loss every N steps too")
+    p.add_argument(
+        "--save-at", type=int, nargs="+", default=[], metavar="STEP", help="checkpoint after STEP steps"
+    )
+    p.add_argument("--save-dir", metavar="DIR", help="where --save-at writes <recipe>_seed<s>_step<n>.npz")
     a = p.parse_args(argv)
     if a.small and a.size not in (None, "small"):
         p.error(f"--small contradicts --size {a.size}")
     size = "small" if a.small else a.size or "default"
     sizes, default = CONFIGS[a.model]
-    cfg = dataclasses.replace(sizes[size], fp8_attention=a.fp8_attention)
+    cfg = dataclasses.replace(sizes[size], fp8_attention=a.fp8_attention, attention_impl=a.attention_impl)
     if a.moe is not None:
         cfg = dataclasses.replace(cfg, moe_experts=a.moe)
     steps = a.steps if a.steps is not None else DEFAULT_STEPS[size]
+    if a.eval_every < 0:
+        p.error(f"--eval-every must be >= 1 (or 0: off), got {a.eval_every}")
+    if a.save_at and not a.save_dir:
+        p.error("--save-at needs --save-dir")
+    if any(not 0 <= s < steps for s in a.save_at):
+        p.error(f"--save-at steps must be in [0, {steps}) (--steps {steps}), got {a.save_at}")
     corpus = a.corpus or ("python" if size == "gpu" else "licences")
     if size == "gpu" and a.model == "dense":
         default = GPU_RECIPES
@@ -447,7 +536,8 @@ def main(argv=None):
     )
     meta = dict(model=a.model, size=size, corpus=corpus, steps=steps)
     on_row = (lambda rows: write_json(a.out, rows, cfg, **meta)) if a.out else None
-    rows = run(recipes, a.seeds, steps, cfg, corpus=corpus, on_row=on_row)
+    kw = dict(eval_every=a.eval_every, save_at=a.save_at, save_dir=a.save_dir)
+    rows = run(recipes, a.seeds, steps, cfg, corpus=corpus, on_row=on_row, **kw)
     print(table(rows))
     return rows
 

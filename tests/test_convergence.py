@@ -259,3 +259,204 @@ def test_out_json_has_the_rows_and_the_run(conv, tmp_path):
     assert "| current |" in conv.table(doc["rows"]) and "| bf16 |" in conv.table(doc["rows"][:3])  # partial
     with pytest.raises(SystemExit):
         conv.main(["--small", "--size", "gpu"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Probing a run (issue 26): --attention-impl, --eval-every, --save-at, and the divergence probe
+# ---------------------------------------------------------------------------------------------
+_PROBE_PATH = os.path.join(_REPO, "scripts", "attn_fp8_divergence_probe.py")
+
+
+@pytest.fixture(scope="module")
+def probe_mod(conv):
+    spec = importlib.util.spec_from_file_location("attn_fp8_divergence_probe", _PROBE_PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def saved_run(conv, tmp_path_factory):
+    """One small run with every probing flag: (json doc, rows, checkpoint folder)."""
+    tmp = tmp_path_factory.mktemp("saved_run")
+    out, ckpt = tmp / "conv.json", tmp / "ckpt"
+    argv = ["--small", "--steps", "3", "--recipes", "delayed-dpa", "--attention-impl", "emulate"]
+    argv += ["--eval-every", "1", "--save-at", "0", "2", "--save-dir", str(ckpt), "--out", str(out)]
+    rows = conv.main(argv)
+    return json.loads(out.read_text()), rows, ckpt
+
+
+def test_probing_flags_are_recorded(conv, saved_run):
+    doc, rows, ckpt = saved_run
+    assert doc["config"]["attention_impl"] == "emulate"
+    assert [(r["recipe"], r["attention"]) for r in doc["rows"]] == [
+        ("bf16", "bf16"),
+        ("delayed-dpa", "emulate"),
+    ]
+    for r in doc["rows"]:  # the held-out curve after steps 1, 2, 3; its last point is the final held-out
+        assert [n for n, _ in r["eval_curve"]] == [1, 2, 3]
+        assert all(np.isfinite(v) for _, v in r["eval_curve"]) and r["eval_curve"][-1][1] == r["held"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        f"{n}_seed0_step{s}.npz" for n in ("bf16", "delayed-dpa") for s in (0, 2)
+    ]
+    for bad in (["--save-at", "1"], ["--save-at", "3", "--save-dir", "x"], ["--eval-every", "-1"]):
+        with pytest.raises(SystemExit):  # argparse's error names the flag
+            conv.main(["--small", "--steps", "3", *bad])
+
+
+def test_attention_impl_reaches_the_fp8_attention(conv):
+    tokens = jnp.zeros((conv.SMALL.batch, conv.SMALL.seq), jnp.int32)
+    seen = {}
+
+    def spy(next_fun, args, kwargs, context):
+        if type(context.module).__name__ == "DotProductAttention":
+            seen[context.module.path[0]] = context.module.implementation
+        return next_fun(*args, **kwargs)
+
+    for name, impl, want in (
+        ("delayed-dpa", "emulate", "xla"),
+        ("delayed-dpa", "auto", None),
+        ("bf16", "emulate", None),
+    ):
+        cfg = dataclasses.replace(conv.SMALL, attention_impl=impl, lowbit_attention=True)
+        t = conv.Trainer(name, cfg, 1)
+        seen.clear()
+        with t._autocast(), nn.intercept_methods(spy):
+            jax.eval_shape(t.model.init, jax.random.PRNGKey(0), tokens)
+        assert set(seen.values()) == {want}, (name, impl, seen)  # BF16 attention keeps its default
+    t = conv.Trainer("delayed-dpa", dataclasses.replace(conv.SMALL, attention_impl="cudnn"), 1)
+    with (
+        t._autocast(),
+        pytest.raises(ValueError, match="implementation='cudnn' cannot run FP8 attention here"),
+    ):
+        jax.eval_shape(t.model.init, jax.random.PRNGKey(0), tokens)
+
+
+def test_save_at_writes_the_runs_parameters_state_and_next_batch(conv, saved_run):
+    _, _, ckpt = saved_run
+    cfg, data = dataclasses.replace(conv.SMALL, attention_impl="emulate"), conv.load_corpus()
+    t = conv.Trainer("delayed-dpa", cfg, 2)  # warmup 5: 2 and 3 steps follow the same schedule
+    t.train(0, data)
+    variables, batch, meta = conv.load_checkpoint(str(ckpt / "delayed-dpa_seed0_step2.npz"))
+    assert (meta["recipe"], meta["seed"], meta["step"], meta["attention"]) == ("delayed-dpa", 0, 2, "emulate")
+    assert meta["config"] == cfg
+    want = jax.tree_util.tree_map(np.asarray, t.final)
+    assert jax.tree_util.tree_structure(variables) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(variables), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(a, b)
+    hist = variables["_overwrite_with_gradient"]["block0"]["attn"]["dk_amax_history"]
+    assert (hist[:2] > 0).all() and (hist[2:] == 0).all()  # two steps of the attention's state
+    assert (batch == conv.train_batches(data[0], cfg, 3, 0)[2]).all()  # what step 2 trains on
+    init, batch0, _ = conv.load_checkpoint(str(ckpt / "delayed-dpa_seed0_step0.npz"))
+    with t._autocast():
+        fresh = t.model.init(jax.random.PRNGKey(0), batch0[:, :-1])
+    for a, b in zip(jax.tree_util.tree_leaves(init), jax.tree_util.tree_leaves(fresh)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_probe_float64_reference_matches_autodiff(probe_mod):
+    r = np.random.default_rng(0)
+    q, k, v, do = (r.standard_normal((2, 8, 2, 4)) for _ in range(4))
+    scale = 0.5
+
+    def attn(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        s = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+    o, vjp = jax.vjp(attn, *(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+    ref = probe_mod.reference(q, k, v, do, scale)
+    for name, want in zip(("o", "dq", "dk", "dv"), (o, *vjp(jnp.asarray(do, jnp.float32)))):
+        np.testing.assert_allclose(ref[name], want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_probe_steps_equal_the_fp8_op(probe_mod):
+    """The probe runs the op's forward and backward steps itself (for the amaxes and scales):
+    they must give what lowbit.ops.attention.fp8.fp8_attention's vjp gives."""
+    from lowbit.ops.attention.fp8 import fp8_attention
+
+    r = np.random.default_rng(1)
+    q, k, v, do = (jnp.asarray(r.standard_normal((2, 16, 2, 16)), jnp.bfloat16) for _ in range(4))
+    for recipe in (lowbit.DelayedScaling(fp8_dpa=True), lowbit.Float8CurrentScaling(fp8_dpa=True)):
+        state = (
+            probe_mod.warm_state(recipe, q, k, v, do, "emulate")
+            if isinstance(recipe, lowbit.DelayedScaling)
+            else None
+        )
+        out, _, _, _ = probe_mod.fp8_step(q, k, v, do, state, recipe=recipe, impl="emulate")
+
+        def op(q, k, v, recipe=recipe, state=state):
+            return fp8_attention(q, k, v, recipe=recipe, state=state, causal=True, implementation="emulate")
+
+        o, grads = jax.jit(lambda q, k, v, do: (lambda o, f: (o, f(do)))(*jax.vjp(op, q, k, v)))(q, k, v, do)
+        for name, want in zip(("o", "dq", "dk", "dv"), (o, *grads)):
+            # Equal up to an FP8 rounding flipped by float32 noise here and there (a wrong scale
+            # or a missed quantization would move nearly every entry).
+            got = np.asarray(jnp.asarray(out[name]).astype(jnp.bfloat16), np.float32)
+            want = np.asarray(want, np.float32)
+            moved, err = np.mean(got != want), np.linalg.norm(got - want) / np.linalg.norm(want)
+            assert moved < 0.02 and err < 0.02, (type(recipe).__name__, name, moved, err)
+
+
+def test_divergence_probe_on_a_saved_checkpoint(probe_mod, saved_run, capsys):
+    _, _, ckpt = saved_run
+    rows = probe_mod.main([str(ckpt / "delayed-dpa_seed0_step2.npz")])
+    text = capsys.readouterr().out
+    assert "cudnn rows skipped: " in text and "summary delayed emulate" in text  # head_dim 16, or no GPU
+    assert {(r["recipe"], r["impl"]) for r in rows} == {("delayed", "emulate"), ("current", "emulate")}
+    assert sorted({r["layer"] for r in rows}) == list(range(3))
+    for r in rows:
+        nums = [v for v in r.values() if isinstance(v, float)]
+        assert nums and all(np.isfinite(nums)), r
+        # FP8 against float64 (E4M3 forward, E5M2 gradients: ~0.04 and ~0.1 measured at head_dim 16)
+        assert r["err_o"] < 0.1 and max(r[f"err_{g}"] for g in ("dq", "dk", "dv")) < 0.2, r
+        assert min(r[f"cos_{g}"] for g in ("dq", "dk", "dv")) > 0.98, r
+        assert all(0 <= r[k] <= 0.01 for k in r if k.startswith(("uf_", "z_"))), r
+    for layer in range(3):  # current scaling's gradient scales are bounds: dk's sits binades below
+        d, c = ({r["recipe"]: r for r in rows if r["layer"] == layer}[n] for n in ("delayed", "current"))
+        assert abs(d["hr_dk"]) < 2 and c["hr_dk"] > d["hr_dk"] + 5, (d["hr_dk"], c["hr_dk"])
+
+
+# --- GPU: the probe's cuDNN rows (cuDNN's FP8 attention: head_dim 128) ---------------------
+@pytest.mark.gpu
+def test_probe_cudnn_rows_against_the_emulation(probe_mod, gpu_device):
+    """cuDNN and the emulation on the same tensors through the probe's steps: both near float64,
+    near each other, and cuDNN's dp amax the emulation's times the softmax scale (the convention
+    convert_dp relies on)."""
+    r = np.random.default_rng(2)
+    q, k, v, do = (jnp.asarray(r.standard_normal((2, 256, 4, 128)), jnp.bfloat16) for _ in range(4))
+    scale = 128**-0.5
+    ref = probe_mod.reference(q, k, v, do, scale)
+    recipe = lowbit.DelayedScaling(fp8_dpa=True)
+    rows, states = {}, {}
+    for impl in ("cudnn", "emulate"):
+        states[impl] = probe_mod.warm_state(recipe, q, k, v, do, impl)
+        out, amaxes, sc, _ = probe_mod.fp8_step(q, k, v, do, states[impl], recipe=recipe, impl=impl)
+        rows[impl] = probe_mod.compare(out, amaxes, sc, ref, recipe, impl, scale)
+    for row in rows.values():
+        assert row["err_o"] < 0.1 and max(row[f"err_{g}"] for g in ("dq", "dk", "dv")) < 0.2, row
+    for key in ("err_o", "err_dq", "err_dk", "err_dv"):
+        assert abs(rows["cudnn"][key] - rows["emulate"][key]) < 0.05, (key, rows)
+    ratio = rows["cudnn"]["amax_dp"] / (rows["emulate"]["amax_dp"] * scale)
+    assert 0.8 < ratio < 1.25, ratio
+    moved = probe_mod.convert_dp(states["cudnn"], scale, "cudnn", "emulate")["dp_scale"]
+    assert 0.8 < float(moved[0] / states["emulate"]["dp_scale"][0]) < 1.25
+
+
+@pytest.mark.gpu
+def test_probe_on_a_gpu_checkpoint(conv, probe_mod, gpu_device, tmp_path):
+    """End to end with cuDNN's FP8 attention: a two-layer model of 128-wide heads trained by
+    delayed-dpa on cuDNN, checkpointed, probed with both implementations."""
+    cfg = dataclasses.replace(conv.SMALL, d_model=256, n_heads=2, d_ff=256, seq=64, batch=4, n_layers=2)
+    cfg = dataclasses.replace(cfg, lowbit_attention=True, attention_impl="cudnn")
+    t = conv.Trainer("delayed-dpa", cfg, 3, save_at=[2], save_dir=str(tmp_path))
+    t.train(0, conv.load_corpus())
+    lines = []
+    rows = probe_mod.probe(str(tmp_path / "delayed-dpa_seed0_step2.npz"), log=lines.append)
+    assert "skipped" not in "\n".join(lines)
+    assert {(r["recipe"], r["impl"]) for r in rows} == {
+        (n, i) for n in ("delayed", "current") for i in ("cudnn", "emulate")
+    }
+    for r in rows:
+        assert all(np.isfinite(v) for v in r.values() if isinstance(v, float)), r
+        assert r["err_o"] < 0.15 and min(r[f"cos_{g}"] for g in ("dq", "dk", "dv")) > 0.97, r
