@@ -336,3 +336,31 @@ def test_moe_te_api_rows_leave_out_a_peer_that_refuses(monkeypatch, capsys):
     got = moe_peers.rows("G4 small", (T, H, E, F, k), ops, ["te-api moe current"], iters=1)
     assert [r["peer"] for r in got] == ["lowbit.te"]
     assert "[transformer_engine] left out: NotImplementedError" in capsys.readouterr().err
+
+
+def test_gpu_events_take_stream_lines_of_every_gpu_or_the_one_named():
+    """profile._gpu_events (also comm_overlap's reader): every GPU plane's Stream lines, sorted,
+    or only GPU ``device``'s; host planes and non-stream lines never."""
+    from types import SimpleNamespace as NS
+
+    from lowbit.bench.profile import _gpu_events
+
+    def ev(start, name):
+        return NS(start_ns=start, duration_ns=5, name=name, stats=[])
+
+    def plane(name, lines):
+        return NS(name=name, lines=[NS(name=n, events=evs) for n, evs in lines])
+
+    trace = NS(
+        planes=[
+            plane("/device:GPU:1", [("Stream #7", [ev(30, "b")]), ("XLA Ops", [ev(1, "op")])]),
+            plane("/host:CPU", [("Stream #1", [ev(2, "host")])]),
+            plane("/device:GPU:0", [("Stream #3", [ev(20, "a"), ev(10, "c")])]),
+            plane("/device:GPU:10", [("Stream #3", [ev(40, "d")])]),
+        ]
+    )
+    names = lambda evs: [e[2] for e in evs]  # noqa: E731
+    assert names(_gpu_events(trace)) == ["c", "a", "b", "d"]
+    assert names(_gpu_events(trace, 0)) == ["c", "a"]
+    assert names(_gpu_events(trace, 1)) == ["b"]
+    assert names(_gpu_events(trace, 10)) == ["d"]

@@ -67,8 +67,10 @@ def _gpu_events(trace, device: Optional[int] = None) -> list:
     (grid/block sizes where the trace has them)."""
     events = []
     for plane in trace.planes:
-        one = device is not None and plane.name == f"/device:GPU:{device}"
-        if not (one or (device is None and plane.name.startswith("/device:GPU"))):
+        if device is None:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+        elif plane.name != f"/device:GPU:{device}":
             continue
         for line in plane.lines:
             if not line.name.startswith("Stream"):
