@@ -68,9 +68,16 @@ inline bool set_tiles(CastArgs& a, int64_t* tiles) {
   return true;
 }
 
+// Group g's tensor scale: delayed[g] (delayed scaling), else from amax[g]. One expression for the
+// cast and grouped_quantize.cu's finalize (scale_inv, the one-group tiles' scale): same bits.
+template <int FMT>
+__device__ __forceinline__ float group_scale(const float* delayed, const float* amax, int64_t g) {
+  return delayed ? delayed[g] : scale_from_amax(amax[g], fmt_max<FMT>());
+}
+
 template <int FMT>
 __device__ __forceinline__ float tensor_scale(const CastArgs& a, int64_t g) {
-  return a.delayed ? a.delayed[g] : scale_from_amax(a.amax_in[g], fmt_max<FMT>());
+  return group_scale<FMT>(a.delayed, a.amax_in, g);
 }
 
 // Scale byte of MXFP8 rows that belong to no group (grouped quantize): 2^0, like the CPU kernel.

@@ -165,23 +165,20 @@ __global__ void __launch_bounds__(256)
 }
 
 // Per-group scale_inv of the tensor modes (an empty group has amax 0, hence scale 1), and the
-// scale of each one-group tile (tile_info[i].y for i < TR; the tile kernel's tensor_scale).
+// scale of each one-group tile (tile_info[i].y for i < TR), both by group_scale.
 template <int FMT>
 __global__ void grouped_finalize_kernel(int64_t G, const float* delayed, const float* amax,
                                         float* si_row, float* si_col, int2* tile_info, int64_t TR) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < G || i < TR;
        i += int64_t(gridDim.x) * blockDim.x) {
     if (i < G) {
-      const float s = delayed ? delayed[i] : scale_from_amax(amax[i], fmt_max<FMT>());
-      const float inv = 1.0f / s;
+      const float inv = 1.0f / group_scale<FMT>(delayed, amax, i);
       if (si_row) si_row[i] = inv;
       if (si_col) si_col[i] = inv;
     }
     if (i < TR) {
       const int g = tile_info[i].x;
-      if (g >= 0)
-        tile_info[i].y =
-            __float_as_int(delayed ? delayed[g] : scale_from_amax(amax[g], fmt_max<FMT>()));
+      if (g >= 0) tile_info[i].y = __float_as_int(group_scale<FMT>(delayed, amax, g));
     }
   }
 }
