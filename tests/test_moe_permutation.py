@@ -161,6 +161,8 @@ def test_bad_dispatch_arguments_name_the_argument():
         perm.plan_dispatch(ex, E, align_size=-1)
     with pytest.raises(ValueError, match="capacity"):
         perm.plan_dispatch(ex, E, capacity=0)
+    with pytest.raises(ValueError, match="round_rows must be a bool"):
+        perm.plan_dispatch(ex, E, align_size=16, round_rows="yes")
     plan = perm.plan_dispatch(ex, E)
     with pytest.raises(ValueError, match="permute: x"):
         perm.permute(jnp.zeros((T + 1, D)), plan)

@@ -90,6 +90,8 @@ def plan_dispatch(
         raise ValueError(f"plan_dispatch: align_size must be an integer >= 0, got {align_size!r}")
     if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
         raise ValueError(f"plan_dispatch: capacity must be None or an integer >= 1, got {capacity!r}")
+    if not isinstance(round_rows, bool):
+        raise ValueError(f"plan_dispatch: round_rows must be a bool, got {round_rows!r}")
     impl = _fused.check_impl("plan_dispatch", impl)
     T, k = experts.shape
     P = T * k
