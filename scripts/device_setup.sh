@@ -2,8 +2,12 @@
 # Source at the start of a device call: unpack the libraries (and check programs) carried as
 # tarballs in .carry/, point lowbit at them, and install TransformerEngine's peer once per machine.
 #   source scripts/device_setup.sh [te]
+# Unpacked once per tarball content: parallel streams that source this again must not rewrite
+# libraries another process is loading.
 for t in .carry/libs.tar.gz .carry/checks*.tar.gz; do
-  [ -f "$t" ] && tar -C .carry -xzf "$t"
+  [ -f "$t" ] || continue
+  stamp=.carry/.unpacked_$(basename "$t") sum=$(md5sum <"$t")
+  [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ] || { tar -C .carry -xzf "$t" && echo "$sum" >"$stamp"; }
 done
 export LOWBIT_BUILD_DIR=$PWD/.carry/prebuilt OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"

@@ -113,6 +113,76 @@ def test_emulation_against_float64(make, causal):
     _check_errors(out, grads, want_o, want_g)
 
 
+def _common(x, size, seed):
+    """``x`` plus ``size`` times a vector shared by every position (per batch, head, channel): the
+    component trained keys and values carry."""
+    c = np.random.default_rng(seed).standard_normal((1, 1) + x.shape[2:])
+    return (x.astype(jnp.float32) + size * c).astype(x.dtype)
+
+
+@pytest.mark.parametrize("make", RECIPES)
+def test_keys_and_values_with_a_common_component_keep_the_bounds(make):
+    """A component shared by all keys and values (6 sigma here) leaves exact attention's output
+    shifted and its gradients unchanged; FP8 attention must stay within the same bounds. Without
+    centering, dS's rounded row sums carry k's common component into dq (3x dq's norm)."""
+    recipe = make()
+    q, k, v, do = _inputs(seed=11, s=128)
+    k, v = _common(k, 6.0, 1), _common(v, 6.0, 2)
+    kw = dict(causal=True, implementation="emulate")
+    state = _steady_state(recipe, q, k, v, do, **kw)
+    out, grads, _ = _run(recipe, q, k, v, do, state, **kw)
+    want_o, want_g = _f64(q, k, v, do, True)
+    # o's error against o less v's mean (what FP8 carries; the mean itself is exact)
+    shift = np.repeat(np.mean(np.asarray(v, np.float64), axis=1, keepdims=True), 2, axis=2)
+    _check_errors(np.asarray(out, np.float64) - shift, grads, want_o - shift, want_g)
+
+
+def test_dropout_with_a_common_key_component_keeps_the_bounds():
+    """Under dropout v is not centered (dropped rows do not sum to one), k still is."""
+    recipe = Float8CurrentScaling(fp8_dpa=True)
+    q, k, v, do = _inputs(seed=12, s=128)
+    k = _common(k, 6.0, 3)
+    rng, rate = jax.random.PRNGKey(5), 0.2
+    kw = dict(causal=True, implementation="emulate", dropout_rate=rate, rng=rng)
+    out, grads, _ = _run(recipe, q, k, v, do, None, **kw)
+    b, s, h, _ = q.shape
+    keep = np.asarray(jax.random.bernoulli(rng, 1 - rate, (b, 2, h // 2, s, s))).reshape(b, h, s, s)
+    want_o, want_g = _f64(q, k, v, do, True, keep, rate)
+    _check_errors(out, grads, want_o, want_g)
+
+
+def _float8_round_trips(jaxpr, made=None) -> int:
+    """Conversions of a value converted to FP8 in the same jaxpr back to a wider float: XLA's GPU
+    pipeline deletes such pairs (simplify-fp-conversions), so an emulation built on them does
+    not round on a GPU."""
+    made = set() if made is None else made
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type":
+            (x,), (y,) = eqn.invars, eqn.outvars
+            if jnp.dtype(y.aval.dtype).itemsize == 1 and jnp.issubdtype(y.aval.dtype, jnp.floating):
+                made.add(y)
+            elif x in made and jnp.issubdtype(y.aval.dtype, jnp.floating):
+                count += 1
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _float8_round_trips(inner)
+    return count
+
+
+@pytest.mark.parametrize("make", RECIPES)
+def test_emulation_survives_the_gpu_pipeline(make):
+    """The emulation decodes its FP8 values by table, never by a convert pair XLA's GPU
+    compiler would remove (the old ``astype`` decode left one per rounding: none ran on a GPU)."""
+    recipe = make()
+    q, k, v, do = _inputs()
+    state = fs.init_state(recipe) if isinstance(recipe, DelayedScaling) else None
+    step = lambda q, k, v: _run(recipe, q, k, v, do, state, causal=True, implementation="emulate")  # noqa: E731
+    assert _float8_round_trips(jax.make_jaxpr(step)(q, k, v).jaxpr) == 0
+
+
 def test_emulation_dropout_uses_the_key_mask():
     """With dropout the emulation's mask is ``bernoulli(rng, 1 - rate, (b, h, sq, sk))``: against
     float64 attention with that mask, the same bounds hold."""
@@ -154,8 +224,9 @@ def test_delayed_state_advances_from_the_amaxes():
     q, k, v, do = _inputs(seed=2)
     state = fs.init_state(recipe)
     _, _, nxt = _run(recipe, q, k, v, do, state, causal=True, implementation="emulate")
+    k, v = (x.astype(jnp.float32) - jnp.mean(x.astype(jnp.float32), axis=1, keepdims=True) for x in (k, v))
     for role, x, fmax in (("q", q, 448.0), ("k", k, 448.0), ("v", v, 448.0), ("do", do, 57344.0)):
-        a = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+        a = float(jnp.max(jnp.abs(x.astype(jnp.bfloat16).astype(jnp.float32))))  # k, v centered
         assert float(nxt[f"{role}_amax_history"][0]) == pytest.approx(a)
         assert float(nxt[f"{role}_scale"][0]) == pytest.approx(fmax / a / 2.0, rel=1e-6)
     # s is the probabilities (at most 1), each history entry is a positive amax
@@ -171,6 +242,7 @@ def test_current_scales_bound_the_tensors():
     q, k, v, do = _inputs(seed=3)
     delayed = DelayedScaling(fp8_dpa=True, amax_history_len=1)
     nxt = _run(delayed, q, k, v, do, fs.init_state(delayed), causal=True, implementation="emulate")[2]
+    k, v = (x.astype(jnp.float32) - jnp.mean(x.astype(jnp.float32), axis=1, keepdims=True) for x in (k, v))
     a = {r: jnp.max(jnp.abs(x.astype(jnp.float32))) for r, x in (("q", q), ("k", k), ("v", v), ("do", do))}
     sc = fs.current_output_scales(recipe, a, scale=1 / np.sqrt(32), rate=0.0, sq=64, d=32)
     for role in ("s", "o", "dp", "dq", "dk", "dv"):

@@ -87,6 +87,21 @@ def _quantize(x, scale, dtype):
     return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype)
 
 
+def _decoded(x8):
+    """FP8 values as float32 through a 256-entry table, not ``astype``: XLA's GPU pipeline
+    deletes a convert pair f32 -> f8 -> f32 (simplify-fp-conversions, on under the default
+    ``xla_allow_excess_precision``), so an emulation written with ``astype`` rounds nothing on
+    a GPU. A gather of the codes is not a convert chain."""
+    table = np.arange(256, dtype=np.uint8).view(jnp.dtype(x8.dtype)).astype(np.float32)
+    codes = jax.lax.bitcast_convert_type(x8, jnp.uint8).astype(jnp.int32)
+    return jnp.asarray(table)[codes]
+
+
+def _fake_quantize(x, scale, dtype):
+    """``x`` rounded to ``dtype`` with encode scale ``scale``, decoded (float32)."""
+    return _decoded(_quantize(x, scale, dtype)) / scale
+
+
 def _zero_padded(x, lens, axis_len):
     """Rows (axis 1) at or past each batch's length -> 0."""
     keep = jnp.arange(axis_len)[None, :] < lens[:, None]
@@ -337,11 +352,9 @@ def fused_attention(
     plain = causal and not padding and q.shape[1] == k.shape[1]
     if fp8 is None:
         return reference_attention(q, k, v, bias, masked, scale, rate, rng, sink, plain)
-    q, k, v = (
-        (_quantize(x, s, E4M3).astype(jnp.float32) / s).astype(x.dtype) for x, s in zip((q, k, v), fp8)
-    )
+    q, k, v = (_fake_quantize(x, s, E4M3).astype(x.dtype) for x, s in zip((q, k, v), fp8))
     out = reference_attention(q, k, v, None, masked, scale, rate, rng, sink, plain)
-    return (_quantize(out, fp8.o, E4M3).astype(jnp.float32) / fp8.o).astype(q.dtype)
+    return _fake_quantize(out, fp8.o, E4M3).astype(q.dtype)
 
 
 __all__ = ["Fp8AttentionScales", "fused_attention", "padding_mask", "reference_attention"]

@@ -55,11 +55,6 @@ class _Config:
         return f | (ffi.DROPOUT if self.rate > 0 else 0)
 
 
-def _qdq(x, s, dtype):
-    """x rounded to ``dtype`` with encode scale ``s`` and decoded (float32)."""
-    return fa._quantize(x, s, dtype).astype(F32) / s
-
-
 # --- the float32 emulation -----------------------------------------------------------------
 def _groups(x, g):  # (b, s, h, d) -> (b, s, g, h // g, d)
     return x.reshape(x.shape[:2] + (g, x.shape[2] // g, x.shape[3]))
@@ -81,11 +76,11 @@ def _probs(cfg, qd, kd, rng):
 
 def _emulate_fwd(cfg, q, k, v, sc, rng):
     f, _ = fs.dtypes(cfg.recipe)
-    qd, kd, vd = (_qdq(x, sc[r], f) for x, r in ((q, "q"), (k, "k"), (v, "v")))
+    qd, kd, vd = (fa._fake_quantize(x, sc[r], f) for x, r in ((q, "q"), (k, "k"), (v, "v")))
     _, pd = _probs(cfg, qd, kd, rng)
-    p8 = _qdq(pd, sc["s"], f)
+    p8 = fa._fake_quantize(pd, sc["s"], f)
     o = jnp.einsum("bgrqk,bkgd->bqgrd", p8, vd, precision=_HI).reshape(q.shape[:3] + (v.shape[-1],))
-    od = _qdq(o, sc["o"], f)
+    od = fa._fake_quantize(o, sc["o"], f)
     return od, (qd, kd, vd, od), fs.amax(pd), fs.amax(o)
 
 
@@ -93,9 +88,9 @@ def _emulate_bwd(cfg, res, sc, ct, rng):
     f, b = fs.dtypes(cfg.recipe)
     qd, kd, vd, od = res
     g = kd.shape[2]
-    dod = _qdq(ct, sc["do"], b)
+    dod = fa._fake_quantize(ct, sc["do"], b)
     p, pd = _probs(cfg, qd, kd, rng)
-    p8 = _qdq(pd, sc["s"], f)
+    p8 = fa._fake_quantize(pd, sc["s"], f)
     dog = _groups(dod, g)
     dv = jnp.einsum("bgrqk,bqgrd->bkgd", p8, dog, precision=_HI)
     dpp = jnp.einsum("bqgrd,bkgd->bgrqk", dog, vd, precision=_HI)
@@ -103,12 +98,12 @@ def _emulate_bwd(cfg, res, sc, ct, rng):
         dpp = jnp.where(pd != 0, dpp / (1.0 - cfg.rate), 0.0)
     dsum = jnp.sum(dog * _groups(od, g), axis=-1).transpose(0, 2, 3, 1)[..., None]  # (b, g, r, sq, 1)
     ds = p * (dpp - dsum)
-    ds8 = _qdq(ds, sc["dp"], b)
+    ds8 = fa._fake_quantize(ds, sc["dp"], b)
     dq = cfg.scale * jnp.einsum("bgrqk,bkgd->bqgrd", ds8, kd, precision=_HI).reshape(qd.shape)
     dk = cfg.scale * jnp.einsum("bgrqk,bqgrd->bkgd", ds8, _groups(qd, g), precision=_HI)
     grads = {"dq": dq, "dk": dk, "dv": dv}
     amaxes = {r: fs.amax(x) for r, x in grads.items()} | {"dp": fs.amax(ds)}
-    return tuple(_qdq(grads[r], sc[r], b) for r in ("dq", "dk", "dv")), amaxes
+    return tuple(fa._fake_quantize(grads[r], sc[r], b) for r in ("dq", "dk", "dv")), amaxes
 
 
 # --- cuDNN ---------------------------------------------------------------------------------
@@ -320,7 +315,30 @@ def fp8_attention(
     cfg = config(q, k, recipe=recipe, **kw)
     state = fs.check_state(recipe, state)
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    return _fp8(cfg, q, k, v, state, rng)
+    k, v, v_mean = _centered(k, v, dropout_rate)
+    o = _fp8(cfg, q, k, v, state, rng)
+    if v_mean is None:
+        return o
+    v_mean = jnp.repeat(v_mean, q.shape[2] // v.shape[2], axis=2)  # each group's heads
+    return (o.astype(F32) + v_mean).astype(q.dtype)
+
+
+def _centered(k, v, rate):
+    """k and v less their means over the sequence (per batch, group and channel), and v's mean.
+
+    Exact in real arithmetic: a row-constant shift of the scores leaves the softmax unchanged,
+    and o = P (v - m) + m where P's rows sum to one. In FP8 it is what keeps the gradients:
+    trained keys and values share a large common component, dS's row sums (zero in exact
+    arithmetic) are not zero once dS is rounded, and dq = scale dS k then carries that error
+    times k's common component (dq 3x its norm off on a diverging run's checkpoint; V's
+    component does the same to dP - D). Dropout's rescaled rows do not sum to one: v stays."""
+    mean = lambda x: jnp.mean(x.astype(F32), axis=1, keepdims=True)  # noqa: E731
+    k_mean = mean(k)
+    k = (k.astype(F32) - k_mean).astype(k.dtype)
+    if rate > 0:
+        return k, v, None
+    v_mean = mean(v)
+    return k, (v.astype(F32) - v_mean).astype(v.dtype), v_mean
 
 
 __all__ = ["config", "cudnn_fp8_available", "fp8_attention", "fp8_head_dim_unsupported", "unsupported"]
