@@ -94,6 +94,7 @@ RECIPES = {
     # FP8 attention (issue 26): the recipe's GEMMs plus lowbit's FP8 attention (fp8_dpa).
     "delayed-dpa": lambda: lowbit.DelayedScaling(fp8_dpa=True),
     "current-dpa": lambda: lowbit.Float8CurrentScaling(fp8_dpa=True),
+    "delayed-h16-dpa": lambda: lowbit.DelayedScaling(amax_history_len=16, fp8_dpa=True),
 }
 DEFAULT_RECIPES = ("bf16", "delayed", "current", "mxfp8", "nvfp4")
 MOE_RECIPES = ("bf16", "delayed", "current", "block")  # the grouped GEMM's recipes
