@@ -167,7 +167,16 @@ def apply_updates_with_fp8_weights(variables: Mapping, updates) -> Mapping:
             "apply_updates_with_fp8_weights: updates must have the tree structure of "
             f"variables['params'], got {jax.tree_util.tree_structure(updates)}"
         )
-    new = jax.tree_util.tree_map(lambda p, u: jnp.asarray(p + u).astype(jnp.result_type(p)), params, updates)
+
+    def apply(path, p, u):
+        if jnp.shape(u) != jnp.shape(p):
+            raise ValueError(
+                f"apply_updates_with_fp8_weights: updates{jax.tree_util.keystr(path)} must have its "
+                f"parameter's shape {tuple(jnp.shape(p))}, got {tuple(jnp.shape(u))}"
+            )
+        return jnp.asarray(p + u).astype(jnp.result_type(p))
+
+    new = jax.tree_util.tree_map_with_path(apply, params, updates)
     return _refreshed("apply_updates_with_fp8_weights", {**variables, "params": new}, _in_update)
 
 
