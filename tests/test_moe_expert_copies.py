@@ -74,7 +74,12 @@ def test_rounding_ties_saturation_and_subnormals():
 
 @pytest.mark.parametrize(
     "shape,dtype",
-    [((1, 1, 1), jnp.float32), ((3, 20, 37), jnp.bfloat16), ((8, 17, 33), jnp.float16), ((5, 16, 48), jnp.float32)],
+    [
+        ((1, 1, 1), jnp.float32),
+        ((3, 20, 37), jnp.bfloat16),
+        ((8, 17, 33), jnp.float16),
+        ((5, 16, 48), jnp.float32),
+    ],
 )
 def test_ragged_shapes_and_dtypes(shape, dtype):
     G = shape[0]

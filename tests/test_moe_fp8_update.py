@@ -15,7 +15,12 @@ import pytest
 from test_moe_fp8_weights import Net, _x
 
 import lowbit
-from lowbit.flax import FP8_WEIGHTS, OVERWRITE_WITH_GRADIENT, apply_updates_with_fp8_weights, refresh_fp8_weights
+from lowbit.flax import (
+    FP8_WEIGHTS,
+    OVERWRITE_WITH_GRADIENT,
+    apply_updates_with_fp8_weights,
+    refresh_fp8_weights,
+)
 from lowbit.moe import quantize_experts
 
 DELAYED = lowbit.DelayedScaling(amax_history_len=4)
@@ -75,7 +80,9 @@ def test_copies_are_the_updated_masters_cast_with_the_new_state():
         got = getattr(c, name)
         assert got.kn == ref.kn
         for f in ("row", "row_s", "col", "col_s", "amax"):
-            np.testing.assert_array_equal(_bytes(getattr(got, f)), _bytes(getattr(ref, f)), err_msg=f"{name}.{f}")
+            np.testing.assert_array_equal(
+                _bytes(getattr(got, f)), _bytes(getattr(ref, f)), err_msg=f"{name}.{f}"
+            )
         assert np.isfinite(np.asarray(got.row_s)).all()  # not the NaN-poisoned "gradient" of the copies
 
 
@@ -100,5 +107,8 @@ def test_bad_arguments_are_named():
         apply_updates_with_fp8_weights(v, {"moe": {}})
     params = nn.meta.unbox(v["params"])
     wrong = dict(params, moe=dict(params["moe"], wi=params["moe"]["wi"][:, :4]))
-    with pytest.raises(ValueError, match=r"updates\['moe'\]\['wi'\] must have its parameter's shape \(8, 32, 96\), got \(8, 4, 96\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"updates\['moe'\]\['wi'\] must have its parameter's shape \(8, 32, 96\), got \(8, 4, 96\)",
+    ):
         apply_updates_with_fp8_weights({**v, "params": params}, wrong)

@@ -82,9 +82,7 @@ def apply_update_with_fp8_copies(
     op = "apply_update_with_fp8_copies"
     _check(op, w, recipe)
     if tuple(jnp.shape(update)) != tuple(w.shape):
-        raise ValueError(
-            f"{op}: update must have w's shape {tuple(w.shape)}, got {tuple(jnp.shape(update))}"
-        )
+        raise ValueError(f"{op}: update must have w's shape {tuple(w.shape)}, got {tuple(jnp.shape(update))}")
     new_w = (w + update).astype(w.dtype)
     return new_w, delayed_expert_copies(new_w, recipe, state)
 
