@@ -2,7 +2,8 @@
 writes) are byte for byte lowbit's cast kernel (quantize_experts) under DelayedScaling: every
 bfloat16 value, every rounding tie of E4M3 and its neighbours, saturation, NaN, Inf,
 float32 subnormals, ragged (G, K, N) padded to 16, float32 / bfloat16 / float16 masters, traced
-scales that are not positive and finite; bad arguments are named."""
+scales that are not positive and finite; on the CPU and (``gpu``) against the CUDA cast kernel
+with XLA's GPU code; bad arguments are named."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _fill(values, G, K, N):
     return np.broadcast_to(flat.reshape(K, N), (G, K, N)).copy()
 
 
-def test_every_bfloat16_value_at_several_scales():
+def test_every_bfloat16_value_at_several_scales(device):
     bits = np.arange(1 << 16, dtype=np.uint16)
     v = bits.view(ml_dtypes.bfloat16).astype(np.float32)
     v = v[~np.isinf(v)]  # NaN stays (the amax ignores it); Inf below
@@ -57,7 +58,7 @@ def test_every_bfloat16_value_at_several_scales():
     _assert_same(jnp.asarray(w), HYBRID, _state(HYBRID, scales))
 
 
-def test_rounding_ties_saturation_and_subnormals():
+def test_rounding_ties_saturation_and_subnormals(device):
     recipe = E4M3
     q = np.dtype(recipe.q_dtype("kernel"))
     grid = np.unique(np.abs(np.arange(256, dtype=np.uint8).view(q).astype(np.float32)))
@@ -81,7 +82,7 @@ def test_rounding_ties_saturation_and_subnormals():
         ((5, 16, 48), jnp.float32),
     ],
 )
-def test_ragged_shapes_and_dtypes(shape, dtype):
+def test_ragged_shapes_and_dtypes(device, shape, dtype):
     G = shape[0]
     rng = np.random.default_rng(G)
     mag = 10.0 ** rng.uniform(-6, 4, shape)  # wide enough to saturate at the larger scales
@@ -92,7 +93,7 @@ def test_ragged_shapes_and_dtypes(shape, dtype):
     assert q.col.shape == q.row.shape[::-1] and q.kn == shape[1:]
 
 
-def test_nonfinite_weights_and_traced_bad_scales():
+def test_nonfinite_weights_and_traced_bad_scales(device):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((5, 20, 24)).astype(np.float32)
     w[1, 3, 4] = np.inf  # expert 1: amax Inf, decode scales NaN
@@ -104,7 +105,7 @@ def test_nonfinite_weights_and_traced_bad_scales():
     _assert_same(jnp.asarray(w), E4M3, _state(E4M3, [0.0, -2.0, np.nan, np.inf, 8.0]))
 
 
-def test_update_equals_quantize_experts_of_the_updated_master():
+def test_update_equals_quantize_experts_of_the_updated_master(device):
     rng = np.random.default_rng(2)
     w = jnp.asarray(rng.standard_normal((4, 24, 40)), jnp.float32)
     u = jnp.asarray(rng.standard_normal((4, 24, 40)) * 1e-2, jnp.float32)

@@ -57,7 +57,7 @@ def _bytes(a):
 
 
 @pytest.mark.parametrize("recipe", [DELAYED, lowbit.Float8CurrentScaling()], ids=["delayed", "current"])
-def test_in_update_copies_train_as_the_refresh(recipe):
+def test_in_update_copies_train_as_the_refresh(device, recipe):
     la, a, _, _ = _train(recipe, in_update=False)
     lb, b, _, _ = _train(recipe, in_update=True)
     assert la == lb and all(np.isfinite(la))
@@ -68,7 +68,7 @@ def test_in_update_copies_train_as_the_refresh(recipe):
         np.testing.assert_array_equal(_bytes(u), _bytes(w), err_msg=jax.tree_util.keystr(path))
 
 
-def test_copies_are_the_updated_masters_cast_with_the_new_state():
+def test_copies_are_the_updated_masters_cast_with_the_new_state(device):
     _, v, step, opt = _train(DELAYED, in_update=True, steps=2)
     _, new, _ = step(v, opt, _x(20))
     states = new[OVERWRITE_WITH_GRADIENT]["moe"]
