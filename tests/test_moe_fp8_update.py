@@ -112,3 +112,17 @@ def test_bad_arguments_are_named():
         match=r"updates\['moe'\]\['wi'\] must have its parameter's shape \(8, 32, 96\), got \(8, 4, 96\)",
     ):
         apply_updates_with_fp8_weights({**v, "params": params}, wrong)
+
+
+def test_without_copies_it_is_optax_apply_updates():
+    import flax
+
+    v = Net(None).init(jax.random.PRNGKey(1), _x())  # BF16: no "fp8_weights"
+    updates = jax.tree_util.tree_map(lambda p: jnp.full_like(p, 0.25), v["params"])
+    for variables in (v, flax.core.freeze(v)):
+        out = apply_updates_with_fp8_weights(variables, updates)
+        assert isinstance(out, flax.core.FrozenDict) == isinstance(variables, flax.core.FrozenDict)
+        assert FP8_WEIGHTS not in out
+        want = optax.apply_updates(v["params"], updates)
+        for a, b in zip(jax.tree_util.tree_leaves(out["params"]), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -161,23 +161,23 @@ def apply_updates_with_fp8_weights(variables: Mapping, updates) -> Mapping:
     optimizer's, with ``params``' tree structure. Call it inside the jitted train step."""
     if "params" not in variables:
         raise ValueError("apply_updates_with_fp8_weights: variables must hold 'params'")
-    params = variables["params"]
-    if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(updates):
+    pl, treedef = jax.tree_util.tree_flatten_with_path(variables["params"])
+    ul = jax.tree_util.tree_leaves_with_path(updates)
+    if [k for k, _ in pl] != [k for k, _ in ul]:  # by key paths: a FrozenDict and a dict agree
         raise ValueError(
             "apply_updates_with_fp8_weights: updates must have the tree structure of "
             f"variables['params'], got {jax.tree_util.tree_structure(updates)}"
         )
-
-    def apply(path, p, u):
+    for (path, p), (_, u) in zip(pl, ul):
         if jnp.shape(u) != jnp.shape(p):
             raise ValueError(
                 f"apply_updates_with_fp8_weights: updates{jax.tree_util.keystr(path)} must have its "
                 f"parameter's shape {tuple(jnp.shape(p))}, got {tuple(jnp.shape(u))}"
             )
-        return jnp.asarray(p + u).astype(jnp.result_type(p))
-
-    new = jax.tree_util.tree_map_with_path(apply, params, updates)
-    return _refreshed("apply_updates_with_fp8_weights", {**variables, "params": new}, _in_update)
+    new = treedef.unflatten([jnp.asarray(p + u).astype(jnp.result_type(p)) for (_, p), (_, u) in zip(pl, ul)])
+    out = {**variables, "params": new}
+    out = flax.core.freeze(out) if isinstance(variables, flax.core.FrozenDict) else out
+    return _refreshed("apply_updates_with_fp8_weights", out, _in_update)
 
 
 def _refreshed(op: str, variables: Mapping, quantize) -> Mapping:
