@@ -364,3 +364,35 @@ def test_gpu_events_take_stream_lines_of_every_gpu_or_the_one_named():
     assert names(_gpu_events(trace, 0)) == ["c", "a"]
     assert names(_gpu_events(trace, 1)) == ["b"]
     assert names(_gpu_events(trace, 10)) == ["d"]
+
+
+def test_moe_full_step_rows_with_adamw(monkeypatch):
+    """The ``+ adamw`` rows (forward + backward + optax.adamw): run on the CPU shapes with their
+    own BF16 base; the in-update FP8 step returns byte for byte the refresh step's outputs
+    (masters, moments, state, copies) and runs no weight cast kernel."""
+    import jax
+    import numpy as np
+    from helpers import jaxpr_eqns
+
+    from lowbit.bench import moe, moe_update
+
+    monkeypatch.setenv("LOWBIT_MOE_CASES", "fp8 delayed primary in-update + adamw")
+    rows = {r["case"]: r for r in moe.run(True) if "adamw" in r["case"]}
+    assert set(rows) == {"lowbit bf16 + adamw", "fp8 delayed primary in-update + adamw"}
+    assert rows["lowbit bf16 + adamw"]["vs_bf16"] == 1.0
+    r = rows["fp8 delayed primary in-update + adamw"]
+    assert r["weights"] == "fp8 by in-update" and r["ms"] > 0
+    T, H, E, F, k = moe.CPU_SHAPES[0][1:]
+    assert r["weight_GB"] == E * 3 * H * F * 33 / 1e9
+    ops = moe._operands(T, H, E, F)
+    outs, casts = [], []
+    for case in moe_update.CASES[1:]:
+        fn, args = moe_update.build(case, k, *ops)
+        eqns = jaxpr_eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+        casts.append(sum(e.params.get("target_name") == "lowbit_grouped_quantize" for e in eqns))
+        outs.append(jax.tree_util.tree_leaves(fn(*args)))
+    assert casts == [4, 6]  # x, h and two gradients; the refresh casts wi and wo again
+    assert len(outs[0]) == len(outs[1]) > 10
+    for u, w in zip(*outs):
+        u, w = np.atleast_1d(np.asarray(u)), np.atleast_1d(np.asarray(w))
+        assert u.dtype == w.dtype and np.array_equal(u.view(np.uint8), w.view(np.uint8))

@@ -22,6 +22,10 @@ bandwidth-bound on them.
 ``te-api moe none`` / ``delayed`` / ``current``: TE's ``moe()`` API, one row per peer that runs
 it (``... [lowbit.te]``, ``... [transformer_engine]``; lowbit.bench.moe_peers says where TE's runs).
 
+The ``... + adamw`` rows (lowbit.bench.moe_update) time the full training step, the optax.adamw
+update of float32 masters included, and the FP8 expert copies written by that update; their
+``vs_bf16`` is against ``lowbit bf16 + adamw``, their ``weight_GB`` counts the update's bytes.
+
 The ``pieces`` rows time the block's non-GEMM steps alone, forward+backward in BF16 (the gate
 and top-k router with the aux loss; the dispatch plan and the permutation of the tokens; the
 weighted combine: these two return their output and their vjp at a random cotangent, as in
@@ -36,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 import lowbit
-from lowbit.bench import moe_peers
+from lowbit.bench import moe_peers, moe_update
 from lowbit.bench.common import env_names, time_fn
 from lowbit.moe import kernels, quantize_experts
 from lowbit.moe.block import moe_block
@@ -64,7 +68,7 @@ CASES = (
     "fp8 current primary refresh",
     "fp8 delayed primary refresh",
     "fp8 block primary refresh",
-)
+) + moe_update.CASES
 PIECE_IMPLS = ("xla", "fused")
 PEAK = {"bf16": 989e12, "fp8": 1979e12}  # H100 SXM dense
 
@@ -119,6 +123,8 @@ def _step(case, k):
 
 
 def weights_source(case) -> str:
+    if case in moe_update.CASES:
+        return "bf16 by update" if case == moe_update.BASE else f"fp8 by {case.split()[3]}"
     if recipe_free(case):
         return "bf16"
     if case.endswith("refresh"):
@@ -186,6 +192,8 @@ def _fwd_bwd(f, ct, *args):
 
 
 def weight_bytes(case, E, H, F) -> float:
+    if case in moe_update.CASES:
+        return moe_update.weight_bytes(case, E, H, F)
     n = E * 3 * H * F  # wi (H, 2F) and wo (F, H) per expert
     if recipe_free(case):
         return n * (2 + 2 + 2)  # fprop read, dgrad read, dW write (bf16)
@@ -196,9 +204,11 @@ def weight_bytes(case, E, H, F) -> float:
 
 def _selected(names, env: str):
     """``names`` narrowed to the ';'-separated ones in the environment variable ``env`` (all when
-    it is unset); ``lowbit bf16`` always stays (every row's vs_bf16 is against it)."""
+    it is unset); ``lowbit bf16`` always stays (every row's vs_bf16 is against it), and
+    ``lowbit bf16 + adamw`` with any ``+ adamw`` case (theirs is against it)."""
     want = env_names(env, names, "moe")
-    return [n for n in names if not want or n in want or n == "lowbit bf16"]
+    keep = {"lowbit bf16"} | ({moe_update.BASE} if set(want) & set(moe_update.CASES) else set())
+    return [n for n in names if not want or n in want or n in keep]
 
 
 def _operands(T, H, E, F):
@@ -216,13 +226,19 @@ def build_case(label: str):
     for name, T, H, E, F, k in GPU_SHAPES + CPU_SHAPES:
         case = label[len(name) + 1 :] if label.startswith(name + " ") else None
         if case in CASES:
-            x, gate, wi, wo = _operands(T, H, E, F)
-            fn, recipe = _step(case, k)
-            return fn, (x, gate, wi, wo, *_extras(case, recipe, wi, wo))
+            return _fn_args(case, k, *_operands(T, H, E, F))[:2]
     shapes = ", ".join(s[0] for s in GPU_SHAPES + CPU_SHAPES)
     raise ValueError(
         f"moe case must be '<shape> <case>' with a shape of {shapes} and a case of {CASES}, got {label!r}"
     )
+
+
+def _fn_args(case, k, x, gate, wi, wo):
+    """(jitted step, its args, whether it runs FP8) of ``case``."""
+    if case in moe_update.CASES:
+        return (*moe_update.build(case, k, x, gate, wi, wo), "fp8" in case)
+    fn, recipe = _step(case, k)
+    return fn, (x, gate, wi, wo, *_extras(case, recipe, wi, wo)), recipe is not None
 
 
 def run(small: bool, progress=None) -> list[dict]:
@@ -237,16 +253,15 @@ def run(small: bool, progress=None) -> list[dict]:
         base = None
         selected = _selected(CASES + moe_peers.CASES, "LOWBIT_MOE_CASES")
         for case in [c for c in selected if c in CASES]:
-            fn, recipe = _step(case, k)
-            state, qws = _extras(case, recipe, wi, wo)
+            fn, args, fp8 = _fn_args(case, k, x, gate, wi, wo)
             try:
-                ms = time_fn(fn, x, gate, wi, wo, state, qws, warmup=2, iters=iters, repeats=3)
+                ms = time_fn(fn, *args, warmup=2, iters=iters, repeats=3)
             except jax.errors.JaxRuntimeError as e:  # XLA's ragged_dot at 64+ experts: out of memory
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
                 ms = float("nan")
             base = ms if case == "xla bf16" else base
-            peak = PEAK["bf16" if recipe is None else "fp8"]
+            peak = PEAK["fp8" if fp8 else "bf16"]
             rows.append(
                 {
                     "name": f"{name} {case}",
@@ -262,7 +277,7 @@ def run(small: bool, progress=None) -> list[dict]:
             )
             if progress:
                 progress()
-            del fn, state, qws
+            del fn, args
         te_cases = [c for c in selected if c in moe_peers.CASES]
         for r in moe_peers.rows(name, (T, H, E, F, k), (x, gate, wi, wo), te_cases, iters, progress):
             like = "lowbit bf16" if r["case"].endswith("none") else "fp8 delayed"  # its casts in step
@@ -276,7 +291,8 @@ def run(small: bool, progress=None) -> list[dict]:
                 if progress:
                     progress()
     for r in rows:  # against lowbit's own BF16 block, the issue's goal
-        bf = next(b for b in rows if b["shape"] == r["shape"] and b["case"] == "lowbit bf16")
+        base = moe_update.BASE if r["case"] in moe_update.CASES else "lowbit bf16"
+        bf = next(b for b in rows if b["shape"] == r["shape"] and b["case"] == base)
         r["vs_bf16"] = None if r["case"].startswith("pieces") else bf["ms"] / r["ms"]
         for key in ("TFLOPs", "vs_xla", "floor_ms", "weight_GB", "weights", "note"):
             r.setdefault(key, None)

@@ -2,7 +2,7 @@
 
 from lowbit.flax.attention import DotProductAttention, MultiHeadAttention
 from lowbit.flax.dot_general import layer_dot_general_cls, make_dot_general_cls
-from lowbit.flax.fp8_weights import FP8_WEIGHTS, refresh_fp8_weights
+from lowbit.flax.fp8_weights import FP8_WEIGHTS, apply_updates_with_fp8_weights, refresh_fp8_weights
 from lowbit.flax.modules import DenseGeneral, DenseOp, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
 from lowbit.flax.moe import MoEBlock
 from lowbit.flax.positions import RelativePositionBiases
@@ -21,6 +21,7 @@ __all__ = [
     "MoEBlock",
     "FP8_WEIGHTS",
     "refresh_fp8_weights",
+    "apply_updates_with_fp8_weights",
     "OVERWRITE_WITH_GRADIENT",
     "SR_RNG",
     "QuantizeContext",

@@ -19,8 +19,13 @@ the copies' "gradient" is NaN scales: a loop that carries it into the next step 
 refresh gets a NaN loss, never stale weights.
 
 Cost: the refresh is the same cast the step would make (one read of the masters, both FP8
-copies written); it leaves the step, not the training loop, until the optimizer's own kernel
-writes the copies (FP8 primary weights proper).
+copies written); it leaves the step, not the training loop. Under DelayedScaling
+:func:`apply_updates_with_fp8_weights` removes it: it applies the optimizer's updates and
+writes the copies in one jnp expression (:mod:`lowbit.ops.fused.expert_copies_jnp`, the same
+bytes as the refresh), which XLA fuses into the update's pass over the masters::
+
+    updates, opt_state = tx.update(grads["params"], opt_state, params)
+    variables = lowbit.flax.apply_updates_with_fp8_weights({**grads, "params": params}, updates)
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 
 from lowbit.delayed_scaling import STATE_KEYS
 from lowbit.flax.state_module import OVERWRITE_WITH_GRADIENT, call_index
+from lowbit.ops.fused.expert_copies_jnp import delayed_expert_copies
 from lowbit.ops.fused.grouped_prequantized import QuantizedExperts, quantize_experts
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 
@@ -111,18 +117,18 @@ def _module_state(states, path, name):
     return {k: node[k] for k in STATE_KEYS}  # the first call's state (the one the copies follow)
 
 
-def _remake(node, path, params, states):
+def _remake(node, path, params, states, quantize=quantize_experts):
     if isinstance(node, ExpertCopies):
         r = node.recipe
         p = functools.reduce(lambda t, k: t[k], path, params)
         s1 = s2 = None
         if isinstance(r, DelayedScaling):
             s1, s2 = _module_state(states, path, "fc1_state"), _module_state(states, path, "fc2_state")
-        return ExpertCopies(quantize_experts(p["wi"], r, s1), quantize_experts(p["wo"], r, s2), r)
+        return ExpertCopies(quantize(p["wi"], r, s1), quantize(p["wo"], r, s2), r)
     if isinstance(node, Mapping):
         # The entry sits one level below its module ("experts"): its module path stops before it.
         return {
-            k: _remake(v, path if isinstance(v, ExpertCopies) else path + (k,), params, states)
+            k: _remake(v, path if isinstance(v, ExpertCopies) else path + (k,), params, states, quantize)
             for k, v in node.items()
         }
     raise TypeError(
@@ -134,14 +140,61 @@ def refresh_fp8_weights(variables: Mapping) -> Mapping:
     """``variables`` with every MoE block's FP8 expert copies remade from ``params`` (and, under
     DelayedScaling, the block's ``_overwrite_with_gradient`` state: the new one, so run it after
     the step). Unchanged when there is no ``"fp8_weights"`` collection."""
+    return _refreshed("refresh_fp8_weights", variables, quantize_experts)
+
+
+def _in_update(w, recipe, state):
+    # DelayedScaling's copies in jnp (fused into the update); the others need an amax pass first.
+    if isinstance(recipe, DelayedScaling):
+        return delayed_expert_copies(w, recipe, state)
+    return quantize_experts(w, recipe, state)
+
+
+def apply_updates_with_fp8_weights(variables: Mapping, updates) -> Mapping:
+    """``variables`` with ``params`` updated (``params + updates`` in each parameter's dtype, as
+    ``optax.apply_updates``) and every MoE block's FP8 expert copies made from the new params
+    in the same expression: under DelayedScaling in jnp, so that XLA writes them in the update's
+    own fusion (other recipes: :func:`lowbit.moe.quantize_experts`, a separate pass). The
+    copies equal ``refresh_fp8_weights`` of the updated variables byte for byte. ``variables``:
+    the step's ``{**grads, "params": params}`` (the non-params collections hold their
+    "gradients": the new DelayedScaling state the copies are made with); ``updates``: the
+    optimizer's, with ``params``' tree structure. Call it inside the jitted train step."""
+    if "params" not in variables:
+        raise ValueError("apply_updates_with_fp8_weights: variables must hold 'params'")
+    pl, treedef = jax.tree_util.tree_flatten_with_path(variables["params"])
+    ul = jax.tree_util.tree_leaves_with_path(updates)
+    if [k for k, _ in pl] != [k for k, _ in ul]:  # by key paths: a FrozenDict and a dict agree
+        raise ValueError(
+            "apply_updates_with_fp8_weights: updates must have the tree structure of "
+            f"variables['params'], got {jax.tree_util.tree_structure(updates)}"
+        )
+    for (path, p), (_, u) in zip(pl, ul):
+        if jnp.shape(u) != jnp.shape(p):
+            raise ValueError(
+                f"apply_updates_with_fp8_weights: updates{jax.tree_util.keystr(path)} must have its "
+                f"parameter's shape {tuple(jnp.shape(p))}, got {tuple(jnp.shape(u))}"
+            )
+    new = treedef.unflatten([jnp.asarray(p + u).astype(jnp.result_type(p)) for (_, p), (_, u) in zip(pl, ul)])
+    out = {**variables, "params": new}
+    out = flax.core.freeze(out) if isinstance(variables, flax.core.FrozenDict) else out
+    return _refreshed("apply_updates_with_fp8_weights", out, _in_update)
+
+
+def _refreshed(op: str, variables: Mapping, quantize) -> Mapping:
     if FP8_WEIGHTS not in variables:
         return variables
     if "params" not in variables:
-        raise ValueError(f"refresh_fp8_weights: variables must hold 'params' beside {FP8_WEIGHTS!r}")
+        raise ValueError(f"{op}: variables must hold 'params' beside {FP8_WEIGHTS!r}")
     params = nn.meta.unbox(variables["params"])
-    new = _remake(variables[FP8_WEIGHTS], (), params, variables.get(OVERWRITE_WITH_GRADIENT, {}))
-    out = {**variables, FP8_WEIGHTS: new}
+    states = variables.get(OVERWRITE_WITH_GRADIENT, {})
+    out = {**variables, FP8_WEIGHTS: _remake(variables[FP8_WEIGHTS], (), params, states, quantize)}
     return flax.core.freeze(out) if isinstance(variables, flax.core.FrozenDict) else out
 
 
-__all__ = ["FP8_WEIGHTS", "ExpertCopies", "expert_copies", "refresh_fp8_weights"]
+__all__ = [
+    "FP8_WEIGHTS",
+    "ExpertCopies",
+    "apply_updates_with_fp8_weights",
+    "expert_copies",
+    "refresh_fp8_weights",
+]
