@@ -155,6 +155,14 @@ def _rel(a, w):
     return float(np.linalg.norm(np.asarray(a, np.float64) - w) / np.linalg.norm(w))
 
 
+def _check_common_kv(make, impl):
+    """The op's errors with a 6-sigma common k/v component within 1.25x those without it."""
+    plain = _check_op(make, True, impl)[0]
+    common = _check_op(make, True, impl, _with_common(_params(), 6.0, "bias"))[0]
+    for e, e0 in zip(common, plain):
+        assert e < 1.25 * e0 + 2.0**-8, (common, plain)
+
+
 @pytest.mark.parametrize("make", RECIPES)
 def test_common_key_value_component_keeps_the_bounds(make):
     """A component shared by all keys and values (6 sigma, through the QKV bias) shifts exact
@@ -162,10 +170,7 @@ def test_common_key_value_component_keeps_the_bounds(make):
     dw_qkv, db_qkv, dw_out) stay within the bounds they have without it. Without centering k
     and v before their quantization, dS's rounded row sums carry k's component into dq (dx 2.6x
     its norm off)."""
-    plain = _check_op(make, True, "emulate")[0]
-    common = _check_op(make, True, "emulate", _with_common(_params(), 6.0, "bias"))[0]
-    for e, e0 in zip(common, plain):
-        assert e < 1.25 * e0 + 2.0**-8, (common, plain)
+    _check_common_kv(make, "emulate")
 
 
 @pytest.mark.parametrize("make", RECIPES)
@@ -182,6 +187,16 @@ def test_common_input_component_keeps_the_gradient_sums(make):
     for i, bound in ((1, 3.0), (2, 0.3)):  # dw_qkv's k and v blocks against their plain errors
         err, err0 = _rel(dw[:, i], want[1][:, i]), _rel(dw0[:, i], want0[1][:, i])
         assert err < bound * err0, (i, err, err0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", RECIPES)
+def test_common_key_value_component_on_cudnn(gpu_device, make, monkeypatch):
+    """The centering on the op's cuDNN path: with a 6-sigma common k/v component, the same
+    bounds as without it (shapes cuDNN's FP8 backward takes)."""
+    for name, value in dict(S=64, HID=256, H=2, D=128).items():
+        monkeypatch.setitem(globals(), name, value)
+    _check_common_kv(make, "cudnn")
 
 
 @pytest.mark.parametrize("make", RECIPES)

@@ -106,7 +106,9 @@ def _mha_fwd(cfg, x, w_qkv, b_qkv, gamma, beta, w_out, b_out, st_qkv, st_out, st
     if v_mean is not None:  # o = o_centered + v_mean: its share of the projection, per batch
         v_mean = v_mean.reshape(b, -1)
         out = (out.astype(F32) + _gemv(v_mean, w_out)[:, None]).astype(out.dtype)
-    cen = (_seq_sum(fa._decoded(qx.data) * qx.scale_inv, b), v_mean, w_qkv, w_out)
+    # sum_s x for dw_qkv's rank-one term; qx.data comes from the quantize kernel (an astype of
+    # it is no f32 -> f8 -> f32 pair XLA could delete)
+    cen = (_seq_sum(qx.data.astype(F32) * qx.scale_inv, b), v_mean, w_qkv, w_out)
     return out, (dense_res, norm_res, res, sc, a, st_qkv, st_out, st_att, rng, cen)
 
 
