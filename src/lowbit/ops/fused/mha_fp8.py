@@ -133,7 +133,7 @@ def _mha_bwd(cfg, res, ct):
     g_sum = jnp.concatenate([_seq_sum(g.reshape(ct2.shape[0], -1), ct.shape[0]) for g in grads], axis=1)
     rank1, dw_out = _centering_grads(cen, g_sum, ct, dw_out)
     db_qkv = None
-    if cfg.qkv.bias_dtype is not None:  # the column sum of the FP8 gradient it feeds the GEMMs with
+    if cfg.qkv.bias_dtype is not None:  # the FP8 gradient's column sum plus s times the rank-one row
         db_qkv = jnp.sum(g_sum + ct.shape[1] * rank1, axis=0).astype(cfg.qkv.bias_dtype)
     dx, dw_qkv, st_qkv_ct = dense_mod.backward_quantized(cfg.qkv, qx_c, qk_r, st_qkv, qdg)
     xs, _, w_qkv, _ = cen  # the centering's rank-one terms of the QKV projection's gradients
