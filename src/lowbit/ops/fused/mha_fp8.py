@@ -13,6 +13,15 @@ are (concatenated, and transposed for the weight gradient), where fp8_dpa decode
 input dtype and quantizes them again with the projection's gradient scale. The QKV bias gradient
 is the column sum of those FP8 gradients.
 
+k and v are centered over the sequence in float32 before their quantization, as fp8_attention
+does (``fp8.py``'s ``_centered``: trained keys and values share a large common component that
+the rounded dS turns into dq errors several times dq's norm); v's mean (not under dropout) comes
+back as its share of the output projection, ``v_mean . w_out`` per batch (a float32 GEMV added
+to the projection's output), o stays centered in FP8. The centering's VJP (dk less its mean over
+the sequence; dv less its mean plus the mean of do) is a row per batch added to every row of
+the QKV output's gradient: it goes into dx (that row through w_qkv), dw_qkv (``sum_s x`` times
+it) and db_qkv as float32 rank-one terms, the FP8 gradient handed over as it is.
+
 The DelayedScaling states stay those of the modules (the two dense states and the attention
 state). The roles the handover makes unused take the handed tensor's amax, so their histories
 stay meaningful: the output projection's x (= o), the QKV projection's grad (= dq, dk, dv).
@@ -41,6 +50,7 @@ from lowbit.ops.fused import dense_norm
 from lowbit.quantization.tensor import ScaledTensor
 
 F32 = jnp.float32
+_HI = jax.lax.Precision.HIGHEST
 _QKV = ("dq", "dk", "dv")
 
 
@@ -81,6 +91,7 @@ def _mha_fwd(cfg, x, w_qkv, b_qkv, gamma, beta, w_out, b_out, st_qkv, st_out, st
     qx, _, norm_res = dense_norm.quantize_input(cfg.qkv, cfg.norm, x2, gamma, beta, st_qkv)
     ys, qk = dense_mod.forward_quantized(cfg.qkv, qx, w_qkv, b_qkv, st_qkv, parts=3)  # float32
     q, k, v = (_heads(cfg, y, b) for y in ys)
+    k, v, v_mean = att._centered(k, v, cfg.att.rate)  # float32 in, float32 out
     a = {"q": fs.amax(q), "k": fs.amax(k), "v": fs.amax(v)}
     c = cfg.att
     sc = att._current_fwd_outputs(c, att._fwd_scales(c, st_att, a), a, q.shape)
@@ -92,11 +103,17 @@ def _mha_fwd(cfg, x, w_qkv, b_qkv, gamma, beta, w_out, b_out, st_qkv, st_out, st
     y, qk_out = dense_mod.forward_quantized(cfg.out, qo, w_out, b_out, st_out)
     dense_res = (*dense_mod.backward_residuals(qx, qk), *dense_mod.backward_residuals(qo, qk_out))
     out = y.reshape(x.shape[:-1] + (y.shape[-1],))
-    return out, (dense_res, norm_res, res, sc, a, st_qkv, st_out, st_att, rng)
+    if v_mean is not None:  # o = o_centered + v_mean: its share of the projection, per batch
+        v_mean = v_mean.reshape(b, -1)
+        out = (out.astype(F32) + _gemv(v_mean, w_out)[:, None]).astype(out.dtype)
+    # sum_s x for dw_qkv's rank-one term; qx.data comes from the quantize kernel (an astype of
+    # it is no f32 -> f8 -> f32 pair XLA could delete)
+    cen = (_seq_sum(qx.data.astype(F32) * qx.scale_inv, b), v_mean, w_qkv, w_out)
+    return out, (dense_res, norm_res, res, sc, a, st_qkv, st_out, st_att, rng, cen)
 
 
 def _mha_bwd(cfg, res, ct):
-    (qx_c, qk_r, qo_c, qko_r), norm_res, att_res, sc, a, st_qkv, st_out, st_att, rng = res
+    (qx_c, qk_r, qo_c, qko_r), norm_res, att_res, sc, a, st_qkv, st_out, st_att, rng, cen = res
     c = cfg.att
     ct2 = ct.reshape(-1, ct.shape[-1])
     qdy, db_out = dense_mod.quantize_grad(cfg.out, ct2, st_out, None)
@@ -112,16 +129,52 @@ def _mha_bwd(cfg, res, ct):
     g8 = jnp.concatenate([fa._quantize(g, shared, bdt).reshape(ct2.shape[0], -1) for g in grads], axis=1)
     a_g = jnp.maximum(jnp.maximum(a_bwd["dq"], a_bwd["dk"]), a_bwd["dv"])
     qdg = _scaled(g8, shared, a_g, cfg.qkv.recipe, "grad", F32)
+    # grads are g8's values (the same scale): their per-batch sums give the centering's terms
+    g_sum = jnp.concatenate([_seq_sum(g.reshape(ct2.shape[0], -1), ct.shape[0]) for g in grads], axis=1)
+    rank1, dw_out = _centering_grads(cen, g_sum, ct, dw_out)
     db_qkv = None
-    if cfg.qkv.bias_dtype is not None:  # the column sum of the FP8 gradient it feeds the GEMMs with
-        db_qkv = (jnp.sum(g8.astype(F32), axis=0) / shared).astype(cfg.qkv.bias_dtype)
+    if cfg.qkv.bias_dtype is not None:  # the FP8 gradient's column sum plus s times the rank-one row
+        db_qkv = jnp.sum(g_sum + ct.shape[1] * rank1, axis=0).astype(cfg.qkv.bias_dtype)
     dx, dw_qkv, st_qkv_ct = dense_mod.backward_quantized(cfg.qkv, qx_c, qk_r, st_qkv, qdg)
+    xs, _, w_qkv, _ = cen  # the centering's rank-one terms of the QKV projection's gradients
+    dx = _add_rows(dx, _gemv(rank1, w_qkv.T), ct.shape[0])
+    dw_qkv = (dw_qkv.astype(F32) + jnp.einsum("bk,bf->kf", xs, rank1, precision=_HI)).astype(dw_qkv.dtype)
     dx, dgamma, dbeta = dense_norm.input_grad(cfg.norm, norm_res, dx)
     st_att_ct = None
     if c.delayed:
         st_att_ct = fs.step_state(c.recipe, st_att, a | a_bwd | {"do": a_do})
     dx = dx.reshape(ct.shape[:-1] + (dx.shape[-1],))
     return dx, dw_qkv, db_qkv, dgamma, dbeta, dw_out, db_out, st_qkv_ct, st_out_ct, st_att_ct, None
+
+
+def _seq_sum(x2, b):  # (b * s, n) -> (b, n) float32: the sum over each batch's rows
+    return jnp.sum(x2.reshape(b, -1, x2.shape[-1]).astype(F32), axis=1)
+
+
+def _gemv(rows, w):  # (b, k) . (k, n) in float32
+    return jnp.dot(rows.astype(F32), w.astype(F32), precision=_HI)
+
+
+def _add_rows(x2, rows, b):  # x2 (b * s, n) plus rows (b, n) on each batch's rows, in float32
+    y = x2.reshape(b, -1, x2.shape[-1]).astype(F32) + rows[:, None]
+    return y.reshape(x2.shape).astype(x2.dtype)
+
+
+def _centering_grads(cen, g_sum, ct, dw_out):
+    """The VJP of the centering as a per-batch row ``rank1 (b, 3F)`` to add to every row of the
+    QKV output's gradient (g8's values), and dw_out with v_mean's share.
+
+    k_c = k - mean_s(k): dk = dk_c - mean_s(dk_c). v_c = v - mean_s(v), o = o_c + mean_s(v):
+    dv = dv_c - mean_s(dv_c) + mean_s(do), with sum_s(do) = sum_s(ct) . w_out^T (float32)."""
+    _, v_mean, _, w_out = cen
+    s, F = ct.shape[1], g_sum.shape[1] // 3
+    zero, mean_dk, mean_dv = jnp.zeros_like(g_sum[:, :F]), g_sum[:, F : 2 * F] / s, g_sum[:, 2 * F :] / s
+    if v_mean is None:  # dropout: v is not centered
+        return jnp.concatenate([zero, -mean_dk, zero], axis=1), dw_out
+    ct_sum = jnp.sum(ct.astype(F32), axis=1)  # (b, N)
+    rank1 = jnp.concatenate([zero, -mean_dk, _gemv(ct_sum, w_out.T) / s - mean_dv], axis=1)
+    dw_v = jnp.einsum("bf,bn->fn", v_mean, ct_sum, precision=_HI)
+    return rank1, (dw_out.astype(F32) + dw_v).astype(dw_out.dtype)
 
 
 _mha.defvjp(_mha_fwd, _mha_bwd)
