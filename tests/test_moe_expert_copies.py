@@ -32,8 +32,14 @@ def _assert_same(w, recipe, state):
     b = jax.jit(lambda w, s: delayed_expert_copies(w, recipe, s))(w, state)
     assert a.kn == b.kn
     for name in ("row", "row_s", "col", "col_s", "amax"):
+        on_gpu = next(iter(getattr(b, name).devices())).platform == "gpu"
         u, v = np.asarray(getattr(a, name)), np.asarray(getattr(b, name))
         assert u.shape == v.shape and u.dtype == v.dtype, name
+        if name.endswith("_s") and on_gpu:
+            # 1 / scale: the cast kernel's division and XLA's GPU code differ by one ulp at times
+            # (H200, one expert in three shapes); the FP8 bytes must still be equal.
+            np.testing.assert_array_max_ulp(u, v, maxulp=1)
+            continue
         bad = np.flatnonzero(u.view(np.uint8) != v.view(np.uint8))
         assert bad.size == 0, (name, bad[:8], u.reshape(-1)[bad[:8] // u.itemsize])
     return a
