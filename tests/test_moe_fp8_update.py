@@ -35,7 +35,11 @@ def _step(net, tx, in_update):
         val, g = jax.value_and_grad(loss)(v)
         updates, opt = tx.update(g["params"], opt, v["params"])
         if in_update:
-            return val, apply_updates_with_fp8_weights({**g, "params": v["params"]}, updates), opt
+            # in_update True: the jnp copies (fused=True); "kernel": the default, lowbit's cast
+            new = apply_updates_with_fp8_weights(
+                {**g, "params": v["params"]}, updates, fused=in_update is True
+            )
+            return val, new, opt
         return val, refresh_fp8_weights({**g, "params": optax.apply_updates(v["params"], updates)}), opt
 
     return jax.jit(step)
@@ -56,10 +60,11 @@ def _bytes(a):
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
 
 
+@pytest.mark.parametrize("mode", [True, "kernel"], ids=["fused", "kernel"])
 @pytest.mark.parametrize("recipe", [DELAYED, lowbit.Float8CurrentScaling()], ids=["delayed", "current"])
-def test_in_update_copies_train_as_the_refresh(device, recipe):
+def test_in_update_copies_train_as_the_refresh(device, recipe, mode):
     la, a, _, _ = _train(recipe, in_update=False)
-    lb, b, _, _ = _train(recipe, in_update=True)
+    lb, b, _, _ = _train(recipe, in_update=mode)
     assert la == lb and all(np.isfinite(la))
     assert b[FP8_WEIGHTS]["moe"]["experts"].ready
     ta, tb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
@@ -97,6 +102,7 @@ def test_the_train_step_casts_no_weight():
         return sum(e.params.get("target_name") == "lowbit_grouped_quantize" for e in eqns)
 
     assert casts(in_update=False) == 6 and casts(in_update=True) == 4  # x, h, two gradients
+    assert casts(in_update="kernel") == 6  # the default: the weights' two casts after the update
 
 
 def test_bad_arguments_are_named():

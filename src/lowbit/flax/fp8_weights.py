@@ -19,13 +19,15 @@ the copies' "gradient" is NaN scales: a loop that carries it into the next step 
 refresh gets a NaN loss, never stale weights.
 
 Cost: the refresh is the same cast the step would make (one read of the masters, both FP8
-copies written); it leaves the step, not the training loop. Under DelayedScaling
-:func:`apply_updates_with_fp8_weights` removes it: it applies the optimizer's updates and
-writes the copies in one jnp expression (:mod:`lowbit.ops.fused.expert_copies_jnp`, the same
-bytes as the refresh), which XLA fuses into the update's pass over the masters::
+copies written); it leaves the step, not the training loop. :func:`apply_updates_with_fp8_weights`
+applies the optimizer's updates and remakes the copies in one call::
 
     updates, opt_state = tx.update(grads["params"], opt_state, params)
     variables = lowbit.flax.apply_updates_with_fp8_weights({**grads, "params": params}, updates)
+
+with ``fused=True`` (DelayedScaling) the copies are jnp (:mod:`lowbit.ops.fused.expert_copies_jnp`,
+the same bytes) that XLA may fuse into the update; on an H200 that was slower than the cast
+kernel after the update (the full G64 step 25.67 against 24.13 ms), so the kernel is the default.
 """
 
 from __future__ import annotations
@@ -150,12 +152,15 @@ def _in_update(w, recipe, state):
     return quantize_experts(w, recipe, state)
 
 
-def apply_updates_with_fp8_weights(variables: Mapping, updates) -> Mapping:
+def apply_updates_with_fp8_weights(variables: Mapping, updates, *, fused: bool = False) -> Mapping:
     """``variables`` with ``params`` updated (``params + updates`` in each parameter's dtype, as
-    ``optax.apply_updates``) and every MoE block's FP8 expert copies made from the new params
-    in the same expression: under DelayedScaling in jnp, so that XLA writes them in the update's
-    own fusion (other recipes: :func:`lowbit.moe.quantize_experts`, a separate pass). The
-    copies equal ``refresh_fp8_weights`` of the updated variables byte for byte. ``variables``:
+    ``optax.apply_updates``) and every MoE block's FP8 expert copies made from the new params.
+    ``fused=True`` (DelayedScaling only) writes them in jnp so that XLA can put the cast in the
+    update's own fusion; the default casts with lowbit's kernel (:func:`lowbit.moe.quantize_experts`)
+    after the update, which measured faster: the full G64 step with AdamW 24.13 ms against
+    25.67 (G8 46.51 against 48.53; one H200, ``python -m lowbit.bench moe``, ``... + adamw``
+    rows). Either way the copies equal ``refresh_fp8_weights`` of the updated variables byte for
+    byte (on a GPU the scale inverses to one ulp). ``variables``:
     the step's ``{**grads, "params": params}`` (the non-params collections hold their
     "gradients": the new DelayedScaling state the copies are made with); ``updates``: the
     optimizer's, with ``params``' tree structure. Call it inside the jitted train step."""
@@ -177,7 +182,9 @@ def apply_updates_with_fp8_weights(variables: Mapping, updates) -> Mapping:
     new = treedef.unflatten([jnp.asarray(p + u).astype(jnp.result_type(p)) for (_, p), (_, u) in zip(pl, ul)])
     out = {**variables, "params": new}
     out = flax.core.freeze(out) if isinstance(variables, flax.core.FrozenDict) else out
-    return _refreshed("apply_updates_with_fp8_weights", out, _in_update)
+    if not isinstance(fused, bool):
+        raise ValueError(f"apply_updates_with_fp8_weights: fused must be a bool, got {fused!r}")
+    return _refreshed("apply_updates_with_fp8_weights", out, _in_update if fused else quantize_experts)
 
 
 def _refreshed(op: str, variables: Mapping, quantize) -> Mapping:
