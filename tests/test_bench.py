@@ -396,3 +396,27 @@ def test_moe_full_step_rows_with_adamw(monkeypatch):
     for u, w in zip(*outs):
         u, w = np.atleast_1d(np.asarray(u)), np.atleast_1d(np.asarray(w))
         assert u.dtype == w.dtype and np.array_equal(u.view(np.uint8), w.view(np.uint8))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "block"])
+def test_grouped_primary_rows_compute_what_the_cast_rows_do(recipe):
+    """bench grouped's ``primary`` rows (weight copies made outside the timed call) return the
+    same output and gradients as the rows that cast the weights in the call."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from lowbit.bench import grouped as g
+
+    G, M, K, N = g.CPU_SHAPES[0]
+    lhs = jax.random.normal(jax.random.PRNGKey(0), (M, K)).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(jax.random.PRNGKey(1), (G, K, N)) * 0.02).astype(jnp.bfloat16)
+    gs = jnp.asarray(g.group_sizes(G, M, "dirichlet"))
+    outs = []
+    for name in (f"lowbit fp8 {recipe}", f"lowbit fp8 {recipe} primary"):
+        fn, args = g._case(name, "fwd+bwd", lhs, rhs, gs)
+        outs.append([np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(fn(*args))[:3]])
+    assert len(outs[0]) == 3
+    for a, b in zip(*outs):
+        assert np.abs(a).max() > 0
+        np.testing.assert_array_equal(a, b)

@@ -4,7 +4,9 @@ and one dense jnp.dot of the same total size, forward and forward+backward, in o
 TFLOP/s counts the GEMM work only (2*M*K*N per GEMM, three GEMMs for forward+backward); the FP8
 times include the per-group quantization of every operand (current scaling reads each operand
 twice: amax, then cast; delayed scaling once), except the "fp8 gemm only" rows, which time the
-FP8 GEMM on operands quantized beforehand; "fp8 block" is Float8BlockScaling (1x128 activations
+FP8 GEMM on operands quantized beforehand, and the "primary" rows, which read the weights' FP8 copies
+made outside the call (``lowbit.moe.quantize_experts``: once per optimizer step, FP8 primary
+weights) and quantize the tokens and gradients in it; "fp8 block" is Float8BlockScaling (1x128 activations
 and gradients, 128x128 expert weights, split accumulation). Forward+backward returns the output and both
 gradients. A dense GEMM reads one (K, N) matrix where the grouped one reads G of them: where
 G*K*N dominates the bytes (G=128) the grouped GEMM is bandwidth-bound, the dense one is not.
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit
+from lowbit import moe
 from lowbit.bench.common import time_fn
 from lowbit.ops import grouped_gemm as gg_mod
 
@@ -34,6 +37,8 @@ CASES = (
     "lowbit fp8 delayed",
     "lowbit fp8 gemm only",
     "lowbit fp8 block",
+    "lowbit fp8 delayed primary",
+    "lowbit fp8 block primary",
     "dense bf16",
 )
 PASSES = ("fwd", "fwd+bwd")
@@ -107,6 +112,16 @@ def _case(name: str, pas: str, lhs, rhs, gs):
         state = lowbit.init_grouped_delayed_state(recipe, rhs.shape[0])
         f = lambda a, b, s, st: lowbit.grouped_gemm(a, b, s, recipe=recipe, state=st)
         return (_fwd_bwd(f) if bwd else jax.jit(f)), (lhs, rhs, gs, state)
+    elif name.endswith(" primary"):  # FP8 primary weights: the copies made by the optimizer step
+        delayed = "delayed" in name
+        recipe = lowbit.DelayedScaling() if delayed else lowbit.Float8BlockScaling()
+        state = lowbit.init_grouped_delayed_state(recipe, rhs.shape[0]) if delayed else None
+        qw = jax.jit(lambda b, st: moe.quantize_experts(b, recipe, st))(rhs, state)  # untimed
+
+        def f(a, b, s, q, st):
+            return moe.grouped_gemm_prequantized(a, b, q, s, recipe=recipe, state=st)
+
+        return (_fwd_bwd(f) if bwd else jax.jit(f)), (lhs, rhs, gs, qw, state)
     elif name == "lowbit fp8 gemm only":
         return _fp8_gemm_only(lhs, rhs, gs, bwd)
     else:  # one dense GEMM of the same total size: (M, K) . (K, N)
