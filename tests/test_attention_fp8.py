@@ -137,18 +137,23 @@ def test_keys_and_values_with_a_common_component_keep_the_bounds(make):
     _check_errors(np.asarray(out, np.float64) - shift, grads, want_o - shift, want_g)
 
 
-def test_dropout_with_a_common_key_component_keeps_the_bounds():
-    """Under dropout v is not centered (dropped rows do not sum to one), k still is."""
+def _dropout_step(q, k, v, do, rng, rate=0.2):
+    """Current scaling's emulated step with dropout, checked against float64 attention with the
+    emulation's mask ``bernoulli(rng, 1 - rate, (b, h, sq, sk))``; returns (out, kw)."""
     recipe = Float8CurrentScaling(fp8_dpa=True)
-    q, k, v, do = _inputs(seed=12, s=128)
-    k = _common(k, 6.0, 3)
-    rng, rate = jax.random.PRNGKey(5), 0.2
-    kw = dict(causal=True, implementation="emulate", dropout_rate=rate, rng=rng)
-    out, grads, _ = _run(recipe, q, k, v, do, None, **kw)
+    kw = dict(recipe=recipe, causal=True, implementation="emulate", dropout_rate=rate, rng=rng)
+    out, grads, _ = _run(recipe, q, k, v, do, None, **{n: x for n, x in kw.items() if n != "recipe"})
     b, s, h, _ = q.shape
     keep = np.asarray(jax.random.bernoulli(rng, 1 - rate, (b, 2, h // 2, s, s))).reshape(b, h, s, s)
     want_o, want_g = _f64(q, k, v, do, True, keep, rate)
     _check_errors(out, grads, want_o, want_g)
+    return out, kw
+
+
+def test_dropout_with_a_common_key_component_keeps_the_bounds():
+    """Under dropout v is not centered (dropped rows do not sum to one), k still is."""
+    q, k, v, do = _inputs(seed=12, s=128)
+    _dropout_step(q, _common(k, 6.0, 3), v, do, jax.random.PRNGKey(5))
 
 
 def _float8_round_trips(jaxpr, made=None) -> int:
@@ -186,16 +191,9 @@ def test_emulation_survives_the_gpu_pipeline(make):
 def test_emulation_dropout_uses_the_key_mask():
     """With dropout the emulation's mask is ``bernoulli(rng, 1 - rate, (b, h, sq, sk))``: against
     float64 attention with that mask, the same bounds hold."""
-    recipe = Float8CurrentScaling(fp8_dpa=True)
     q, k, v, do = _inputs(seed=1)
-    rng, rate = jax.random.PRNGKey(7), 0.2
-    kw = dict(causal=True, implementation="emulate", dropout_rate=rate, rng=rng)
-    out, grads, _ = _run(recipe, q, k, v, do, None, **kw)
-    b, s, h, _ = q.shape
-    keep = np.asarray(jax.random.bernoulli(rng, 1 - rate, (b, 2, h // 2, s, s))).reshape(b, h, s, s)
-    want_o, want_g = _f64(q, k, v, do, True, keep, rate)
-    _check_errors(out, grads, want_o, want_g)
-    again = fp8_attention(q, k, v, recipe=recipe, **kw)
+    out, kw = _dropout_step(q, k, v, do, jax.random.PRNGKey(7))
+    again = fp8_attention(q, k, v, **kw)
     np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))
 
 
