@@ -132,3 +132,12 @@ def test_without_copies_it_is_optax_apply_updates():
         want = optax.apply_updates(v["params"], updates)
         for a, b in zip(jax.tree_util.tree_leaves(out["params"]), jax.tree_util.tree_leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_unexpected_collection_entry_names_the_caller():
+    params = {"w": jnp.zeros((2,), jnp.float32)}
+    bad = {"params": params, FP8_WEIGHTS: {"moe": 3}}
+    with pytest.raises(TypeError, match=r"apply_updates_with_fp8_weights: unexpected int"):
+        apply_updates_with_fp8_weights(bad, {"w": jnp.ones((2,), jnp.float32)})
+    with pytest.raises(TypeError, match=r"refresh_fp8_weights: unexpected int"):
+        refresh_fp8_weights(bad)

@@ -119,7 +119,7 @@ def _module_state(states, path, name):
     return {k: node[k] for k in STATE_KEYS}  # the first call's state (the one the copies follow)
 
 
-def _remake(node, path, params, states, quantize=quantize_experts):
+def _remake(node, path, params, states, quantize=quantize_experts, op="refresh_fp8_weights"):
     if isinstance(node, ExpertCopies):
         r = node.recipe
         p = functools.reduce(lambda t, k: t[k], path, params)
@@ -130,12 +130,10 @@ def _remake(node, path, params, states, quantize=quantize_experts):
     if isinstance(node, Mapping):
         # The entry sits one level below its module ("experts"): its module path stops before it.
         return {
-            k: _remake(v, path if isinstance(v, ExpertCopies) else path + (k,), params, states, quantize)
+            k: _remake(v, path if isinstance(v, ExpertCopies) else path + (k,), params, states, quantize, op)
             for k, v in node.items()
         }
-    raise TypeError(
-        f"refresh_fp8_weights: unexpected {type(node).__name__} in the {FP8_WEIGHTS!r} collection"
-    )
+    raise TypeError(f"{op}: unexpected {type(node).__name__} in the {FP8_WEIGHTS!r} collection")
 
 
 def refresh_fp8_weights(variables: Mapping) -> Mapping:
@@ -194,7 +192,7 @@ def _refreshed(op: str, variables: Mapping, quantize) -> Mapping:
         raise ValueError(f"{op}: variables must hold 'params' beside {FP8_WEIGHTS!r}")
     params = nn.meta.unbox(variables["params"])
     states = variables.get(OVERWRITE_WITH_GRADIENT, {})
-    out = {**variables, FP8_WEIGHTS: _remake(variables[FP8_WEIGHTS], (), params, states, quantize)}
+    out = {**variables, FP8_WEIGHTS: _remake(variables[FP8_WEIGHTS], (), params, states, quantize, op)}
     return flax.core.freeze(out) if isinstance(variables, flax.core.FrozenDict) else out
 
 
