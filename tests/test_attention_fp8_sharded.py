@@ -63,15 +63,20 @@ def _equal(a, b, what):
 
 
 def _close(a, b, what):
-    """Equal up to a few FP8 roundings flipped by float32 sums in another order: at most 0.1% of
-    the elements differ, and the difference's norm is under 2^-10 of the value's."""
+    """Equal up to a few FP8 roundings flipped by float32 sums in another order (the dots, and the
+    means over the sequence that center k and v and their gradients): at most 10% of the
+    elements differ and the difference's norm is under 2^-7 of the value's. Measured on the 2 x 2
+    mesh, causal (non-causal: equal): o 0.18% of entries (norm 0.0032: FP8 steps), dq 2.8%
+    (0.0044), dk 6.2% (0.0052), dv 0; one flipped FP8 rounding moves its column's mean, and the
+    centering's mean correction then moves many entries by one bf16 step. A wrong scale or a
+    lost rounding moves every entry by ~2^-4 of the value or more."""
     import jax
     import numpy as np
 
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        assert np.mean(x != y) <= 1e-3, (what, np.mean(x != y))
-        assert np.linalg.norm(x - y) <= 2.0**-10 * np.linalg.norm(y), what
+        assert np.mean(x != y) <= 0.1, (what, np.mean(x != y))
+        assert np.linalg.norm(x - y) <= 2.0**-7 * np.linalg.norm(y), what
 
 
 def _worker(case: str) -> None:
@@ -112,9 +117,10 @@ def _worker(case: str) -> None:
             _close(got[:4], want[:4], f"{case} causal={causal}: output / gradients")
             want_o, want_g = ref._f64(q, k, v, do, causal)  # float64, FP8 bounds as one device's
             ref._check_errors(got[0], got[1:4], want_o, want_g)
-            if delayed:  # amaxes of unquantized gradients: XLA's dots may sum a shard in another order
+            if delayed:  # amaxes of unquantized gradients: XLA's dots may sum a shard in another
+                # order, and a flipped FP8 rounding of dS (above) moves dk's by up to ~3e-4
                 for key in want[4]:
-                    np.testing.assert_allclose(got[4][key], want[4][key], rtol=2e-7, err_msg=key)
+                    np.testing.assert_allclose(got[4][key], want[4][key], rtol=1e-3, err_msg=key)
     elif case == "dropout":
         recipe = lowbit.Float8CurrentScaling(fp8_dpa=True)
         kw = dict(causal=True, implementation="emulate", dropout_rate=0.2, rng=jax.random.PRNGKey(3))

@@ -332,13 +332,22 @@ def _centered(k, v, rate):
     arithmetic) are not zero once dS is rounded, and dq = scale dS k then carries that error
     times k's common component (dq 3x its norm off on a diverging run's checkpoint; V's
     component does the same to dP - D). Dropout's rescaled rows do not sum to one: v stays."""
-    mean = lambda x: jnp.mean(x.astype(F32), axis=1, keepdims=True)  # noqa: E731
-    k_mean = mean(k)
-    k = (k.astype(F32) - k_mean).astype(k.dtype)
+    # Any vector common to all positions would do; the mean is rounded to the inputs' format so
+    # that a last-bit difference in the sum (another order under a mesh) does not move the codes.
+    mean = lambda x: _rounded(jnp.mean(x.astype(F32), axis=1, keepdims=True), x.dtype).astype(F32)  # noqa: E731
+    k = _rounded(k.astype(F32) - mean(k), k.dtype)
     if rate > 0:
         return k, v, None
     v_mean = mean(v)
-    return k, (v.astype(F32) - v_mean).astype(v.dtype), v_mean
+    return k, _rounded(v.astype(F32) - v_mean, v.dtype), v_mean
+
+
+def _rounded(x, dtype):
+    """float32 ``x`` in ``dtype``, rounded explicitly: XLA may otherwise keep a float32 value
+    it converts down and back up (excess precision), and then the FP8 codes of k and v depend on
+    how the surrounding graph was fused."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(dtype)
 
 
 __all__ = ["config", "cudnn_fp8_available", "fp8_attention", "fp8_head_dim_unsupported", "unsupported"]
