@@ -124,15 +124,15 @@ def fp8_step(q, k, v, do, state, *, recipe, impl):
         q, k, recipe=recipe, causal=True, scale=None, dropout_rate=0.0, rng=None, implementation=impl
     )
     state = fs.check_state(recipe, state)
-    # k and v centered over the sequence as the op does (its vjp gives dk, dv the centering's part)
+    # k and v centered and v's mean added back as the op does (their vjps give the gradients
+    # the centering's part)
     (k, v, v_mean), centering = jax.vjp(lambda k, v: fp8._centered(k, v, cfg.rate), k, v)
     o, (res, sc, a, _, _) = fp8._fp8_fwd(cfg, q, k, v, state, None)
-    o = o.astype(jnp.float32) + jnp.repeat(v_mean, q.shape[2] // v.shape[2], axis=2)
+    o, uncentering = jax.vjp(fp8._uncentered, o, v_mean)
+    do, d_mean = uncentering(do.astype(o.dtype))
     a = a | {"do": fs.amax(do)}
     sc = fp8._bwd_scales(cfg, sc, a, a["do"], res[0].shape)
     (dq, dk, dv), a_bwd = (fp8._cudnn_bwd if cfg.cudnn else fp8._emulate_bwd)(cfg, res, sc, do, None)
-    b, _, g, d = v.shape
-    d_mean = jnp.sum(do.astype(jnp.float32), axis=1, keepdims=True).reshape(b, 1, g, -1, d).sum(3)
     dk, dv = centering((dk.astype(k.dtype), dv.astype(v.dtype), d_mean))
     amaxes = a | a_bwd
     nxt = fs.step_state(recipe, state, amaxes) if cfg.delayed else None

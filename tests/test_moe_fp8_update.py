@@ -141,3 +141,9 @@ def test_an_unexpected_collection_entry_names_the_caller():
         apply_updates_with_fp8_weights(bad, {"w": jnp.ones((2,), jnp.float32)})
     with pytest.raises(TypeError, match=r"refresh_fp8_weights: unexpected int"):
         refresh_fp8_weights(bad)
+
+
+def test_fused_must_be_a_bool():
+    params = {"w": jnp.zeros((2,), jnp.float32)}
+    with pytest.raises(ValueError, match=r"apply_updates_with_fp8_weights: fused must be a bool, got 'yes'"):
+        apply_updates_with_fp8_weights({"params": params}, {"w": params["w"]}, fused="yes")

@@ -162,6 +162,8 @@ def apply_updates_with_fp8_weights(variables: Mapping, updates, *, fused: bool =
     the step's ``{**grads, "params": params}`` (the non-params collections hold their
     "gradients": the new DelayedScaling state the copies are made with); ``updates``: the
     optimizer's, with ``params``' tree structure. Call it inside the jitted train step."""
+    if not isinstance(fused, bool):
+        raise ValueError(f"apply_updates_with_fp8_weights: fused must be a bool, got {fused!r}")
     if "params" not in variables:
         raise ValueError("apply_updates_with_fp8_weights: variables must hold 'params'")
     pl, treedef = jax.tree_util.tree_flatten_with_path(variables["params"])
@@ -180,8 +182,6 @@ def apply_updates_with_fp8_weights(variables: Mapping, updates, *, fused: bool =
     new = treedef.unflatten([jnp.asarray(p + u).astype(jnp.result_type(p)) for (_, p), (_, u) in zip(pl, ul)])
     out = {**variables, "params": new}
     out = flax.core.freeze(out) if isinstance(variables, flax.core.FrozenDict) else out
-    if not isinstance(fused, bool):
-        raise ValueError(f"apply_updates_with_fp8_weights: fused must be a bool, got {fused!r}")
     return _refreshed("apply_updates_with_fp8_weights", out, _in_update if fused else quantize_experts)
 
 

@@ -316,11 +316,7 @@ def fp8_attention(
     state = fs.check_state(recipe, state)
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     k, v, v_mean = _centered(k, v, dropout_rate)
-    o = _fp8(cfg, q, k, v, state, rng)
-    if v_mean is None:
-        return o
-    v_mean = jnp.repeat(v_mean, q.shape[2] // v.shape[2], axis=2)  # each group's heads
-    return (o.astype(F32) + v_mean).astype(q.dtype)
+    return _uncentered(_fp8(cfg, q, k, v, state, rng), v_mean)
 
 
 def _centered(k, v, rate):
@@ -332,14 +328,27 @@ def _centered(k, v, rate):
     arithmetic) are not zero once dS is rounded, and dq = scale dS k then carries that error
     times k's common component (dq 3x its norm off on a diverging run's checkpoint; V's
     component does the same to dP - D). Dropout's rescaled rows do not sum to one: v stays."""
-    # Any vector common to all positions would do; the mean is rounded to the inputs' format so
-    # that a last-bit difference in the sum (another order under a mesh) does not move the codes.
-    mean = lambda x: _rounded(jnp.mean(x.astype(F32), axis=1, keepdims=True), x.dtype).astype(F32)  # noqa: E731
-    k = _rounded(k.astype(F32) - mean(k), k.dtype)
+    k = _rounded(k.astype(F32) - _seq_mean(k), k.dtype)
     if rate > 0:
         return k, v, None
-    v_mean = mean(v)
+    v_mean = _seq_mean(v)
     return k, _rounded(v.astype(F32) - v_mean, v.dtype), v_mean
+
+
+def _seq_mean(x):
+    """x's mean over the sequence (float32), rounded to x's format: any vector common to all
+    positions would do, and a rounded one does not move the codes when a mesh sums in another
+    order."""
+    return _rounded(jnp.mean(x.astype(F32), axis=1, keepdims=True), x.dtype).astype(F32)
+
+
+def _uncentered(o, v_mean):
+    """The output of centered v back: o plus v's mean (each KV group's mean on its heads), in o's
+    dtype; o itself when v was not centered (``v_mean`` None)."""
+    if v_mean is None:
+        return o
+    v_mean = jnp.repeat(v_mean, o.shape[2] // v_mean.shape[2], axis=2)
+    return (o.astype(F32) + v_mean).astype(o.dtype)
 
 
 def _rounded(x, dtype):
