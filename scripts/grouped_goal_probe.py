@@ -1,8 +1,9 @@
-"""Issue 27's grouped-GEMM goal rows (fwd+bwd with every cast, ms and speed-up over lowbit BF16) at the
-bench's three MoE shapes, both size distributions: a quick subset of `python -m lowbit.bench grouped`.
+"""Issue 27's grouped-GEMM goal rows (fwd+bwd with every cast, ms and speed-up over lowbit BF16) at
+the bench's three MoE shapes, the bench's size distributions and ``dirichlet16`` (the Dirichlet draw
+in 16-row units, as lowbit's MoE dispatch pads groups under FP8): a quick subset of
+`python -m lowbit.bench grouped`.
 The ``primary`` cases read FP8 weight copies made outside the timed call (by the optimizer step)."""
 
-import jax
 import jax.numpy as jnp
 
 from lowbit.bench import grouped as g
@@ -18,10 +19,8 @@ cases = (
 )
 print("| shape | sizes | " + " | ".join(cases) + " |")
 for G, M, K, N in g.GPU_SHAPES:
-    key = jax.random.PRNGKey(0)
-    lhs = jax.random.normal(key, (M, K), jnp.float32).astype(jnp.bfloat16)
-    rhs = (jax.random.normal(jax.random.fold_in(key, 1), (G, K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    for dist in g.DISTS:
+    lhs, rhs = g.operands(G, M, K, N)
+    for dist in g.DISTS + ("dirichlet16",):
         gs = jnp.asarray(g.group_sizes(G, M, dist))
         ms = []
         for name in cases:

@@ -420,3 +420,36 @@ def test_grouped_primary_rows_compute_what_the_cast_rows_do(recipe):
     for a, b in zip(*outs):
         assert np.abs(a).max() > 0
         np.testing.assert_array_equal(a, b)
+
+
+def test_grouped_sizes_in_16_row_units_keep_the_dirichlet_draw():
+    """``dirichlet16`` (the MoE dispatch's padded layout in the goal probe): every group a whole
+    number of 16-row units, the total M, each group within 16 rows of the plain Dirichlet draw
+    except the largest, which takes the remainder."""
+    import numpy as np
+
+    from lowbit.bench import grouped as g
+
+    for G, M in ((64, 65536), (128, 16384), (8, 32768)):
+        plain, units = g.group_sizes(G, M, "dirichlet"), g.group_sizes(G, M, "dirichlet16")
+        assert units.sum() == M and np.all(units % 16 == 0) and np.all(units >= 0)
+        rest = np.arange(G) != np.argmax(plain)
+        assert np.all(np.abs(units[rest] - plain[rest]) < 16)
+        assert np.count_nonzero(plain % 16) > G // 2  # the plain draw is not already aligned
+
+
+def test_grouped_build_case_reads_the_spec(monkeypatch):
+    """``lowbit.bench.profile grouped "G<experts> <sizes> <case>"`` builds that case at the shape
+    with that expert count and those sizes (small shapes here)."""
+    import jax
+    import numpy as np
+
+    from lowbit.bench import grouped as g
+
+    monkeypatch.setattr(g, "GPU_SHAPES", g.CPU_SHAPES)
+    G, M, K, N = g.CPU_SHAPES[1]
+    fn, args = g.build_case(f"G{G} dirichlet16 lowbit bf16")
+    out = jax.tree_util.tree_leaves(fn(*args))
+    assert out[0].shape == (M, N)
+    sizes = [a for a in args if getattr(a, "shape", None) == (G,)]
+    np.testing.assert_array_equal(np.asarray(sizes[0]), g.group_sizes(G, M, "dirichlet16"))

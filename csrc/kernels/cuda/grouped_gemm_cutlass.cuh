@@ -281,6 +281,7 @@ const Config& config_fp8_e4m3_e4m3_fast();
 const Config& config_fp8_e4m3_e4m3();
 const Config& config_fp8_e5m2_e4m3();
 const Config& config_fp8_e4m3_e5m2();
+const Config& config_fp8_e4m3_e5m2_short_k();  // the same, wide tiles for small experts
 // FP8 block scaling: A 1x128; B 128x128 (n128) or 1x128 (n1).
 const Config& config_block_e4m3_e4m3_n128();
 const Config& config_block_e5m2_e4m3_n128();
@@ -332,6 +333,18 @@ struct Fp8Tiles {
   using Tile = Shape<_128, _128, _128>;
   using Cluster = Shape<_1, _2, _1>;
   using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+// The weight gradient of many small experts (ragged K, a few hundred rows per group or fewer):
+// each tile runs one or two 128-deep k-blocks and then stores its BF16 tile (G=128 experts of
+// 4096 x 1024 write 1.07 GB from 128 rows each), so the per-tile cost (group switch, epilogue)
+// bounds it: the wide tile halves the tiles. Fast accumulation holds one accumulator set, which
+// the wide tile needs; with one k-block per tile it is what split accumulation computes too.
+// (A 64 x 128 ping-pong tile measured slower: 0.70 ms against 0.54 at G=128.)
+struct Fp8ShortKTiles {
+  using Tile = Shape<_128, _256, _128>;
+  using Cluster = Shape<_1, _2, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 struct Fp8FastTiles {

@@ -12,7 +12,9 @@ gradients. A dense GEMM reads one (K, N) matrix where the grouped one reads G of
 G*K*N dominates the bytes (G=128) the grouped GEMM is bandwidth-bound, the dense one is not.
 ``speedup`` is against ragged_dot in the same pass. Group sizes: balanced, or Dirichlet(1) draws
 (any value: FP8's weight-gradient GEMM then copies the groups that do not start at a multiple of 16
-to aligned slots first).
+to aligned slots first); ``dirichlet16`` (scripts/grouped_goal_probe.py) is the same draw in whole
+16-row units, the layout lowbit's MoE dispatch hands the grouped GEMM under an FP8 recipe (each
+group padded to 16 rows), where no group needs realigning.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def group_sizes(G: int, M: int, dist: str, seed: int = 0) -> np.ndarray:
         s = np.full(G, M // G, np.int64)
         s[-1] += M - s.sum()
         return s.astype(np.int32)
+    unit = 16 if dist == "dirichlet16" else 1  # dirichlet16: whole 16-row units (M a multiple of 16)
     w = np.random.default_rng(seed).dirichlet(np.ones(G))
-    s = np.floor(w * M).astype(np.int64)
+    s = np.floor(w * M / unit).astype(np.int64) * unit
     s[np.argmax(w)] += M - s.sum()
     return s.astype(np.int32)
 
@@ -130,15 +133,28 @@ def _case(name: str, pas: str, lhs, rhs, gs):
     return (_fwd_bwd(f) if bwd else jax.jit(f)), (lhs, rhs, gs)
 
 
+def operands(G: int, M: int, K: int, N: int):
+    """The bench's tokens (M, K) and expert weights (G, K, N), BF16."""
+    key = jax.random.PRNGKey(0)
+    lhs = jax.random.normal(key, (M, K), jnp.float32).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(jax.random.fold_in(key, 1), (G, K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    return lhs, rhs
+
+
+def build_case(spec: str):
+    """``"G<experts> <sizes> <case>"`` (e.g. ``"G128 dirichlet16 lowbit fp8 delayed primary"``) at
+    the full shape with that expert count -> (jitted fwd+bwd, args), for lowbit.bench.profile."""
+    g_part, dist, name = spec.split(" ", 2)
+    G, M, K, N = next(s for s in GPU_SHAPES if f"G{s[0]}" == g_part)
+    lhs, rhs = operands(G, M, K, N)
+    return _case(name, "fwd+bwd", lhs, rhs, jnp.asarray(group_sizes(G, M, dist)))
+
+
 def run(small: bool, progress=None) -> list[dict]:
     rows = []
     iters = 3 if small else 10
     for G, M, K, N in CPU_SHAPES if small else GPU_SHAPES:
-        key = jax.random.PRNGKey(0)
-        lhs = jax.random.normal(key, (M, K), jnp.float32).astype(jnp.bfloat16)
-        rhs = (jax.random.normal(jax.random.fold_in(key, 1), (G, K, N), jnp.float32) * 0.02).astype(
-            jnp.bfloat16
-        )
+        lhs, rhs = operands(G, M, K, N)
         for dist in DISTS:
             gs = jnp.asarray(group_sizes(G, M, dist))
             base = {}

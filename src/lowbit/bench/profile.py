@@ -4,9 +4,10 @@ Traces a few steps of a case from ``lowbit.bench.dense``, ``.layer`` or ``.moe``
 model, parameters and jitted fwd+bwd as the timed run) with ``jax.profiler`` and prints the GPU
 kernels by total time per step, then per group (GEMM, attention, lowbit kernels, XLA fusions).
 SUITE is ``dense``, ``docs`` (TransformerEngine's Dense tutorial block), ``layer`` (the seed
-layer, dot_general swapped), ``module`` (lowbit's TransformerLayer) or ``moe`` (a MoE block,
-CASE "<shape> <case>", e.g. ``"G64 deepseek fp8 delayed"``); CASE is a row name of that suite,
-e.g. ``"lowbit delayed bf16 params"``. ``--host`` adds the host's events and the
+layer, dot_general swapped), ``module`` (lowbit's TransformerLayer), ``moe`` (a MoE block,
+CASE "<shape> <case>", e.g. ``"G64 deepseek fp8 delayed"``) or ``grouped`` (a grouped GEMM fwd+bwd,
+CASE "G<experts> <sizes> <case>", e.g. ``"G128 balanced lowbit fp8 delayed primary"``); CASE is
+a row name of that suite, e.g. ``"lowbit delayed bf16 params"``. ``--host`` adds the host's events and the
 GPU's idle gaps between steps.
 """
 
@@ -22,6 +23,7 @@ from typing import Optional
 import jax
 
 from lowbit.bench import dense as dense_bench
+from lowbit.bench import grouped as grouped_bench
 from lowbit.bench import layer as layer_bench
 from lowbit.bench import moe as moe_bench
 from lowbit.bench.common import on_gpu, time_fn
@@ -149,6 +151,8 @@ def _build(suite: str, case: str):
     cfg = dense_bench.FULL if on_gpu() else dense_bench.SMALL
     if suite == "moe":
         return moe_bench.build_case(case)
+    if suite == "grouped":
+        return grouped_bench.build_case(case)
     if suite == "module":
         return layer_bench.build_case(case, cfg, key, drop)
     return dense_bench.build_case("docs dense" if suite == "docs" else suite, case, cfg, key, drop)
@@ -183,7 +187,7 @@ def profile(suite: str, case: str, top: int = 25, timeline: bool = False, host: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lowbit.bench.profile", description=__doc__)
-    ap.add_argument("suite", choices=["dense", "docs", "layer", "module", "moe"])
+    ap.add_argument("suite", choices=["dense", "docs", "layer", "module", "moe", "grouped"])
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeline", action="store_true", help="list the last step's kernels in order")
