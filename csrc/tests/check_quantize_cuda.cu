@@ -720,7 +720,7 @@ int run_checks(bool quick) {
   const std::vector<GShape> gshapes =
       quick ? std::vector<GShape>{{128, 64}, {48, 96}, {7, 13}}
             : std::vector<GShape>{{128, 64}, {96, 96},   {48, 96}, {256, 320},
-                                  {7, 13},   {2048, 64}, {64, 33}};
+                                  {7, 13},   {2048, 64}, {64, 33}, {512, 256}};
   for (DType xdt : xdts)
     for (const GShape& sh : gshapes) {
       const int M = int(sh.M);

@@ -9,6 +9,7 @@
 // BLOCK_1D: offsets -> one kernel over 128x128 tiles of each group (grouped_block1d_kernel: the
 //   block casts of both copies and the per-group amax from one read of x).
 #include "cast_kernels.cuh"
+#include "grouped_block_cast.cuh"
 #include "lowbit/block_scaling.h"
 
 namespace lowbit {
@@ -289,11 +290,17 @@ Status run_grouped_block1d(const GroupedQuantizeParams& p, cudaStream_t st, cons
   if ((p.rowwise && !(p.data && p.scale_inv)) ||
       (p.colwise && !(p.colwise_data && p.colwise_scale_inv)))
     return Status::Invalid("grouped_quantize: output missing");
+  auto aligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
+  // The fast kernel (grouped_block_cast.cuh) where its 16-byte accesses are aligned.
+  const bool fast = K % 16 == 0 && aligned(p.x) && aligned(p.rowwise ? p.data : nullptr) &&
+                    aligned(p.colwise ? p.colwise_data : nullptr);
   if (p.colwise) {
-    // Colwise data outside every group is zero; scale rows of no block hold 1.0.
-    if (auto s = api_status(cudaMemsetAsync(p.colwise_data, 0, size_t(M * K), st), "memset");
-        !s.ok())
-      return s;
+    // Colwise data outside every group is zero (the fast kernel's tiles of those rows write
+    // them); scale rows of no block hold 1.0.
+    if (!fast)
+      if (auto s = api_status(cudaMemsetAsync(p.colwise_data, 0, size_t(M * K), st), "memset");
+          !s.ok())
+        return s;
     const int64_t n = grouped_block_colwise_rows(M, G) * K;
     if (n > 0) {
       fill_f32_kernel<<<grid_for(n, 256, 4096), 256, 0, st>>>(
@@ -321,16 +328,19 @@ Status run_grouped_block1d(const GroupedQuantizeParams& p, cudaStream_t st, cons
   const int64_t tile_rows = grouped_block_colwise_rows(M, G) + (M + kGb - 1) / kGb;
   const int64_t blocks = tile_rows * a.tiles_c;
   if (blocks > INT32_MAX) return Status::Invalid("grouped_quantize: tensor too large");
-  auto kernel = grouped_block1d_kernel<IN, FMT>;
+  auto kernel = fast ? grouped_block1d_fast_kernel<IN, FMT, GroupedBlockArgs>
+                     : grouped_block1d_kernel<IN, FMT>;
+  const size_t smem = fast ? gfb_smem<IN>() : kGbSmem;
+  const int threads = fast ? kGfbThreads : kGbThreads;
   if (auto s = api_status(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kGbSmem)),
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
           "cudaFuncSetAttribute");
       !s.ok())
     return s;
   // clang-format off
-  kernel<<<unsigned(blocks), kGbThreads, kGbSmem, st>>>(a);
+  kernel<<<unsigned(blocks), threads, smem, st>>>(a);
   // clang-format on
-  return launch_status("grouped_block1d_kernel");
+  return launch_status(fast ? "grouped_block1d_fast_kernel" : "grouped_block1d_kernel");
 }
 
 template <int IN, int KIND, int FMT>
