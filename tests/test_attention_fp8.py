@@ -416,3 +416,27 @@ def test_gpu_head_dim_64_takes_the_emulation_not_the_kernel(make, gpu_device):
     _check_errors(out, grads, *_f64(q, k, v, do, True))
     with pytest.raises(ValueError, match="head_dim 64"):
         _run(recipe, q, k, v, do, state, causal=True, implementation="cudnn")
+
+
+def test_cudnn_fp8_attention_on_hopper_logs_its_measured_cost_once(monkeypatch, caplog):
+    """Where FP8 attention takes cuDNN's kernels on an sm_90 device the user is told, once per
+    process, that it measured slower than BF16 attention and less stable (a log record: tests
+    that turn warnings into errors keep working); not on other devices, not twice."""
+    import logging
+
+    from lowbit.ops.attention import fp8 as att
+
+    q = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
+    monkeypatch.setattr(att, "cudnn_fp8_available", lambda q, k: None)
+    monkeypatch.setattr(att, "_warned", [])
+    kw = dict(recipe=DelayedScaling(fp8_dpa=True), causal=True, scale=None, dropout_rate=0.0, rng=None)
+    with caplog.at_level(logging.WARNING, logger="lowbit"):
+        monkeypatch.setattr(att, "_sm_major", lambda: 10)
+        assert att.config(q, q, implementation=None, **kw).cudnn
+        assert not [r for r in caplog.records if "Hopper" in r.getMessage()]
+        monkeypatch.setattr(att, "_sm_major", lambda: 9)
+        for _ in range(2):
+            assert att.config(q, q, implementation=None, **kw).cudnn
+        hits = [r for r in caplog.records if "Hopper" in r.getMessage()]
+        assert len(hits) == 1 and "0.89-0.94x" in hits[0].getMessage()
+        assert "fp8_dpa=False" in hits[0].getMessage()
