@@ -1,6 +1,7 @@
-"""FP8 GEMM accumulation as TransformerEngine's environment says (NVTE_JAX_FP8_2X_ACC_FPROP /
-_DGRAD / _WGRAD): the flags each GEMM of dense and of the fused MLP is lowered with; and the
-values (the CPU reference ignores the flag: same results)."""
+"""FP8 GEMM accumulation as TransformerEngine's environment says (TE < 2.10's
+NVTE_JAX_FP8_2X_ACC_FPROP / _DGRAD / _WGRAD, TE 2.20's NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION):
+the flags each GEMM of dense and of the fused MLP is lowered with; and the values (the CPU
+reference ignores the flag: same results)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ from lowbit.ops.dense import dense, split_accumulation
 from lowbit.ops.fused.mlp import mlp
 
 pytestmark = pytest.mark.usefixtures("on_cpu")
-VARS = ("NVTE_JAX_FP8_2X_ACC_FPROP", "NVTE_JAX_FP8_2X_ACC_DGRAD", "NVTE_JAX_FP8_2X_ACC_WGRAD")
+VARS = (
+    "NVTE_JAX_FP8_2X_ACC_FPROP",
+    "NVTE_JAX_FP8_2X_ACC_DGRAD",
+    "NVTE_JAX_FP8_2X_ACC_WGRAD",
+    "NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION",
+)
+EVERY = "NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION"  # TE 2.20: every GEMM, 1 split / 0 fast
 
 
 def _gemm_flags(fn, *args) -> list[int]:
@@ -37,7 +44,8 @@ def clean_env(monkeypatch):
 
 
 def test_defaults_are_te_defaults(clean_env):
-    """Fast accumulation in the forward GEMM, split in dgrad and wgrad."""
+    """Fast accumulation in the forward GEMM, split in dgrad and wgrad (TE < 2.10's defaults;
+    TE 2.20's fast everywhere is its switch's 0, tested below)."""
     assert not split_accumulation("FPROP") and split_accumulation("DGRAD") and split_accumulation("WGRAD")
     x, k = jnp.ones((32, 64), jnp.bfloat16), jnp.ones((64, 48), jnp.float32)
     assert _gemm_flags(_dense_loss, x, k) == [0, 0, 1]
@@ -49,6 +57,9 @@ def test_defaults_are_te_defaults(clean_env):
         ({"NVTE_JAX_FP8_2X_ACC_DGRAD": "0"}, [0, 1, 1]),
         ({"NVTE_JAX_FP8_2X_ACC_DGRAD": "0", "NVTE_JAX_FP8_2X_ACC_WGRAD": "0"}, [1, 1, 1]),
         ({"NVTE_JAX_FP8_2X_ACC_FPROP": "1"}, [0, 0, 0]),
+        ({EVERY: "0"}, [1, 1, 1]),
+        ({EVERY: "1"}, [0, 0, 0]),
+        ({EVERY: "0", "NVTE_JAX_FP8_2X_ACC_WGRAD": "1"}, [0, 1, 1]),  # the per-GEMM switch wins
     ],
 )
 def test_environment_switches_each_gemm(clean_env, env, want):
@@ -70,10 +81,11 @@ def test_fused_mlp_follows_the_environment(clean_env):
     assert _gemm_flags(loss, x, k1, k2) == [1] * 6
 
 
-def test_bad_value(clean_env):
-    clean_env.setenv("NVTE_JAX_FP8_2X_ACC_WGRAD", "yes")
+@pytest.mark.parametrize("name", ["NVTE_JAX_FP8_2X_ACC_WGRAD", EVERY])
+def test_bad_value(clean_env, name):
+    clean_env.setenv(name, "yes")
     x, k = jnp.ones((32, 64), jnp.bfloat16), jnp.ones((64, 48), jnp.float32)
-    with pytest.raises(ValueError, match="NVTE_JAX_FP8_2X_ACC_WGRAD must be 0 or 1, got 'yes'"):
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1, got 'yes'"):
         _dense_loss(x, k)
 
 

@@ -200,16 +200,9 @@ __global__ void __launch_bounds__(kBlkThreads, blk_min_blocks_of<IN, Load>())
   // lane fetches the scale of each of its chunks with a shuffle: one division per lane, not PER.
   if constexpr (!TWO_D) {
     if (a.q_row) {
-      const int mine = (lane % CPR) / LPS, base = lane & ~(CPR - 1);
-      float bm = 0.0f;
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        float b = cm[i];
-#pragma unroll
-        for (int o = 1; o < CPR; o <<= 1) b = fmaxf(b, __shfl_xor_sync(kFull, b, o));
-        if (i == mine) bm = b;
-      }
-      const float sm = fp8_block_scale(bm, FMAX, a.eps, a.pow2);
+      const int base = lane & ~(CPR - 1);
+      int mine;
+      const float sm = row_block_scale<CPR, PER>(cm, FMAX, a.eps, a.pow2, &mine);
       if (lane % LPS == 0) {
         const int64_t gr = r0 + lr0 + mine * (kBlkThreads / CPR);
         if (gr < R) a.s_row[tc * round_up4(R) + gr] = 1.0f / sm;

@@ -618,17 +618,17 @@ __global__ void __launch_bounds__(256)
 
 // ---- FP8 block scaling (1x128 / 128x128): shared pieces of the block cast kernels ----
 
-// One warp quantizes one 1x128 block held in a float32 shared-memory tile: element e (e < n) at
-// tile[e * stride], lane l holding elements l, l+32, l+64, l+96 (the tile is zero past n). Each
-// encoded byte goes out through store(e, byte); returns the block's decode scale 1/s.
-template <int FMT, typename Store>
-__device__ __forceinline__ float warp_block_encode(const float* tile, int stride, int n, float eps,
-                                                   bool pow2, Store store) {
+// One warp quantizes one 1x128 block: element e (e < n) is read(e), lane l holding elements l,
+// l+32, l+64, l+96 (read gives zero past n). Each encoded byte goes out through store(e, byte);
+// returns the block's decode scale 1/s.
+template <int FMT, typename Read, typename Store>
+__device__ __forceinline__ float warp_block_encode_read(Read read, int n, float eps, bool pow2,
+                                                        Store store) {
   const int lane = threadIdx.x & 31;
   float v[4], bm = 0.0f;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    v[k] = tile[(lane + 32 * k) * stride];
+    v[k] = read(lane + 32 * k);
     bm = fmaxf(bm, fabsf(v[k]));
   }
 #pragma unroll
@@ -640,6 +640,35 @@ __device__ __forceinline__ float warp_block_encode(const float* tile, int stride
     if (e < n) store(e, uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s))));
   }
   return 1.0f / s;
+}
+
+// The same over a float32 shared-memory tile: element e at tile[e * stride].
+template <int FMT, typename Store>
+__device__ __forceinline__ float warp_block_encode(const float* tile, int stride, int n, float eps,
+                                                   bool pow2, Store store) {
+  return warp_block_encode_read<FMT>([&](int e) { return tile[e * stride]; }, n, eps, pow2, store);
+}
+
+// 1x128 rowwise scales of a tile held in registers as PER 16-byte chunks per lane, a tile row
+// being CPR consecutive lanes of one chunk index (cm: the chunks' amaxes). Lane L computes the
+// scale of its chunk mine = (L % CPR) / (CPR / PER) (one division per lane, not PER); the others
+// fetch chunk i's with __shfl_sync(kFull, s, (L & ~(CPR - 1)) + i * (CPR / PER)).
+template <int CPR, int PER>
+__device__ __forceinline__ float row_block_scale(const float (&cm)[PER], float fmax, float eps,
+                                                 bool pow2, int* mine) {
+  constexpr int LPS = CPR / PER;  // lanes per row scale
+  static_assert(LPS >= 1 && LPS * PER == CPR && CPR <= 32, "row mapping");
+  const int lane = threadIdx.x & 31;
+  *mine = (lane % CPR) / LPS;
+  float bm = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    float b = cm[i];
+#pragma unroll
+    for (int o = 1; o < CPR; o <<= 1) b = fmaxf(b, __shfl_xor_sync(kFull, b, o));
+    if (i == *mine) bm = b;
+  }
+  return fp8_block_scale(bm, fmax, eps, pow2);
 }
 
 // Fills n floats with v (scale padding of the block layouts); static: one copy per unit.

@@ -39,29 +39,6 @@ constexpr size_t gfb_smem() {
   return gfb_tile_bytes<typename In<IN>::T>() + size_t(kGfb) * kGfb;
 }
 
-// warp_block_encode (cast_kernels.cuh) over a tile in x's dtype: the same values (exact
-// conversion to float), scale and encode.
-template <int IN, int FMT, typename Store>
-__device__ __forceinline__ float warp_block_encode_in(const typename In<IN>::T* tile, int stride,
-                                                      int n, float eps, bool pow2, Store store) {
-  const int lane = threadIdx.x & 31;
-  float v[4], bm = 0.0f;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    v[k] = In<IN>::f(tile[(lane + 32 * k) * stride]);
-    bm = fmaxf(bm, fabsf(v[k]));
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
-  const float s = fp8_block_scale(bm, fmt_max<FMT>(), eps, pow2);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int e = lane + 32 * k;
-    if (e < n) store(e, uint8_t(enc_fp8<FMT>(__fmul_rn(v[k], s))));
-  }
-  return 1.0f / s;
-}
-
 struct GroupedBlockTile {
   int64_t g, run_start, run_size, r0;  // g < 0: rows in no group
 };
@@ -172,17 +149,9 @@ __global__ void __launch_bounds__(kGfbThreads) grouped_block1d_fast_kernel(const
   // per lane) and fetches the others' with a shuffle; each chunk goes out as one store.
   if (a.q_row) {
     constexpr int LPS = CPR / PER;  // lanes per row scale
-    static_assert(LPS >= 1 && LPS * PER == CPR && CPR <= 32, "row mapping");
-    const int mine = (lane % CPR) / LPS, base = lane & ~(CPR - 1);
-    float bm = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      float m = cm[i];
-#pragma unroll
-      for (int o = 1; o < CPR; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
-      if (i == mine) bm = m;
-    }
-    const float sm = fp8_block_scale(bm, fmt_max<FMT>(), a.eps, a.pow2);
+    const int base = lane & ~(CPR - 1);
+    int mine;
+    const float sm = row_block_scale<CPR, PER>(cm, fmt_max<FMT>(), a.eps, a.pow2, &mine);
     if (lane % LPS == 0) {
       const int rr = (threadIdx.x + mine * kGfbThreads) / CPR;
       if (rr < nr) a.s_row[srow + rr] = 1.0f / sm;
@@ -216,8 +185,10 @@ __global__ void __launch_bounds__(kGfbThreads) grouped_block1d_fast_kernel(const
   if (a.q_col)
     for (int cc = warp; cc < nc; cc += NW) {
       uint8_t* s = stage + cc * kGfb;
-      const float d = warp_block_encode_in<IN, FMT>(tile + cc, LD, nr, a.eps, a.pow2,
-                                                    [&](int rr, uint8_t byte) { s[rr] = byte; });
+      const T* col = tile + cc;
+      const float d =
+          warp_block_encode_read<FMT>([&](int rr) { return In<IN>::f(col[rr * LD]); }, nr, a.eps,
+                                      a.pow2, [&](int rr, uint8_t byte) { s[rr] = byte; });
       if (lane == 0) a.s_col[b * a.K + c0 + cc] = d;
       __syncwarp();
       store_run(a.q_col + (c0 + cc) * a.M + r0, s, nr, lane);

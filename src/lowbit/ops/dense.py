@@ -52,7 +52,7 @@ class _Config:
     bias_dtype: Any  # None without bias
     fast_accum: bool
     # FP8 backward GEMMs: cuBLASLt's fast accumulation instead of split (2x) accumulation
-    # (TransformerEngine's NVTE_JAX_FP8_2X_ACC_DGRAD / _WGRAD = 0; split by default, as in TE).
+    # (split_accumulation: TransformerEngine's switches; split by default).
     fast_accum_dgrad: bool = False
     fast_accum_wgrad: bool = False
     # The name of the quantized residuals (quantized_checkpoint_name), None: unnamed.
@@ -79,16 +79,30 @@ class _Config:
         return self.nvfp4 and not self.recipe.disable_stochastic_rounding
 
 
-def split_accumulation(gemm: str) -> bool:
-    """TransformerEngine's ``NVTE_JAX_FP8_2X_ACC_<gemm>`` (FPROP, DGRAD, WGRAD): whether that FP8
-    GEMM accumulates in split (2x) precision. TE's defaults: fprop 0, dgrad and wgrad 1."""
-    name = f"NVTE_JAX_FP8_2X_ACC_{gemm}"
+def _env_bit(name: str) -> Optional[bool]:
     v = os.environ.get(name, "").strip()
     if not v:
-        return gemm != "FPROP"
+        return None
     if v not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {v!r}")
     return v == "1"
+
+
+def split_accumulation(gemm: str) -> bool:
+    """Whether the FP8 GEMM ``gemm`` (FPROP, DGRAD, WGRAD) accumulates in split (2x) precision.
+
+    TransformerEngine's switches, where set: TE < 2.10's per-GEMM ``NVTE_JAX_FP8_2X_ACC_<gemm>``,
+    then TE 2.20's ``NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION`` (every GEMM: 1 split, 0 fast).
+    Unset: fprop fast, dgrad and wgrad split, TE < 2.10's defaults; TE 2.20 defaults to fast
+    accumulation in every GEMM, which lowbit leaves to that switch (the gradients' GEMMs sum
+    over the tokens: docs/te_compat.md)."""
+    per_gemm = _env_bit(f"NVTE_JAX_FP8_2X_ACC_{gemm}")
+    if per_gemm is not None:
+        return per_gemm
+    every = _env_bit("NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION")
+    if every is not None:
+        return every
+    return gemm != "FPROP"
 
 
 _QUANTIZED_NAME = contextvars.ContextVar("lowbit_quantized_checkpoint_name", default=None)
