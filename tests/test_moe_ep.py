@@ -318,6 +318,38 @@ def test_block_counts_round_trip(d):
     np.testing.assert_array_equal(np.asarray(ep_dispatch.decode_counts(rows, 3)), counts)
 
 
+def test_receive_maps_pad_each_expert_to_16_rows():
+    """Under FP8 the capacity dispatch's receiver lays each local expert's rows out from a
+    multiple of 16 in whole 16-row units (as the one-device dispatch pads them): every received
+    row lands once, in its expert's group, in (source, rank) order; padding rows come from no
+    block and go back to none; without align the layout is the packed one."""
+    recv = np.array([[3, 0, 17], [5, 1, 0], [0, 16, 2]], np.int32)  # (sources, local experts)
+    n, El = recv.shape
+    C = 20
+    for align in (0, 16):
+        take, give, size = (np.asarray(a) for a in ep_dispatch.receive_maps(jnp.asarray(recv), C, align))
+        rows = ep_dispatch.receive_rows(n, El, C, align)
+        tot = recv.sum(axis=0)
+        want = tot if not align else -(-tot // 16) * 16
+        np.testing.assert_array_equal(size, want)
+        assert take.shape == (rows,) and give.shape == (n * C,) and rows >= size.sum()
+        starts = np.concatenate([[0], np.cumsum(size)[:-1]])
+        seen = []
+        for s_ in range(n):
+            r = 0
+            for e in range(El):
+                for k in range(recv[s_, e]):
+                    at = give[s_ * C + r]
+                    assert starts[e] <= at < starts[e] + tot[e] and take[at] == s_ * C + r
+                    seen.append(at)
+                    r += 1
+            assert np.all(give[s_ * C + r : (s_ + 1) * C] == rows)  # unused block rows: none
+        assert len(set(seen)) == tot.sum()
+        assert np.count_nonzero(take != n * C) == tot.sum()  # the padding rows take no block row
+        if align:
+            assert np.all(starts % 16 == 0) and rows % 16 == 0
+
+
 _TOY_HLO = """HloModule toy
 %wrapped (p: f32[4]) -> f32[4] {
   %p = f32[4]{0} parameter(0)

@@ -83,19 +83,41 @@ def send_slots(plan: DispatchPlan, experts, devices: int, rows: int):
     return dataclasses.replace(plan, dest=slot.reshape(T, k), src=src), kept
 
 
-def receive_maps(recv, C):
+def receive_rows(n: int, El: int, C: int, align: int = 0) -> int:
+    """Rows of the receiver's expert-major buffer: ``n * C``, or with ``align`` each of the
+    ``El`` groups padded to a multiple of it (at most ``align - 1`` rows each), rounded up."""
+    if not align:
+        return n * C
+    return -(-(n * C + El * (align - 1)) // align) * align
+
+
+def receive_maps(recv, C, align: int = 0):
     """Receiver: row (s, r) of the received (n, C) blocks (grouped by local expert inside each
     block, ``recv`` (n, El) rows each) -> row of the expert-major buffer (expert, source, rank),
-    and back. Returns (take (n C,), give (n C,), group sizes (El,)); ``n * C`` = none."""
+    and back. ``align``: every expert's group starts at a multiple of ``align`` rows and spans a
+    multiple of them (FP8: the grouped weight gradient reads 16-row aligned groups in place);
+    the padding rows come from no block (zero) and go back to none. Returns (take
+    (:func:`receive_rows`,), give (n C,), group sizes (El,), padded); ``n * C`` in take and the
+    buffer's rows in give = none."""
     n, El = recv.shape
     tot = jnp.sum(recv, axis=0)
-    start = exclusive_cumsum(tot)[None, :] + exclusive_cumsum(recv, axis=0) - exclusive_cumsum(recv, axis=1)
+    size = tot if not align else -(-tot // align) * align
+    rows = receive_rows(n, El, C, align)
+    start = exclusive_cumsum(size)[None, :] + exclusive_cumsum(recv, axis=0) - exclusive_cumsum(recv, axis=1)
     r = jnp.arange(C, dtype=jnp.int32)
     e = jnp.sum(r[None, :, None] >= jnp.cumsum(recv, axis=1)[:, None, :], axis=2)  # (n, C); El: none
     at = jnp.take_along_axis(start, jnp.minimum(e, El - 1), axis=1) + r[None, :]
-    give = jnp.where(e < El, at, n * C).reshape(-1).astype(jnp.int32)
-    take = jnp.full((n * C,), n * C, jnp.int32).at[give].set(jnp.arange(n * C, dtype=jnp.int32), mode="drop")
-    return take, give, tot.astype(jnp.int32)
+    give = jnp.where(e < El, at, rows).reshape(-1).astype(jnp.int32)
+    take = jnp.full((rows,), n * C, jnp.int32).at[give].set(jnp.arange(n * C, dtype=jnp.int32), mode="drop")
+    return take, give, size.astype(jnp.int32)
 
 
-__all__ = ["decode_counts", "encode_counts", "meta_rows", "move_rows", "receive_maps", "send_slots"]
+__all__ = [
+    "decode_counts",
+    "encode_counts",
+    "meta_rows",
+    "move_rows",
+    "receive_maps",
+    "receive_rows",
+    "send_slots",
+]
