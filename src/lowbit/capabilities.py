@@ -23,19 +23,28 @@ from lowbit.recipe import (
 _MIN_CC = (9, 0)
 
 
+def compute_capability(device) -> Optional[Tuple[int, int]]:
+    """(major, minor) of a GPU ``device``; None where it reports none or an unreadable one."""
+    cc = getattr(device, "compute_capability", None)
+    try:
+        major, minor = (int(v) for v in str(cc).split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
 def _device_reason(device) -> str:
     """'' when lowbit's ops run on ``device``, else why not."""
     if device.platform == "cpu":
         return ""
     if device.platform not in ("gpu", "cuda"):
         return f"lowbit has no kernels for {device.platform} devices"
-    cc = getattr(device, "compute_capability", None)
-    try:
-        major, minor = (int(v) for v in str(cc).split(".")[:2])
-    except ValueError:
+    cc = compute_capability(device)
+    if cc is None:
         return f"cannot read the compute capability of {device.device_kind}"
-    if (major, minor) < _MIN_CC:
-        return f"lowbit's CUDA kernels need compute capability 9.0 or higher, {device.device_kind} has {cc}"
+    if cc < _MIN_CC:
+        have = f"{device.device_kind} has {cc[0]}.{cc[1]}"
+        return f"lowbit's CUDA kernels need compute capability 9.0 or higher, {have}"
     from lowbit import _native
 
     if _native.ensure_loaded()["cuda"] is None:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.capabilities import compute_capability
 from lowbit.ops import fused_attention as fa
 from lowbit.ops._ffi import attention as ffi
 from lowbit.ops.attention import fp8_scales as fs
@@ -296,11 +297,8 @@ _warned = []
 
 
 def _sm_major() -> int:
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    try:
-        return int(str(cc).split(".")[0])
-    except ValueError:
-        return 0
+    cc = compute_capability(jax.devices()[0])
+    return cc[0] if cc else 0
 
 
 def warn_if_hopper() -> None:

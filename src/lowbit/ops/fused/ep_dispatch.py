@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from lowbit.ops.fused.permutation import DispatchPlan, exclusive_cumsum
+from lowbit.ops.fused.permutation import DispatchPlan, buffer_rows, exclusive_cumsum
 
 DIGIT = 256  # counts travel as base-256 digits: integers below 256 are exact in bf16
 DIGITS = 3  # counts below 2^24
@@ -83,26 +83,20 @@ def send_slots(plan: DispatchPlan, experts, devices: int, rows: int):
     return dataclasses.replace(plan, dest=slot.reshape(T, k), src=src), kept
 
 
-def receive_rows(n: int, El: int, C: int, align: int = 0) -> int:
-    """Rows of the receiver's expert-major buffer: ``n * C``, or with ``align`` each of the
-    ``El`` groups padded to a multiple of it (at most ``align - 1`` rows each), rounded up."""
-    if not align:
-        return n * C
-    return -(-(n * C + El * (align - 1)) // align) * align
-
-
 def receive_maps(recv, C, align: int = 0):
     """Receiver: row (s, r) of the received (n, C) blocks (grouped by local expert inside each
     block, ``recv`` (n, El) rows each) -> row of the expert-major buffer (expert, source, rank),
     and back. ``align``: every expert's group starts at a multiple of ``align`` rows and spans a
     multiple of them (FP8: the grouped weight gradient reads 16-row aligned groups in place);
-    the padding rows come from no block (zero) and go back to none. Returns (take
-    (:func:`receive_rows`,), give (n C,), group sizes (El,), padded); ``n * C`` in take and the
-    buffer's rows in give = none."""
+    the padding rows come from no block (zero) and go back to none; the buffer has the one-device
+    dispatch's rows for ``n C`` pairs (``permutation.buffer_rows``, rounded to ``align``).
+    Returns (take (buffer rows,), give (n C,), group sizes (El,), padded); ``n * C`` in take and
+    the buffer's rows in give = none."""
     n, El = recv.shape
     tot = jnp.sum(recv, axis=0)
-    size = tot if not align else -(-tot // align) * align
-    rows = receive_rows(n, El, C, align)
+    a = max(align, 1)
+    size = (tot + a - 1) // a * a  # as plan_dispatch pads each expert's group
+    rows = buffer_rows(n * C, El, align, round_rows=True)
     start = exclusive_cumsum(size)[None, :] + exclusive_cumsum(recv, axis=0) - exclusive_cumsum(recv, axis=1)
     r = jnp.arange(C, dtype=jnp.int32)
     e = jnp.sum(r[None, :, None] >= jnp.cumsum(recv, axis=1)[:, None, :], axis=2)  # (n, C); El: none
@@ -118,6 +112,5 @@ __all__ = [
     "meta_rows",
     "move_rows",
     "receive_maps",
-    "receive_rows",
     "send_slots",
 ]

@@ -99,6 +99,8 @@ class _MoeConfig:
     # local: each expert's capacity (0: dropless); capacity with chunks: rows per chunk's block
     weights_early: bool = False  # local only: routing weights applied before fc2
     chunks: int = 1  # capacity only: independent token chunks per device (ep_chunks)
+    # pad: each expert's rows padded to a multiple of it (FP8 16: the wgrad reads them in place)
+    pad = property(lambda self: 16 if self.recipe is not None else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,9 +174,7 @@ def _sort_pairs(x, experts, cfg: _MoeConfig):
 
 
 def _local(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras):
-    # FP8: groups padded to 16 rows: the wgrad reads each in place (benchmarks/NOTES.md, s13)
-    align = 16 if cfg.recipe is not None else 0
-    plan = plan_dispatch(experts, cfg.experts, align_size=align, capacity=cfg.rows or None, round_rows=True)
+    plan = plan_dispatch(experts, cfg.experts, align_size=cfg.pad, capacity=cfg.rows or None, round_rows=True)
     xb = x.astype(_BF16)
     # With the fused FP8 dispatch, xs only carries fc1's lhs gradient (its gather leaves the forward).
     xs, qx = permute(xb, plan), _dispatch_quantized(cfg, xb, plan, experts, state)
@@ -281,7 +281,7 @@ def _capacity_chunk(cfg: _MoeConfig, x, weights, experts, w1, w2, state, extras)
     meta = ep.encode_counts(jax.lax.stop_gradient(kept), d, _BF16)
     got = jax.lax.all_to_all(jnp.concatenate([blocks, meta], axis=1), cfg.axis, 0, 0, tiled=True)
     recv = ep.decode_counts(jax.lax.stop_gradient(got[:, C:]), El)
-    take, give, gs = ep.receive_maps(recv, C, 16 if cfg.recipe is not None else 0)  # FP8: as _local
+    take, give, gs = ep.receive_maps(recv, C, cfg.pad)
     xe = ep.move_rows(got[:, :C].reshape(n * C, d), take, give)
     ys = _experts(cfg, xe, w1, w2, gs, state, extras)
     yback = jax.lax.all_to_all(ep.move_rows(ys, give, take), cfg.axis, 0, 0, tiled=True)
