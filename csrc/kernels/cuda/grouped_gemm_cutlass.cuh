@@ -335,18 +335,12 @@ struct Fp8Tiles {
   using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-// The weight gradient of many small experts (ragged K, a few hundred rows per group or fewer):
-// each tile runs one or two 128-deep k-blocks and then stores its BF16 tile (G=128 experts of
-// 4096 x 1024 write 1.07 GB from 128 rows each), so the per-tile cost (group switch, epilogue)
-// bounds it: the wide tile halves the tiles. Fast accumulation holds one accumulator set, which
-// the wide tile needs; with one k-block per tile it is what split accumulation computes too.
-// (A 64 x 128 ping-pong tile measured slower: 0.70 ms against 0.54 at G=128.)
-struct Fp8ShortKTiles {
-  using Tile = Shape<_128, _256, _128>;
-  using Cluster = Shape<_1, _2, _1>;
-  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum;
-  using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
+// Also the HYBRID weight gradient of many small experts (config fp8_e4m3_e5m2_short_k: ragged
+// K, <= 256 rows per group on average): each tile runs one or two 128-deep k-blocks and then
+// stores its BF16 tile (G=128 experts of 4096 x 1024 write 1.07 GB from 128 rows each), so the
+// per-tile cost (group switch, epilogue) bounds it and the wide tile halves the tiles; with one
+// k-block per tile fast accumulation is what split accumulation computes. (A 64 x 128 ping-pong
+// tile measured slower: 0.70 ms against 0.54 at G=128.)
 struct Fp8FastTiles {
   using Tile = Shape<_128, _256, _128>;
   using Cluster = Shape<_1, _2, _1>;
