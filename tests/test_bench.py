@@ -108,9 +108,9 @@ def test_layer_cudnn_dropout_case_runs_where_cudnn_dropout_is_allowed(monkeypatc
     for f in flags:
         monkeypatch.setenv("XLA_FLAGS", f)
         assert _cudnn_dropout_allowed(None)
-    # The fast-accumulation case sets TransformerEngine's switches in its child only.
-    fast = layer._CHILD_ENV[layer._FAST_ACC_CHILD]
-    assert fast == {"NVTE_JAX_FP8_2X_ACC_DGRAD": "0", "NVTE_JAX_FP8_2X_ACC_WGRAD": "0"}
+    # The split-accumulation case sets TransformerEngine's switches in its child only.
+    split = layer._CHILD_ENV[layer._SPLIT_ACC_CHILD]
+    assert split == {"NVTE_JAX_FP8_2X_ACC_DGRAD": "1", "NVTE_JAX_FP8_2X_ACC_WGRAD": "1"}
 
 
 def test_docs_dense_case_is_the_tutorial_block():

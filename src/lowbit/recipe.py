@@ -224,8 +224,9 @@ _CURRENT_Q = QParams()
 class Float8CurrentScaling(_FP8FormatRecipe):
     """Per-tensor scales from each tensor's own amax, computed on the device every step.
 
-    The forward GEMM uses fast accumulation (``fp8_gemm_fprop.use_split_accumulator=False``),
-    the gradient GEMMs split accumulation, as TransformerEngine's defaults say.
+    The ``fp8_gemm_*`` fields are TransformerEngine's (its PyTorch side reads them); on the JAX
+    side, TE's and lowbit's, the GEMMs accumulate as ``NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION``
+    says: fast unless it is 1 (lowbit.ops.accumulation).
     """
 
     use_power_2_scales: bool = False

@@ -94,12 +94,15 @@ const Config* pick_config(const GroupedGemmParams& p) {
     if (a4) return &config_block_e4m3_e5m2_n1();
     return nullptr;
   }
-  if (a4 && b4) return p.fast_accum ? &config_fp8_e4m3_e4m3_fast() : &config_fp8_e4m3_e4m3();
-  if (b4) return &config_fp8_e5m2_e4m3();
-  // The HYBRID weight gradient: wide tiles where the groups average 256 rows or fewer (host-known:
-  // the total and the group count; the sizes stay on the device).
+  // Fast accumulation where the call asks for it (TE 2.20 accumulates every grouped FP8 GEMM
+  // fast) or where it adds the same sums as split accumulation: a ragged-K weight gradient whose
+  // groups average 256 rows or fewer (host-known: the total and the group count; the sizes stay
+  // on the device), one or two k-blocks per tile.
   const bool short_k = p.mode == GroupedGemmMode::kRaggedK && p.k <= 256 * p.num_groups;
-  if (a4) return short_k ? &config_fp8_e4m3_e5m2_short_k() : &config_fp8_e4m3_e5m2();
+  const bool fast = p.fast_accum || short_k;
+  if (a4 && b4) return fast ? &config_fp8_e4m3_e4m3_fast() : &config_fp8_e4m3_e4m3();
+  if (b4) return fast ? &config_fp8_e5m2_e4m3_fast() : &config_fp8_e5m2_e4m3();
+  if (a4) return fast ? &config_fp8_e4m3_e5m2_fast() : &config_fp8_e4m3_e5m2();
 #else
   (void)p;
 #endif

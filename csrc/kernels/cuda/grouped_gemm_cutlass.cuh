@@ -277,11 +277,13 @@ struct Config {
 const Config& config_bf16_kk();  // A K-major, B K-major   (dgrad: dout . rhs^T)
 const Config& config_bf16_kn();  // A K-major, B N-major   (forward: lhs . rhs)
 const Config& config_bf16_mn();  // A M-major, B N-major   (wgrad: lhs^T . dout)
+// FP8 per-group scales (A type, B type): split accumulation, or fast (`_fast`: wide tiles).
 const Config& config_fp8_e4m3_e4m3_fast();
 const Config& config_fp8_e4m3_e4m3();
+const Config& config_fp8_e5m2_e4m3_fast();
 const Config& config_fp8_e5m2_e4m3();
+const Config& config_fp8_e4m3_e5m2_fast();
 const Config& config_fp8_e4m3_e5m2();
-const Config& config_fp8_e4m3_e5m2_short_k();  // the same, wide tiles for small experts
 // FP8 block scaling: A 1x128; B 128x128 (n128) or 1x128 (n1).
 const Config& config_block_e4m3_e4m3_n128();
 const Config& config_block_e5m2_e4m3_n128();
@@ -327,20 +329,20 @@ struct Bf16Tiles {
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 // FP8 with CUTLASS's split (promoted) accumulation keeps a second set of accumulators in
-// registers: a 128x256 tile spills, so the gradient GEMMs take 128x128; fast accumulation (the
-// forward) keeps one set and the wide tile.
+// registers: a 128x256 tile spills, so split GEMMs take 128x128; fast accumulation keeps one set
+// and the wide tile.
 struct Fp8Tiles {
   using Tile = Shape<_128, _128, _128>;
   using Cluster = Shape<_1, _2, _1>;
   using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-// Also the HYBRID weight gradient of many small experts (config fp8_e4m3_e5m2_short_k: ragged
-// K, <= 256 rows per group on average): each tile runs one or two 128-deep k-blocks and then
-// stores its BF16 tile (G=128 experts of 4096 x 1024 write 1.07 GB from 128 rows each), so the
-// per-tile cost (group switch, epilogue) bounds it and the wide tile halves the tiles; with one
-// k-block per tile fast accumulation is what split accumulation computes. (A 64 x 128 ping-pong
-// tile measured slower: 0.70 ms against 0.54 at G=128.)
+// Fast accumulation (TE 2.20's default for every grouped FP8 GEMM): one accumulator set, the wide
+// tile. Also where split accumulation is asked for but adds the same sums: the weight gradient of
+// many small experts (ragged K, <= 256 rows per group on average; pick_config in grouped_gemm.cu),
+// where each tile runs one or two 128-deep k-blocks and then stores its BF16 tile, so the per-tile
+// cost (group switch, epilogue) bounds it and the wide tile halves the tiles. (A 64 x 128
+// ping-pong tile measured slower: 0.70 ms against 0.54 at G=128.)
 struct Fp8FastTiles {
   using Tile = Shape<_128, _256, _128>;
   using Cluster = Shape<_1, _2, _1>;

@@ -77,7 +77,7 @@ def _fp8_gemm_only(lhs, rhs, gs, bwd: bool):
         out_dtype=np.dtype(jnp.bfloat16),
         lhs_dtype=np.dtype(lhs.dtype),
         rhs_dtype=np.dtype(rhs.dtype),
-        fast_accum=True,
+        **gg_mod.accumulation(True),
     )
     (M, K), (G, _, N) = lhs.shape, rhs.shape
     qx = gg_mod._quantize(cfg, "x", lhs, gs, None, "both")
@@ -85,13 +85,15 @@ def _fp8_gemm_only(lhs, rhs, gs, bwd: bool):
     qg = gg_mod._quantize(cfg, "grad", jnp.ones((M, N), jnp.bfloat16), gs, None, "both")
 
     def fwd(qx, qw, gs):
-        return gg_mod.fp8_fprop(qx.data, qx.scale_inv, qw.colwise_data, qw.colwise_scale_inv, gs)
+        return gg_mod.fp8_fprop(
+            qx.data, qx.scale_inv, qw.colwise_data, qw.colwise_scale_inv, gs, cfg.fast_accum
+        )
 
     def all3(qx, qw, qg, gs):
         y = fwd(qx, qw, gs)
-        dl = gg_mod.ragged_dgrad(qg.data, qg.scale_inv, qw.data, qw.scale_inv, gs)
+        dl = gg_mod.ragged_dgrad(qg.data, qg.scale_inv, qw.data, qw.scale_inv, gs, cfg.fast_dgrad)
         dr = gg_mod.fp8_wgrad(
-            qx.colwise_data, qx.colwise_scale_inv, qg.colwise_data, qg.colwise_scale_inv, gs
+            qx.colwise_data, qx.colwise_scale_inv, qg.colwise_data, qg.colwise_scale_inv, gs, cfg.fast_wgrad
         )
         return y, dl, dr
 

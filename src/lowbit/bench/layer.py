@@ -80,11 +80,11 @@ def _cases():
             "the seed layer's attention dropout (default XLA_FLAGS: lowbit's cuDNN-frontend attention)",
         ),
         (
-            _FAST_ACC_CHILD,
+            _SPLIT_ACC_CHILD,
             ours(0.0),
             jnp.bfloat16,
             lowbit.DelayedScaling(),
-            "NVTE_JAX_FP8_2X_ACC_DGRAD=0 NVTE_JAX_FP8_2X_ACC_WGRAD=0 (TE's switches; default: split)",
+            "NVTE_JAX_FP8_2X_ACC_DGRAD=1 NVTE_JAX_FP8_2X_ACC_WGRAD=1 (TE's switches; default: fast)",
         ),
         (
             _DROPOUT_CHILD,
@@ -104,9 +104,10 @@ _CHILD_ENV = {
     },
 }
 _DROPOUT_CHILD = "lowbit delayed, attention dropout 0.1, cuDNN dropout"
-# The gradients' FP8 GEMMs with fast accumulation (TransformerEngine's environment switches).
-_FAST_ACC_CHILD = "lowbit delayed, fast accumulation in dgrad/wgrad"
-_CHILD_ENV[_FAST_ACC_CHILD] = {"NVTE_JAX_FP8_2X_ACC_DGRAD": "0", "NVTE_JAX_FP8_2X_ACC_WGRAD": "0"}
+# The gradients' FP8 GEMMs with split accumulation (TransformerEngine's environment switches;
+# TE < 2.10's and lowbit's earlier default; fast is TE 2.20's).
+_SPLIT_ACC_CHILD = "lowbit delayed, split accumulation in dgrad/wgrad"
+_CHILD_ENV[_SPLIT_ACC_CHILD] = {"NVTE_JAX_FP8_2X_ACC_DGRAD": "1", "NVTE_JAX_FP8_2X_ACC_WGRAD": "1"}
 # Float8BlockScaling without the norm/activation kernels' block-scaled outputs (before/after).
 _BLOCK_UNFUSED_CHILD = "lowbit fp8 block, unfused norm/activation"
 _CHILD_ENV[_BLOCK_UNFUSED_CHILD] = {"LOWBIT_BLOCK_FUSION": "0"}

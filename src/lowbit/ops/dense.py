@@ -17,7 +17,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import os
 from typing import Any, Optional, Sequence
 
 import jax
@@ -29,6 +28,7 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
 from lowbit.ops import collective_dense, dense_sharded
+from lowbit.ops.accumulation import split_accumulation
 from lowbit.ops.fused_quantize import QuantizeSpec, block_fusion_enabled, parse_quantize_spec
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
 from lowbit.ops.nonfinite import poison_nonfinite
@@ -51,10 +51,10 @@ class _Config:
     kernel_dtype: Any
     bias_dtype: Any  # None without bias
     fast_accum: bool
-    # FP8 backward GEMMs: cuBLASLt's fast accumulation instead of split (2x) accumulation
-    # (split_accumulation: TransformerEngine's switches; split by default).
-    fast_accum_dgrad: bool = False
-    fast_accum_wgrad: bool = False
+    # FP8 backward GEMMs: fast accumulation instead of split (2x) accumulation
+    # (ops/accumulation.py: TransformerEngine's switches; fast unless they say split).
+    fast_accum_dgrad: bool = True
+    fast_accum_wgrad: bool = True
     # The name of the quantized residuals (quantized_checkpoint_name), None: unnamed.
     checkpoint_name: Optional[str] = None
 
@@ -77,32 +77,6 @@ class _Config:
     @property
     def stochastic(self) -> bool:
         return self.nvfp4 and not self.recipe.disable_stochastic_rounding
-
-
-def _env_bit(name: str) -> Optional[bool]:
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return None
-    if v not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
-    return v == "1"
-
-
-def split_accumulation(gemm: str) -> bool:
-    """Whether the FP8 GEMM ``gemm`` (FPROP, DGRAD, WGRAD) accumulates in split (2x) precision.
-
-    TransformerEngine's switches, where set: TE < 2.10's per-GEMM ``NVTE_JAX_FP8_2X_ACC_<gemm>``,
-    then TE 2.20's ``NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION`` (every GEMM: 1 split, 0 fast).
-    Unset: fprop fast, dgrad and wgrad split, TE < 2.10's defaults; TE 2.20 defaults to fast
-    accumulation in every GEMM, which lowbit leaves to that switch (the gradients' GEMMs sum
-    over the tokens: docs/te_compat.md)."""
-    per_gemm = _env_bit(f"NVTE_JAX_FP8_2X_ACC_{gemm}")
-    if per_gemm is not None:
-        return per_gemm
-    every = _env_bit("NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION")
-    if every is not None:
-        return every
-    return gemm != "FPROP"
 
 
 _QUANTIZED_NAME = contextvars.ContextVar("lowbit_quantized_checkpoint_name", default=None)
@@ -357,9 +331,10 @@ def dense(
         "gradient" is the updated state.
       rng: NVFP4 with stochastic rounding: a PRNG key for the gradient's rounding.
       out_dtype: default ``jnp.result_type(x, kernel)``.
-      fast_accum: FP8 GPU GEMMs: fast accumulation for the forward GEMM. The gradients' GEMMs
-        use split accumulation unless ``NVTE_JAX_FP8_2X_ACC_DGRAD`` / ``_WGRAD`` = 0 (and
-        ``NVTE_JAX_FP8_2X_ACC_FPROP=1`` turns the forward's off), as in TransformerEngine.
+      fast_accum: FP8 GPU GEMMs: False keeps split accumulation in the forward GEMM. Otherwise
+        every GEMM accumulates as TransformerEngine's environment says: fast (TE 2.20's
+        default) unless ``NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION=1`` or a per-GEMM
+        ``NVTE_JAX_FP8_2X_ACC_<FPROP|DGRAD|WGRAD>=1`` (lowbit.ops.accumulation).
       tp_layout: under a MeshResource with ``tp_resource`` (lowbit.sharding), how tp splits the
         kernel: "column" (its output features; None: the default) or "row" (its contracted
         axes, y summed over tp: the second GEMM of a column/row pair, as an MLP's). Under

@@ -33,6 +33,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import delayed_scaling as ds
 from lowbit.ops._ffi import grouped_gemm as ffi
+from lowbit.ops.accumulation import split_accumulation
 from lowbit.ops.gemm import pad_to
 from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import group_sizes_int32, grouped_quantize, host_group_sizes, quantize
@@ -119,10 +120,23 @@ class _Fp8Config:
     lhs_dtype: Any
     rhs_dtype: Any
     fast_accum: bool
+    # The gradients' GEMMs (ops/accumulation.py: TE's switches, fast unless they say split).
+    fast_dgrad: bool = True
+    fast_wgrad: bool = True
 
     @property
     def delayed(self) -> bool:
         return isinstance(self.recipe, DelayedScaling)
+
+
+def accumulation(fast_accum: bool) -> dict:
+    """The per-tensor FP8 configs' accumulation fields: the forward fast where the call and
+    TE's environment both allow it, the gradients as the environment says."""
+    return dict(
+        fast_accum=bool(fast_accum) and not split_accumulation("FPROP"),
+        fast_dgrad=not split_accumulation("DGRAD"),
+        fast_wgrad=not split_accumulation("WGRAD"),
+    )
 
 
 def _quantize(cfg, role, x, gs, state, layout):
@@ -169,7 +183,7 @@ def fp8_fprop(x, x_s, w_col, w_col_s, gs, fast_accum: bool = True):
     )
 
 
-def ragged_dgrad(g, g_s, w_row, w_row_s, gs):
+def ragged_dgrad(g, g_s, w_row, w_row_s, gs, fast_accum: bool = False):
     """dlhs (M, K) = g (M, N) . rhs[g]^T, FP8 or BF16 (empty scales); w_row is rhs viewed as
     (G*K, N) (FP8: its rowwise copy): B(c, j) = w_row[g*K + j, c], K-major with row stride N."""
     (M, N), K = g.shape, w_row.shape[0] // gs.shape[0]
@@ -188,10 +202,11 @@ def ragged_dgrad(g, g_s, w_row, w_row_s, gs):
         bgs=K * N,
         a_kmajor=True,
         b_kmajor=True,
+        fast_accum=fast_accum,
     )
 
 
-def fp8_wgrad(x_col, x_col_s, g_col, g_col_s, gs):
+def fp8_wgrad(x_col, x_col_s, g_col, g_col_s, gs, fast_accum: bool = False):
     """drhs (G, K, N) = x_g^T . g_g, contracted over each group's rows: A(i, c) = x_col[i, c],
     B(c, j) = g_col[j, c], both K-major with row stride M."""
     (K, M), N = x_col.shape, g_col.shape[0]
@@ -209,6 +224,7 @@ def fp8_wgrad(x_col, x_col_s, g_col, g_col_s, gs):
         ldb=M,
         a_kmajor=True,
         b_kmajor=True,
+        fast_accum=fast_accum,
     )
 
 
@@ -238,8 +254,8 @@ def _grouped_fp8_fwd(cfg, lhs, rhs, gs, state):
 def _grouped_fp8_bwd(cfg, res, dout):
     x_col, x_col_s, w_row, w_row_s, gs, state, (ax, aw) = res
     qg = _quantize(cfg, "grad", dout, gs, state, "both")
-    dlhs = ragged_dgrad(qg.data, qg.scale_inv, w_row, w_row_s, gs)
-    drhs = fp8_wgrad(x_col, x_col_s, qg.colwise_data, qg.colwise_scale_inv, gs)
+    dlhs = ragged_dgrad(qg.data, qg.scale_inv, w_row, w_row_s, gs, cfg.fast_dgrad)
+    drhs = fp8_wgrad(x_col, x_col_s, qg.colwise_data, qg.colwise_scale_inv, gs, cfg.fast_wgrad)
     state_ct = None
     if cfg.delayed:
         state_ct = ds.advance_step(cfg.recipe, state, {"x": ax, "kernel": aw, "grad": qg.amax}, grouped=True)
@@ -425,8 +441,10 @@ def grouped_gemm(
         type. The GEMM rounds its output to bfloat16 once; a float32 output is that value.
       state: DelayedScaling only: :func:`init_grouped_delayed_state`-shaped dict; its gradient is
         the updated state (what Flax's ``_overwrite_with_gradient`` collection expects).
-      fast_accum: FP8 on the GPU: fast accumulation in the forward GEMM (not the gradients);
-        ignored by Float8BlockScaling, whose GEMMs always promote each 128-deep block.
+      fast_accum: per-tensor FP8 on the GPU: False keeps split accumulation in the forward GEMM;
+        True (default) accumulates fast where TransformerEngine's environment does (every GEMM
+        unless ``NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION=1``; lowbit.ops.accumulation), the
+        gradients as that says. Float8BlockScaling's GEMMs always promote each 128-deep block.
 
     Returns:
       (M, N) in ``preferred_element_type``.
@@ -499,7 +517,7 @@ def grouped_gemm(
         out_dtype=out_dtype,
         lhs_dtype=np.dtype(lhs.dtype),
         rhs_dtype=np.dtype(rhs.dtype),
-        fast_accum=bool(fast_accum),
+        **accumulation(fast_accum),
     )
     # 16-byte rows of FP8 (K, N) and of the colwise (K, M) copies (M): zero padding; padded
     # rows of lhs belong to no group, padded K/N columns are zero.
