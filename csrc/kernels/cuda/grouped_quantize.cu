@@ -216,35 +216,14 @@ __global__ void __launch_bounds__(kGbThreads) grouped_block1d_kernel(const Group
   extern __shared__ float tile[];  // [kGb][kGbLd]
   const T* x = static_cast<const T*>(a.x);
   const int64_t b = int64_t(blockIdx.x) / a.tiles_c, tc = int64_t(blockIdx.x) - b * a.tiles_c;
-  const int64_t grouped_rows = a.M / 128 + a.G;
-  int64_t run_start, run_size, r0, g = -1;
-  bool in_group;
-  if (b < grouped_rows) {
-    int64_t lo = 0, hi = a.G;  // first g with first_g > b
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) >> 1;
-      if (grouped_block_colwise_first(a.starts[mid], mid) <= b)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    g = lo - 1;  // >= 0: first_0 = 0
-    run_start = a.starts[g];
-    run_size = a.ends[g] - run_start;
-    r0 = run_start + (b - grouped_block_colwise_first(run_start, g)) * kGb;
-    in_group = true;
-  } else {
-    run_start = a.G > 0 ? a.ends[a.G - 1] : 0;
-    run_size = a.M - run_start;
-    r0 = run_start + (b - grouped_rows) * kGb;
-    in_group = false;
-  }
+  const GroupedBlockTile gt = grouped_block_tile(b, a.M, a.G, a.starts, a.ends);
+  const int64_t g = gt.g, run_start = gt.run_start, run_size = gt.run_size, r0 = gt.r0;
   const int64_t run_end = run_start + run_size;
   if (r0 >= run_end) return;  // block-uniform
   const int64_t c0 = tc * kGb;
   const int nr = int(run_end - r0 < kGb ? run_end - r0 : kGb);
   const int nc = int(a.K - c0 < kGb ? a.K - c0 : kGb);
-  if (!in_group) {  // rows in no group: zero data, scale_inv 1.0 (rowwise; colwise is preset)
+  if (g < 0) {  // rows in no group: zero data, scale_inv 1.0 (rowwise; colwise is preset)
     if (a.q_row)
       for (int i = threadIdx.x; i < kGb * kGb; i += kGbThreads) {
         const int rr = i / kGb, cc = i - rr * kGb;
