@@ -120,13 +120,13 @@ def test_sm90own_vs_float64(gpu_device, rng, monkeypatch, config, combo, out_dty
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["sm90own", "sm90own:n128/group16"])
+@pytest.mark.parametrize("config", ["sm90own", "sm90own:n128/group16", "sm90own:n128_mc/group8"])
 @pytest.mark.parametrize("combo", ["wgrad", "wgrad_e5m2"])
 @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("bias_dtype", [None, BF16, F32], ids=["nobias", "bias_bf16", "bias_f32"])
 def test_sm90own_wgrad_vs_float64(gpu_device, rng, monkeypatch, config, combo, out_dtype, bias_dtype):
-    """lowbit's own kernel on 1x128 . 1x128 (wgrad; n128 unicast, B's column scales per K block),
-    forced by name: it is no candidate under auto until it has run on a GPU."""
+    """lowbit's own kernel on 1x128 . 1x128 (wgrad; n128, unicast or with A multicast over an N
+    pair; B's column scales per K block), forced by name."""
     _sm90own_cases(gpu_device, rng, monkeypatch, config, combo, out_dtype, bias_dtype)
 
 

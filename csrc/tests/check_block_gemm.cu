@@ -432,8 +432,8 @@ void bench_sm90() {
                     {16384, 4096, 8192},
                     {8192, 16384, 4096}},
                    {0, 1, 2, 3}, rng);
-  bench_sm90_combo(kCombos[2], {{16384, 4096, 8192}, {4096, 16384, 8192}, {8192, 8192, 8192}}, {0},
-                   rng);
+  bench_sm90_combo(kCombos[2], {{16384, 4096, 8192}, {4096, 16384, 8192}, {8192, 8192, 8192}},
+                   {0, 1}, rng);
 }
 
 }  // namespace
@@ -478,22 +478,22 @@ int main(int argc, char** argv) {
   // counts: a multicast pair's second CTA past N), tile groups 3 (runs of unequal length) and 8;
   // the full run adds shapes with more tiles than SMs (each CTA walks several tiles) and more K
   // blocks than pipeline stages.
-  // 1x128 x 1x128 (wgrad, E4M3 x E4M3 and E4M3 x E5M2) has n128 unicast only: configuration 0
-  // twice per shape and output (tile groups 3 and 8, biases rotating).
+  // 1x128 x 1x128 (wgrad, E4M3 x E4M3 and E4M3 x E5M2) has n128 only: configurations 0 and 1
+  // (unicast, multicast) per shape and output (tile groups 3 and 8, biases rotating).
   for (const auto& sh : ragged)
     for (const Combo& cb : kCombos) {
       const bool b1d = cb.b_block == abi::kGemmBlock_1d;
       for (DType o : outs)
         for (int i = 0; i < 4; ++i) {
-          const int v = b1d ? 0 : i;
+          const int v = i;
           if (b1d && i >= 2) break;
           const Case c{sh[0], sh[1], sh[2], &cb, o, idx++ % 3};
           const int group = idx % 2 ? 3 : 8;
           check(c, Run::kSm90, v, group, false, sm90_label(v, group));
         }
     }
-  // The 1x128 x 1x128 kernel refuses BLOCK_N 192 and multicast with a Status.
-  for (int v = 1; v < 4; ++v)
+  // The 1x128 x 1x128 kernel refuses BLOCK_N 192 with a Status.
+  for (int v = 2; v < 4; ++v)
     check(Case{200, 136, 448, &kCombos[2], DType::kBF16, 0}, Run::kSm90, v, 8, false,
           sm90_label(v, 8) + " 1x128 refused", true);
   // The large shapes once per configuration (their CPU reference takes seconds), dtypes rotating.
@@ -508,7 +508,7 @@ int main(int argc, char** argv) {
       for (int w = 2; w < 4; ++w) {
         const Case c{sh[0], sh[1], sh[2], &kCombos[w], outs[(w + idx) % 2], idx % 3};
         ++idx;
-        check(c, Run::kSm90, 0, 16, false, sm90_label(0, 16));
+        check(c, Run::kSm90, w - 2, 16, false, sm90_label(w - 2, 16));
       }
     }
 

@@ -131,8 +131,9 @@ std::string sm90_name(const Choice& c) {
 }
 
 // LOWBIT_BLOCK_GEMM, read at every call (a benchmark may switch it between calls). lowbit's own
-// sm90 kernel is asked for by name only until its check program has passed on a GPU: the auto
-// router keeps the fastest candidate without comparing results (session 11: written, not run).
+// sm90 kernel runs only when named: its check program passes on the H200 (bit-equal to cuBLASLt),
+// but it measured 0.86-0.91 of cuBLASLt at every layer shape (session 16), so under auto it
+// would only lengthen the first call's measurement.
 struct Mode {
   bool cublas = true, cutlass = true, own = false;
   std::string variant;  // "cutlass:<variant>" / "sm90own:<name>": only that variant
@@ -178,17 +179,14 @@ std::vector<Choice> candidates(const GemmParams& p, const Mode& mode) {
       for (int sw : kSwizzles) c.push_back(Choice{kCutlass, v, sw});
     }
   }
-  // sm90own's multicast configurations (variant bit 0) run only when named: on the H200 they
-  // measured ~0.5x of unicast at every shape (a per-stage refill round trip of ~7500 SM clocks
-  // for both BLOCK_N, i.e. latency-bound; cause not found), so measuring them only costs time.
-  // Its 1x128 x 1x128 (wgrad) kernel comes in n128 unicast only (v == 0), and like the rest of
-  // sm90own only when named (Mode::own is false under auto).
+  // sm90own: every configuration (variant bit 0 multicast, bit 1 BLOCK_N 192; the 1x128 x 1x128
+  // wgrad kernel at BLOCK_N 128 only), only when named (Mode::own is false under auto).
   const bool b1d = p.b_block == abi::kGemmBlock_1d;
   if (mode.own && block_gemm_sm90_eligible(p))
-    for (int v = 0; v < (b1d ? 1 : 4); ++v)
+    for (int v = 0; v < (b1d ? 2 : 4); ++v)
       for (int g : kSm90Groups) {
         const Choice o{kSm90, v, g};
-        if (mode.variant.empty() ? !(v & 1) : mode.variant == sm90_name(o)) c.push_back(o);
+        if (mode.variant.empty() || mode.variant == sm90_name(o)) c.push_back(o);
       }
   return c;
 }

@@ -12,9 +12,12 @@
 // sum, wait for them, free the stage, and promote
 //   acc += partial * (sa[row, kb] * sb[column's 128-block, kb])
 // in float32 registers (one FFMA per element per K block). While one warpgroup promotes, the
-// other's wgmmas keep the tensor cores busy. The epilogue adds the bias in float32, rounds once
-// and stores straight from registers (rows >= M and columns >= N skipped); the producer is
-// already loading the next tile meanwhile.
+// other's wgmmas keep the tensor cores busy. The epilogue adds the bias in float32, rounds once,
+// and each consumer warp stages its 16 rows, 128 output bytes of each per pass, in a private
+// padded slice of shared memory after the ring (written in the accumulator layout, no bank
+// conflicts), then reads them back row-wise and stores whole 16-byte chunks, 8 lanes per
+// 128-byte row segment (rows >= M and columns >= N skipped); the producer is already loading the
+// next tile meanwhile.
 //
 // Multicast variant (kMc): clusters of 2 CTAs on N-adjacent tiles of the same M tile; each loads
 // half of A's tile rows with TMA multicast into both (L2 -> SM traffic per K block and CTA 8 KB
@@ -22,7 +25,8 @@
 // consumer warps (remote arrivals through mapa), and each producer stays until every stage is freed
 // before it exits.
 //
-// 1Dx1D (kB1d; BLOCK_N 128, unicast, A E4M3 x B E4M3 or E5M2): B's scales are per output column
+// 1Dx1D (kB1d; BLOCK_N 128, unicast or multicast, A E4M3 x B E4M3 or E5M2): B's scales are per
+// output column
 // per K block, so the stage also carries B's 128 column scales of the K block (TMA, like A's),
 // and the promotion is acc += partial * (sa[row, kb] * sb[column, kb]): one FMUL and one FFMA per
 // element (the 128x128 case's row x block product is one FMUL per row). The consumer reads the
@@ -56,14 +60,24 @@ constexpr uint32_t kConsumerWarps = 8;
 
 // BLOCK_N 128 or 192 (a 192-column tile straddles two of B's 128-row scale blocks); as many
 // stages as fit in 227 KB of shared memory (+ 1 KB alignment slack). kB1d: B's column scales too.
-template <int kBN, bool kB1d>
+// The epilogue's staging area follows the barriers: per consumer warp 16 rows of one pass's 128
+// output bytes, the row pitch padded so that the accumulator-layout writes hit 32 distinct banks
+// (BF16: 8 rows x 4 words a row, pitch 36 words; F32: 4 rows x 8 words per half-warp phase, 40).
+template <int kBN, bool kB1d, bool kF32Out>
 struct Tiles {
   static constexpr uint32_t kBTile = kBN * kBK;
   static constexpr uint32_t kSbBytes = kB1d ? kBN * 4 : 0;  // B's scales of one K block
   static constexpr int kStages = kBN == 128 ? 6 : 5;
   static constexpr int kAcc = kBN / 2;  // accumulator registers per thread (per set)
-  static constexpr size_t kSmem = size_t(kStages) * (kATile + kBTile + kScaleBytes + kSbBytes) +
-                                  2 * kStages * sizeof(uint64_t) + 1024;
+  static constexpr uint32_t kOutBytes = kF32Out ? 4 : 2;
+  static constexpr int kPassCols = 128 / kOutBytes;  // output columns per staging pass
+  static constexpr int kPasses = kBN / kPassCols;
+  static constexpr uint32_t kPitch = 128 + 8 * kOutBytes;
+  static constexpr uint32_t kStaging = kConsumerWarps * 16 * kPitch;
+  static constexpr uint32_t kPipeBytes =
+      kStages * (kATile + kBTile + kScaleBytes + kSbBytes) + 2 * kStages * sizeof(uint64_t);
+  static constexpr size_t kSmem = size_t(kPipeBytes) + kStaging + 1024;
+  static_assert(kPipeBytes % 16 == 0, "staging area 16-byte aligned");
   static_assert(kSmem <= 227 * 1024, "shared memory");
 };
 
@@ -102,19 +116,6 @@ struct Walk {
   }
 };
 
-template <bool kF32Out>
-__device__ __forceinline__ void store_pair(const Args& a, int64_t row, int col, float v0,
-                                           float v1) {
-  if (row >= a.m) return;
-  const int64_t i = row * a.n + col;
-  if constexpr (kF32Out) {
-    *reinterpret_cast<float2*>(static_cast<float*>(a.out) + i) = make_float2(v0, v1);
-  } else {
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(a.out) + i) =
-        __floats2bfloat162_rn(v0, v1);
-  }
-}
-
 // kE5m2A / kE5m2B: the operands' FP8 formats; kB1d: B's scales 1x128 (else 128x128).
 template <bool kE5m2A, bool kE5m2B, bool kB1d, bool kF32Out, bool kMc, int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -124,8 +125,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                            const __grid_constant__ CUtensorMap tma_sb, const Args args) {
 #if LOWBIT_SM90A
   using namespace sm90;
-  using T = Tiles<kBN, kB1d>;
-  static_assert(!kB1d || (kBN == 128 && !kMc), "1Dx1D: BLOCK_N 128, unicast");
+  using T = Tiles<kBN, kB1d, kF32Out>;
+  static_assert(!kB1d || kBN == 128, "1Dx1D: BLOCK_N 128");
   constexpr int kStages = T::kStages, kAcc = T::kAcc;
   extern __shared__ uint8_t smem_raw[];
   // The 128B swizzle's pattern repeats every 1024 bytes: tiles start 1024-aligned.
@@ -135,6 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sb0 = sa0 + kStages * kScaleBytes, bar0 = sb0 + kStages * T::kSbBytes;
   const float* sa_smem = reinterpret_cast<const float*>(smem_raw + (sa0 - raw));
   const float* sb_smem = reinterpret_cast<const float*>(smem_raw + (sb0 - raw));
+  uint8_t* const staging = smem_raw + (bar0 + 16u * kStages - raw);
   auto full = [&](int s) { return bar0 + 8u * s; };
   auto empty = [&](int s) { return bar0 + 8u * (kStages + s); };
 
@@ -201,6 +203,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   // wgmma's accumulator layout: register 4i + j holds row r_in (+8 for j >= 2) and column
   // 8i + 2 (lane % 4) + (j % 2) of the warpgroup's 64 x BLOCK_N block.
   const int r_in = wg * 64 + warp * 16 + lane / 4;
+  // The warp's own staging slice: only __syncwarp() orders its writes and reads.
+  uint8_t* const slice = staging + (wg * 4 + warp) * 16 * T::kPitch;
+  // The stages' wgmma descriptors: a stage or k offset only advances the start-address field
+  // (bits 0-13: shared addresses < 256 KB, 16-byte multiples), so it is a 32-bit add to the low
+  // word instead of sw128_desc's mask, shift and or per descriptor.
+  static_assert(T::kSmem <= (1u << 18), "descriptor start address");
+  const uint64_t a_desc = sw128_desc(a0 + wg * 64 * kBK), b_desc = sw128_desc(b0);
+  auto desc_at = [](uint64_t d, uint32_t bytes) {
+    return (d & ~uint64_t(0xFFFFFFFF)) | (uint32_t(d) + (bytes >> 4));
+  };
   // Promotion behind the tensor cores. Issued as "wgmmas, wait, promote", both warpgroups wait
   // on the same full barrier, their wgmmas share the tensor cores and end together, and both
   // promote while the tensor cores idle: 512 MMA + 128 FFMA clocks per K block, 0.80 of the MMA
@@ -257,12 +269,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(full(s), ph);
       // The scale reads are consumed before the warp frees the stage.
       const float sa_lo = sa_smem[s * kBM + r_in], sa_hi = sa_smem[s * kBM + r_in + 8];
-      const uint32_t a_tile = a0 + s * kATile + wg * 64 * kBK, b_tile = b0 + s * T::kBTile;
+      const uint32_t a_off = s * kATile, b_off = s * T::kBTile;
       fence_regs<kAcc>(p);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kBK / 32; ++k)
-        wgmma<kE5m2A, kE5m2B, kBN>(p, sw128_desc(a_tile + k * 32), sw128_desc(b_tile + k * 32), k);
+        wgmma<kE5m2A, kE5m2B, kBN>(p, desc_at(a_desc, a_off + k * 32),
+                                   desc_at(b_desc, b_off + k * 32), k);
       wgmma_commit();
       if constexpr (kB1d) {
         q.s0_lo = sa_lo, q.s0_hi = sa_hi;
@@ -345,25 +358,68 @@ __global__ void __launch_bounds__(kThreads, 1)
         finish(part0, q);
       }
     }
-    // Epilogue: acc + bias in float32, one rounding. N is even, so col < N implies col + 1 < N.
-    const int64_t row = int64_t(mb) * kBM + r_in;
-    const int col0 = n0 + 2 * (lane % 4);
+    // Epilogue: acc + bias in float32, one rounding, out through the warp's staging slice in
+    // passes of 128 bytes of each of its 16 rows: the lanes write their accumulator pairs, then
+    // read back 16-byte chunks, 8 lanes per row (conflict-free), and store them whole.
+    const int row_w = mb * kBM + wg * 64 + warp * 16;  // the warp's first row
+    if (row_w < args.m) {
 #pragma unroll
-    for (int i = 0; i < kBN / 8; ++i) {
-      const int col = col0 + 8 * i;
-      if (col >= args.n) break;
-      float bias0 = 0.f, bias1 = 0.f;
-      if (args.bias && args.bias_f32) {
-        bias0 = static_cast<const float*>(args.bias)[col];
-        bias1 = static_cast<const float*>(args.bias)[col + 1];
-      } else if (args.bias) {
-        bias0 = __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[col]);
-        bias1 = __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[col + 1]);
+      for (int pass = 0; pass < T::kPasses; ++pass) {
+        const int pass_col = n0 + pass * T::kPassCols;
+        if (pass_col >= args.n) break;
+        __syncwarp();  // the previous pass's reads are done
+#pragma unroll
+        for (int j = 0; j < T::kPassCols / 8; ++j) {
+          const int i = pass * (T::kPassCols / 8) + j;
+          const int col = n0 + 8 * i + 2 * (lane % 4);
+          // Past N: staged, never stored (N is even: col < N implies col + 1 < N).
+          float bias0 = 0.f, bias1 = 0.f;
+          if (args.bias && args.bias_f32 && col < args.n) {
+            bias0 = static_cast<const float*>(args.bias)[col];
+            bias1 = static_cast<const float*>(args.bias)[col + 1];
+          } else if (args.bias && col < args.n) {
+            bias0 = __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[col]);
+            bias1 = __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[col + 1]);
+          }
+          const float v0 = __fadd_rn(acc[4 * i + 0], bias0), v1 = __fadd_rn(acc[4 * i + 1], bias1);
+          const float v2 = __fadd_rn(acc[4 * i + 2], bias0), v3 = __fadd_rn(acc[4 * i + 3], bias1);
+          uint8_t* const dst =
+              slice + (lane / 4) * T::kPitch + (8 * j + 2 * (lane % 4)) * T::kOutBytes;
+          if constexpr (kF32Out) {
+            *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+            *reinterpret_cast<float2*>(dst + 8 * T::kPitch) = make_float2(v2, v3);
+          } else {
+            *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
+            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * T::kPitch) = __floats2bfloat162_rn(v2, v3);
+          }
+        }
+        __syncwarp();
+        constexpr int kChunk = 16 / T::kOutBytes;  // output elements per 16-byte chunk
+        const int col = pass_col + (lane % 8) * kChunk;
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+          const int r = 4 * it + lane / 8;
+          const uint4 v = *reinterpret_cast<const uint4*>(slice + r * T::kPitch + (lane % 8) * 16);
+          const int64_t row = int64_t(row_w) + r;
+          if (row >= args.m || col >= args.n) continue;
+          uint8_t* const out =
+              static_cast<uint8_t*>(args.out) + (row * args.n + col) * int64_t(T::kOutBytes);
+          if (col + kChunk <= args.n) {
+            *reinterpret_cast<uint4*>(out) = v;
+          } else {
+            // A chunk across N (the host requires N % kChunk == 0, so never today): by pairs.
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int q = 0; q < kChunk / 2; ++q) {
+              if (col + 2 * q >= args.n) break;
+              if constexpr (kF32Out)
+                *reinterpret_cast<uint2*>(out + 8 * q) = make_uint2(w[2 * q], w[2 * q + 1]);
+              else
+                *reinterpret_cast<uint32_t*>(out + 4 * q) = w[q];
+            }
+          }
+        }
       }
-      store_pair<kF32Out>(args, row, col, __fadd_rn(acc[4 * i + 0], bias0),
-                          __fadd_rn(acc[4 * i + 1], bias1));
-      store_pair<kF32Out>(args, row + 8, col, __fadd_rn(acc[4 * i + 2], bias0),
-                          __fadd_rn(acc[4 * i + 3], bias1));
     }
   }
 #elif defined(__CUDA_ARCH__)
@@ -422,7 +478,7 @@ struct Maps {
 template <bool kE5m2A, bool kE5m2B, bool kB1d, bool kF32Out, bool kMc, int kBN>
 Status launch(const Maps& maps, const Args& args, int dev, int sms, cudaStream_t stream) {
   auto kernel = block_gemm_sm90_kernel<kE5m2A, kE5m2B, kB1d, kF32Out, kMc, kBN>;
-  constexpr size_t kSmemBytes = Tiles<kBN, kB1d>::kSmem;
+  constexpr size_t kSmemBytes = Tiles<kBN, kB1d, kF32Out>::kSmem;
   // The shared-memory opt-in once per device (a driver call per launch costs small GEMMs).
   static std::atomic<bool> smem_set[64];
   cudaError_t e = cudaSuccess;
@@ -447,8 +503,7 @@ Status launch(const Maps& maps, const Args& args, int dev, int sms, cudaStream_t
       e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
       if (e == cudaSuccess && clusters < 1) e = cudaErrorInvalidConfiguration;
       if (e == cudaSuccess && dev >= 0 && dev < 64) fit[dev].store(clusters);
-      // Fewer than sms / 2 clusters would leave SMs idle (one suspect for the multicast
-      // configurations' ~0.5x of unicast): the log says how many fit.
+      // Fewer than sms / 2 clusters would leave SMs idle: the log says how many fit.
       if (e == cudaSuccess && std::getenv("LOWBIT_BLOCK_GEMM_LOG"))
         std::fprintf(stderr,
                      "lowbit block_gemm sm90own multicast BLOCK_N %d: %d clusters of 2 on %d SMs\n",
@@ -482,14 +537,19 @@ Status dispatch(bool e5, bool f32, bool mc, const Maps& maps, const Args& args, 
   }
 }
 
-// 1Dx1D: A E4M3, B E4M3 or E5M2, BLOCK_N 128, unicast.
-Status dispatch_1d1d(bool e5b, bool f32, const Maps& maps, const Args& args, int dev, int sms,
-                     cudaStream_t s) {
-  switch ((e5b ? 2 : 0) + (f32 ? 1 : 0)) {
+// 1Dx1D: A E4M3, B E4M3 or E5M2, BLOCK_N 128, unicast or multicast (A's tile shared by an N
+// pair; each CTA loads its own B tile and B column scales).
+Status dispatch_1d1d(bool e5b, bool f32, bool mc, const Maps& maps, const Args& args, int dev,
+                     int sms, cudaStream_t s) {
+  switch ((e5b ? 4 : 0) + (f32 ? 2 : 0) + (mc ? 1 : 0)) {
     case 0: return launch<false, false, true, false, false, 128>(maps, args, dev, sms, s);
-    case 1: return launch<false, false, true, true, false, 128>(maps, args, dev, sms, s);
-    case 2: return launch<false, true, true, false, false, 128>(maps, args, dev, sms, s);
-    default: return launch<false, true, true, true, false, 128>(maps, args, dev, sms, s);
+    case 1: return launch<false, false, true, false, true, 128>(maps, args, dev, sms, s);
+    case 2: return launch<false, false, true, true, false, 128>(maps, args, dev, sms, s);
+    case 3: return launch<false, false, true, true, true, 128>(maps, args, dev, sms, s);
+    case 4: return launch<false, true, true, false, false, 128>(maps, args, dev, sms, s);
+    case 5: return launch<false, true, true, false, true, 128>(maps, args, dev, sms, s);
+    case 6: return launch<false, true, true, true, false, 128>(maps, args, dev, sms, s);
+    default: return launch<false, true, true, true, true, 128>(maps, args, dev, sms, s);
   }
 }
 
@@ -534,9 +594,8 @@ Status block_gemm_sm90(const GemmParams& p, const BlockGemmSm90Config& c, void* 
   if (c.block_n != 128 && c.block_n != 192)
     return Status::Invalid("block_gemm sm90own: block_n must be 128 or 192");
   const bool b1d = p.b_block == abi::kGemmBlock_1d;
-  if (b1d && (c.block_n != 128 || c.multicast))
-    return Status::Invalid(
-        "block_gemm sm90own: 1x128 x 1x128 runs at block_n 128 without multicast");
+  if (b1d && c.block_n != 128)
+    return Status::Invalid("block_gemm sm90own: 1x128 x 1x128 runs at block_n 128");
   const int nkb = int(ceil_div(p.k, kBK));
   const int64_t ld_sa = round_up4(p.m);
   Maps maps;
@@ -571,7 +630,8 @@ Status block_gemm_sm90(const GemmParams& p, const BlockGemmSm90Config& c, void* 
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool e5 = p.a_dtype == DType::kE5M2, f32 = p.out_dtype == DType::kF32;
-  if (b1d) return dispatch_1d1d(p.b_dtype == DType::kE5M2, f32, maps, args, dev, sms, s);
+  if (b1d)
+    return dispatch_1d1d(p.b_dtype == DType::kE5M2, f32, c.multicast, maps, args, dev, sms, s);
   return c.block_n == 192 ? dispatch<192>(e5, f32, c.multicast, maps, args, dev, sms, s)
                           : dispatch<128>(e5, f32, c.multicast, maps, args, dev, sms, s);
 }

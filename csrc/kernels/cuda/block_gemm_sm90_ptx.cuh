@@ -49,12 +49,16 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 #endif
 }
 
-// One arrival on the barrier at the same shared-memory offset in cluster CTA `cta`.
+// One arrival on the barrier at the same shared-memory offset in cluster CTA `cta`. The default
+// (.release.cta) semantics: the stage's shared reads are done by then, and the peer only writes the
+// stage with TMA after the barrier completes. An explicit .release.cluster made ptxas put a
+// MEMBAR.ALL.GPU before every remote arrive (each consumer warp, each K block: the multicast
+// kernels ran at half the unicast speed).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
 #if LOWBIT_SM90A
   asm volatile(
       "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
-      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(bar),
+      " mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(bar),
       "r"(cta)
       : "memory");
 #endif
