@@ -1,7 +1,8 @@
 """FP8 GEMM accumulation as TransformerEngine's environment says (TE < 2.10's
 NVTE_JAX_FP8_2X_ACC_FPROP / _DGRAD / _WGRAD, TE 2.20's NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION):
-the flags each GEMM of dense and of the fused MLP is lowered with; and the values (the CPU
-reference ignores the flag: same results)."""
+the flags each GEMM of dense, the fused MLP and the grouped GEMM is lowered with (fast unless the
+environment says split: TE 2.20's default); and the values (the CPU reference ignores the flag:
+same results; on the GPU fast and split against float64)."""
 
 from __future__ import annotations
 
