@@ -16,7 +16,8 @@ from conftest import run_on
 
 import lowbit
 from lowbit import abi
-from lowbit.ops.dense import dense, split_accumulation
+from lowbit.ops.accumulation import split_accumulation
+from lowbit.ops.dense import dense
 from lowbit.ops.fused.mlp import mlp
 
 pytestmark = pytest.mark.usefixtures("on_cpu")

@@ -27,6 +27,7 @@ import lowbit
 from lowbit import moe
 from lowbit.bench.common import time_fn
 from lowbit.ops import grouped_gemm as gg_mod
+from lowbit.ops.accumulation import config_fields
 
 # (G, M, K, N): the MoE shapes of the issue.
 GPU_SHAPES = [(8, 32768, 4096, 14336), (64, 65536, 2048, 1536), (128, 16384, 4096, 1024)]
@@ -77,7 +78,7 @@ def _fp8_gemm_only(lhs, rhs, gs, bwd: bool):
         out_dtype=np.dtype(jnp.bfloat16),
         lhs_dtype=np.dtype(lhs.dtype),
         rhs_dtype=np.dtype(rhs.dtype),
-        **gg_mod.accumulation(True),
+        **config_fields(True),
     )
     (M, K), (G, _, N) = lhs.shape, rhs.shape
     qx = gg_mod._quantize(cfg, "x", lhs, gs, None, "both")
@@ -91,9 +92,14 @@ def _fp8_gemm_only(lhs, rhs, gs, bwd: bool):
 
     def all3(qx, qw, qg, gs):
         y = fwd(qx, qw, gs)
-        dl = gg_mod.ragged_dgrad(qg.data, qg.scale_inv, qw.data, qw.scale_inv, gs, cfg.fast_dgrad)
+        dl = gg_mod.ragged_dgrad(qg.data, qg.scale_inv, qw.data, qw.scale_inv, gs, cfg.fast_accum_dgrad)
         dr = gg_mod.fp8_wgrad(
-            qx.colwise_data, qx.colwise_scale_inv, qg.colwise_data, qg.colwise_scale_inv, gs, cfg.fast_wgrad
+            qx.colwise_data,
+            qx.colwise_scale_inv,
+            qg.colwise_data,
+            qg.colwise_scale_inv,
+            gs,
+            cfg.fast_accum_wgrad,
         )
         return y, dl, dr
 

@@ -36,3 +36,14 @@ def split_accumulation(gemm: str) -> bool:
     if per_gemm is not None:
         return per_gemm
     return bool(_env_bit("NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION"))
+
+
+def config_fields(fast_accum: bool) -> dict:
+    """The accumulation fields of an FP8 op's config (dense's and the grouped GEMM's): the
+    forward GEMM fast where the call (``fast_accum``) and the environment both allow it, the
+    gradients' GEMMs as the environment says."""
+    return dict(
+        fast_accum=bool(fast_accum) and not split_accumulation("FPROP"),
+        fast_accum_dgrad=not split_accumulation("DGRAD"),
+        fast_accum_wgrad=not split_accumulation("WGRAD"),
+    )

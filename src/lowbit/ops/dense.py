@@ -28,7 +28,7 @@ from jax.typing import ArrayLike, DTypeLike
 from lowbit import delayed_scaling as ds
 from lowbit.autocast import get_recipe
 from lowbit.ops import collective_dense, dense_sharded
-from lowbit.ops.accumulation import split_accumulation
+from lowbit.ops.accumulation import config_fields
 from lowbit.ops.fused_quantize import QuantizeSpec, block_fusion_enabled, parse_quantize_spec
 from lowbit.ops.gemm import gemm, gemm_bias, gemm_out_dtype
 from lowbit.ops.nonfinite import poison_nonfinite
@@ -107,9 +107,7 @@ def make_config(recipe, out_dtype, x_dtype, kernel, bias, fast_accum: bool) -> _
         x_dtype=np.dtype(x_dtype),
         kernel_dtype=np.dtype(kernel.dtype),
         bias_dtype=None if bias is None else np.dtype(bias.dtype),
-        fast_accum=bool(fast_accum) and not split_accumulation("FPROP"),
-        fast_accum_dgrad=not split_accumulation("DGRAD"),
-        fast_accum_wgrad=not split_accumulation("WGRAD"),
+        **config_fields(fast_accum),
         checkpoint_name=_QUANTIZED_NAME.get(),
     )
 

@@ -33,7 +33,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from lowbit import delayed_scaling as ds
 from lowbit.ops._ffi import grouped_gemm as ffi
-from lowbit.ops.accumulation import split_accumulation
+from lowbit.ops.accumulation import config_fields
 from lowbit.ops.gemm import pad_to
 from lowbit.ops.nonfinite import poison_nonfinite
 from lowbit.ops.quantize import group_sizes_int32, grouped_quantize, host_group_sizes, quantize
@@ -121,22 +121,12 @@ class _Fp8Config:
     rhs_dtype: Any
     fast_accum: bool
     # The gradients' GEMMs (ops/accumulation.py: TE's switches, fast unless they say split).
-    fast_dgrad: bool = True
-    fast_wgrad: bool = True
+    fast_accum_dgrad: bool = True
+    fast_accum_wgrad: bool = True
 
     @property
     def delayed(self) -> bool:
         return isinstance(self.recipe, DelayedScaling)
-
-
-def accumulation(fast_accum: bool) -> dict:
-    """The per-tensor FP8 configs' accumulation fields: the forward fast where the call and
-    TE's environment both allow it, the gradients as the environment says."""
-    return dict(
-        fast_accum=bool(fast_accum) and not split_accumulation("FPROP"),
-        fast_dgrad=not split_accumulation("DGRAD"),
-        fast_wgrad=not split_accumulation("WGRAD"),
-    )
 
 
 def _quantize(cfg, role, x, gs, state, layout):
@@ -254,8 +244,8 @@ def _grouped_fp8_fwd(cfg, lhs, rhs, gs, state):
 def _grouped_fp8_bwd(cfg, res, dout):
     x_col, x_col_s, w_row, w_row_s, gs, state, (ax, aw) = res
     qg = _quantize(cfg, "grad", dout, gs, state, "both")
-    dlhs = ragged_dgrad(qg.data, qg.scale_inv, w_row, w_row_s, gs, cfg.fast_dgrad)
-    drhs = fp8_wgrad(x_col, x_col_s, qg.colwise_data, qg.colwise_scale_inv, gs, cfg.fast_wgrad)
+    dlhs = ragged_dgrad(qg.data, qg.scale_inv, w_row, w_row_s, gs, cfg.fast_accum_dgrad)
+    drhs = fp8_wgrad(x_col, x_col_s, qg.colwise_data, qg.colwise_scale_inv, gs, cfg.fast_accum_wgrad)
     state_ct = None
     if cfg.delayed:
         state_ct = ds.advance_step(cfg.recipe, state, {"x": ax, "kernel": aw, "grad": qg.amax}, grouped=True)
@@ -517,7 +507,7 @@ def grouped_gemm(
         out_dtype=out_dtype,
         lhs_dtype=np.dtype(lhs.dtype),
         rhs_dtype=np.dtype(rhs.dtype),
-        **accumulation(fast_accum),
+        **config_fields(fast_accum),
     )
     # 16-byte rows of FP8 (K, N) and of the colwise (K, M) copies (M): zero padding; padded
     # rows of lhs belong to no group, padded K/N columns are zero.

@@ -37,6 +37,7 @@ import numpy as np
 
 from lowbit import delayed_scaling as ds
 from lowbit.ops import grouped_gemm as gg
+from lowbit.ops.accumulation import config_fields
 from lowbit.ops.gemm import pad_to
 from lowbit.quantization.tensor import ScaledTensor
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
@@ -112,8 +113,8 @@ class _Config:
     w_dtype: Any
     w_shape: tuple  # unpadded (G, K, N)
     fast_accum: bool
-    fast_dgrad: bool = True  # as grouped_gemm's _Fp8Config
-    fast_wgrad: bool = True
+    fast_accum_dgrad: bool = True  # as grouped_gemm's _Fp8Config
+    fast_accum_wgrad: bool = True
 
 
 def _act(cfg, role, x, gs, state, layout):
@@ -151,8 +152,8 @@ def _gemm_bwd(cfg, res, dout):
         dx = gg.block_dgrad(qg.data, qg.scale_inv, qw.row, qw.row_s, gs, bn)
         dw = gg.block_wgrad(x_col, x_col_s, qg.colwise_data, qg.colwise_scale_inv, gs)
     else:
-        dx = gg.ragged_dgrad(qg.data, qg.scale_inv, qw.row, qw.row_s, gs, cfg.fast_dgrad)
-        dw = gg.fp8_wgrad(x_col, x_col_s, qg.colwise_data, qg.colwise_scale_inv, gs, cfg.fast_wgrad)
+        dx = gg.ragged_dgrad(qg.data, qg.scale_inv, qw.row, qw.row_s, gs, cfg.fast_accum_dgrad)
+        dw = gg.fp8_wgrad(x_col, x_col_s, qg.colwise_data, qg.colwise_scale_inv, gs, cfg.fast_accum_wgrad)
     G, K, N = cfg.w_shape
     state_ct = None
     if isinstance(cfg.recipe, DelayedScaling):
@@ -210,7 +211,7 @@ def grouped_gemm_prequantized(
     gs = gg.group_sizes_int32(jnp.asarray(group_sizes), M)
     out = np.dtype(preferred_element_type or jnp.result_type(lhs, w))
     cfg = _Config(
-        recipe, out, np.dtype(lhs.dtype), np.dtype(w.dtype), tuple(w.shape), **gg.accumulation(fast_accum)
+        recipe, out, np.dtype(lhs.dtype), np.dtype(w.dtype), tuple(w.shape), **config_fields(fast_accum)
     )
     kp = qw.row.shape[0] // w.shape[0]  # K padded as the weights'
     x = pad_to(pad_to(lhs, 0, 16), 1, kp)
