@@ -130,12 +130,11 @@ std::string sm90_name(const Choice& c) {
          std::to_string(k.group);
 }
 
-// LOWBIT_BLOCK_GEMM, read at every call (a benchmark may switch it between calls). lowbit's own
-// sm90 kernel runs only when named: its check program passes on the H200 (bit-equal to cuBLASLt)
-// and its 1x128 x 128x128 configurations matched or beat cuBLASLt at the layer's shapes (real
-// data, session 16: 0.98-1.11x), but auto with it among the candidates has not run on a GPU yet.
+// LOWBIT_BLOCK_GEMM, read at every call (a benchmark may switch it between calls). Under auto the
+// router times cuBLASLt, lowbit's CUTLASS kernels and lowbit's own sm90 kernel per shape and keeps
+// the fastest (sm90own matched or beat cuBLASLt at the layer's shapes with real data, session 16).
 struct Mode {
-  bool cublas = true, cutlass = true, own = false;
+  bool cublas = true, cutlass = true, own = true;
   std::string variant;  // "cutlass:<variant>" / "sm90own:<name>": only that variant
   std::string text;
 };
@@ -180,7 +179,7 @@ std::vector<Choice> candidates(const GemmParams& p, const Mode& mode) {
     }
   }
   // sm90own: every configuration (variant bit 0 multicast, bit 1 BLOCK_N 192; the 1x128 x 1x128
-  // wgrad kernel at BLOCK_N 128 only), only when named (Mode::own is false under auto).
+  // wgrad kernel at BLOCK_N 128 only).
   const bool b1d = p.b_block == abi::kGemmBlock_1d;
   if (mode.own && block_gemm_sm90_eligible(p))
     for (int v = 0; v < (b1d ? 2 : 4); ++v)

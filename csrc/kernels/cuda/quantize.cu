@@ -464,6 +464,8 @@ Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
   // Fast kernel: amax(x) folded in, scale padding written by the kernel (1D has none there: rows
   // and cols are multiples of 16). Otherwise: amax pass, padding fill, generic kernel.
   const bool fast = n > 0 && fast_path(p);
+  const bool dbias_fused = fast && p.dbias != nullptr && C > 0;
+  if (dbias_fused && p.workspace == nullptr) return Status::Invalid("quantize: workspace missing");
   if (auto s = api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "memset amax"); !s.ok())
     return s;
   if (!fast) {
@@ -489,6 +491,15 @@ Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
     a.tiles_c = (C + kBlk - 1) / kBlk;
     a.amax_out = fast ? p.amax : nullptr;
     const bool two_d = p.mode == ScalingMode::kBlock2d;
+    if (fast && dbias_fused) {
+      // The column sums per 128-row tile in the cast, then a reduce over the tiles: the
+      // separate column-sum kernel re-read x with one block per 64 columns (0.55 ms of the
+      // block layer's step on the H200 for its three dense biases).
+      a.dbias_part = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + kScalarBytes);
+      if (auto s = launch_fp8_block_cast<IN, FMT, true>(a, two_d, PlainBlockLoad{}, st); !s.ok())
+        return s;
+      return launch_dbias_reduce<IN>(a.dbias_part, R, C, p.dbias, st);
+    }
     if (fast) {
       if (auto s = launch_fp8_block_cast<IN, FMT>(a, two_d, PlainBlockLoad{}, st); !s.ok())
         return s;
