@@ -20,7 +20,11 @@ from lowbit.ops.fused.dense_split import split_dense
 from lowbit.ops.quantize import parts_fusable, quantize_dbias, quantize_parts
 
 SM = lowbit.ScalingMode
-RECIPES = {"delayed": lowbit.DelayedScaling(amax_history_len=4), "current": lowbit.Float8CurrentScaling()}
+RECIPES = {
+    "delayed": lowbit.DelayedScaling(amax_history_len=4),
+    "current": lowbit.Float8CurrentScaling(),
+    "block": lowbit.Float8BlockScaling(),
+}
 
 
 def _bits(tree):
@@ -30,25 +34,33 @@ def _bits(tree):
 
 
 @pytest.mark.parametrize(
-    "mode", [SM.CURRENT_TENSOR_SCALING, SM.DELAYED_TENSOR_SCALING], ids=["current", "delayed"]
+    "mode",
+    [SM.CURRENT_TENSOR_SCALING, SM.DELAYED_TENSOR_SCALING, SM.BLOCK_1D_SCALING, SM.BLOCK_2D_SCALING],
+    ids=["current", "delayed", "block1d", "block2d"],
 )
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_quantize_parts_equals_concatenation(device, rng, mode, n, dtype):
-    parts = [jnp.asarray(rng.standard_normal((2, 24, 128)) * (i + 1), dtype) for i in range(n)]
+    """Block scaling: parts of 192 columns, so 1x128 blocks and 128x128 tiles straddle two parts;
+    the block options (power-of-two scales, amax floor) pass through."""
+    width = 192 if mode.is_fp8_block else 128
+    parts = [jnp.asarray(rng.standard_normal((2, 24, width)) * (i + 1), dtype) for i in range(n)]
     parts[0] = parts[0].at[1, 3, 7].set(300.0)  # the amax sits in one part only
     scale = jnp.float32(0.5) if mode == SM.DELAYED_TENSOR_SCALING else None
+    opts = dict(power_2_scale=True, amax_epsilon=1e-3) if mode.is_fp8_block else {}
     assert parts_fusable(parts, mode)
 
     def fused(*ps):
-        return quantize_parts(ps, mode, jnp.float8_e5m2, scale=scale, dbias=True)
+        return quantize_parts(ps, mode, jnp.float8_e5m2, scale=scale, dbias=True, **opts)
 
     def whole(*ps):
-        return quantize_dbias(jnp.concatenate(ps, -1), mode, jnp.float8_e5m2, scale=scale, layout="both")
+        return quantize_dbias(
+            jnp.concatenate(ps, -1), mode, jnp.float8_e5m2, scale=scale, layout="both", **opts
+        )
 
     got = to_cpu(run_on(device, fused, *parts))
     want = to_cpu(run_on(device, whole, *parts))
-    assert got[0].shape == (2, 24, 128 * n)
+    assert got[0].shape == (2, 24, width * n)
     for a, b in zip(
         _bits(jax.tree_util.tree_leaves(got)), _bits(jax.tree_util.tree_leaves(want)), strict=True
     ):
@@ -57,7 +69,7 @@ def test_quantize_parts_equals_concatenation(device, rng, mode, n, dtype):
 
 def test_quantize_parts_falls_back_to_concatenation(on_cpu, rng):
     """Shapes the in-place kernel cannot take (rows not a multiple of 16, parts of 48 columns,
-    block scaling) are concatenated first: the same result."""
+    MXFP8) are concatenated first: the same result."""
     for shape, mode in (((10, 64), SM.CURRENT_TENSOR_SCALING), ((32, 48), SM.CURRENT_TENSOR_SCALING)):
         parts = [jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3)]
         assert not parts_fusable(parts, mode)
@@ -68,7 +80,7 @@ def test_quantize_parts_falls_back_to_concatenation(on_cpu, rng):
         ):
             np.testing.assert_array_equal(u, v)
     parts = [jnp.ones((32, 128), jnp.bfloat16)] * 2
-    assert not parts_fusable(parts, SM.BLOCK_1D_SCALING)
+    assert not parts_fusable(parts, SM.MXFP8_1D_SCALING)
     assert not parts_fusable([parts[0], jnp.ones((32, 64), jnp.bfloat16)], SM.CURRENT_TENSOR_SCALING)
 
 
@@ -121,7 +133,8 @@ def test_split_dense_equals_sliced_dense(device, rng, recipe_name, n, bias):
     x, kernel and bias, and the new state are the bits of dense followed by slicing (on the GPU
     the outputs agree to rounding: the forward's narrower GEMMs may take another algorithm)."""
     recipe = RECIPES[recipe_name]
-    x, k, b, dys = _operands(rng, n, bias)
+    # Block scaling: outputs of 128 columns, whole bands of the kernel's 128x128 scales (in place).
+    x, k, b, dys = _operands(rng, n, bias, F=128 if recipe_name == "block" else 64)
     state = lowbit.init_delayed_state(recipe) if isinstance(recipe, lowbit.DelayedScaling) else None
     for _ in range(2):
         got = to_cpu(run_on(device, _loss(_split, recipe), x, k, b, state, dys))

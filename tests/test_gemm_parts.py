@@ -98,6 +98,54 @@ def test_parts_of_block_scaled_operands_are_slices(on_cpu, rng):
     np.testing.assert_array_equal(np.asarray(got[1]), whole[:, 32:])
 
 
+@pytest.mark.parametrize("bias_dtype", [None, BF16], ids=["nobias", "bf16bias"])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_block_scaled_parts_are_the_column_blocks(device, rng, bias_dtype, parts):
+    """Float8BlockScaling's fused QKV forward: x 1x128, the kernel 128x128 with blocks of whole
+    128-row bands. The blocks equal the float64 product of the decoded operands and (CPU, where
+    each element is computed the same way in both calls) the whole GEMM's columns bit for bit."""
+    M, K, w = 48, 256, 128
+    x = rng.standard_normal((M, K)).astype(np.float32) * 2
+    k = rng.standard_normal((parts * w, K)).astype(np.float32) * 0.3
+    bias = None if bias_dtype is None else jnp.asarray(rng.standard_normal(parts * w), bias_dtype)
+
+    def f(x, k, bias):
+        a = lowbit.quantize(x, SM.BLOCK_1D_SCALING, layout="rowwise")
+        b = lowbit.quantize(k, SM.BLOCK_2D_SCALING, layout="rowwise")
+        deq = lowbit.dequantize(a, dtype=F32), lowbit.dequantize(b, dtype=F32)
+        return lowbit.gemm(a, b, bias, parts=parts), lowbit.gemm(a, b, bias), deq
+
+    got, whole, (xa, kb) = to_cpu(run_on(device, f, jnp.asarray(x, BF16), jnp.asarray(k, BF16), bias))
+    ref = np.asarray(xa, np.float64) @ np.asarray(kb, np.float64).T
+    ref = ref + (0 if bias is None else np.asarray(bias, np.float64))
+    assert isinstance(got, tuple) and len(got) == parts
+    for i, g in enumerate(got):
+        block = ref[:, i * w : (i + 1) * w]
+        assert g.shape == (M, w)
+        err = np.linalg.norm(np.asarray(g, np.float64) - block) / np.linalg.norm(block)
+        assert err < 4e-3, (i, err)
+        if not is_gpu(device):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(whole)[:, i * w : (i + 1) * w])
+
+
+def test_block_scaled_parts_are_written_in_place(on_cpu, rng):
+    """A 128x128-scaled kernel split into 128-row multiples: one GEMM call with n results and no
+    slice of the product (the three slice kernels of the block layer's QKV forward, 0.12 ms on
+    the H200, gone); a 1x128-scaled kernel still slices the whole product."""
+    x = lowbit.quantize(
+        jnp.asarray(rng.standard_normal((32, 256)), BF16), SM.BLOCK_1D_SCALING, layout="rowwise"
+    )
+    k = jnp.asarray(rng.standard_normal((3 * 128, 256)), BF16)
+    bias = jnp.zeros((3 * 128,), BF16)
+    for mode, in_place in ((SM.BLOCK_2D_SCALING, True), (SM.BLOCK_1D_SCALING, False)):
+        b = lowbit.quantize(k, mode, layout="rowwise")
+        text = jax.jit(lambda a, b, bias: lowbit.gemm(a, b, bias, parts=3)).lower(x, b, bias).as_text()
+        calls = re.findall(r"@lowbit_gemm\(.*?\) \{.*?\} : \(.*?\) -> \((.*?)\)", text)
+        assert len(calls) == 1, calls
+        assert (calls[0].count("tensor<32x128xbf16>") == 3) == in_place, (mode, calls)
+        assert ("stablehlo.slice" not in text) == in_place, mode
+
+
 def test_parts_errors(on_cpu):
     a = jnp.ones((4, 16), BF16)
     b = jnp.ones((12, 16), BF16)

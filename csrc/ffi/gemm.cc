@@ -83,15 +83,22 @@ ffi::Error Gemm(LOWBIT_PLATFORM_CTX Buf a, Buf b, Buf a_scale_inv, Buf b_scale_i
   p.workspace = ptr_or_null<void>(workspace);
   p.workspace_bytes = workspace->size_bytes();
   // Column blocks (one when not split): block i reads B's rows [i*w, (i+1)*w) and the bias's
-  // entries there; the per-tensor decode scales apply to every block (block-scaled operands are
-  // not split).
-  if (parts > 1 && (p.a_block || p.b_block))
-    return to_error(Status::Invalid("gemm: split outputs need per-tensor or BF16 operands"));
+  // entries there; per-tensor decode scales apply to every block. Block scaling splits with a
+  // 128x128 B whose blocks are whole 128-row bands: block i reads its bands' rows of B's scales
+  // (the A side, 1x128 or 128x128 over A's rows, is the same for every block).
   const int64_t w = on;
+  const bool split_2d_b = p.b_block == abi::kGemmBlock_2d && w % 128 == 0;
+  if (parts > 1 && (p.a_block || p.b_block) && !split_2d_b)
+    return to_error(Status::Invalid(
+        "gemm: split outputs need per-tensor or BF16 operands, or a 128x128-scaled b whose "
+        "blocks are multiples of 128 rows"));
+  const int64_t b_scale_band =
+      p.b_block ? fp8_block_scale_cols(ScalingMode::kBlock2d, n, ka) * (w / 128) : 0;
   p.n = w;
   for (int64_t i = 0; i < parts; ++i) {
     GemmParams q = p;
     q.b = static_cast<const char*>(p.b) + i * w * ka * dtype_bytes(p.b_dtype);
+    if (split_2d_b) q.b_scale_inv = p.b_scale_inv + i * b_scale_band;
     if (p.bias) q.bias = static_cast<const char*>(p.bias) + i * w * dtype_bytes(p.bias_dtype);
     if (i > 0) {
       auto r = more.get<ffi::AnyBuffer>(i - 1);

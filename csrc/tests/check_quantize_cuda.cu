@@ -696,7 +696,10 @@ int run_checks(bool quick) {
       run_quantize_case(q, seed++, st, false);
     }
   // x in separate column blocks (the PARTS cast: dq, dk, dv of a fused QKV projection).
-  for (ScalingMode mode : {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor})
+  // Block modes too (block_cast.cuh's PartsBlockLoad): 64-column parts put 1x128 blocks and
+  // 128x128 tiles across two parts; 192 rows make a partial 128-row tile.
+  for (ScalingMode mode : {ScalingMode::kDelayedTensor, ScalingMode::kCurrentTensor,
+                           ScalingMode::kBlock1d, ScalingMode::kBlock2d})
     for (DType xdt : {DType::kBF16, DType::kF32})
       for (int parts : {2, 3})
         for (const Layout& lay : layouts)
@@ -708,6 +711,11 @@ int run_checks(bool quick) {
             q.R = 32;
             q.C = 128 * parts;
             run_quantize_case(q, seed++, st, false);
+            if (mode == ScalingMode::kBlock1d || mode == ScalingMode::kBlock2d) {
+              q.R = 192;
+              q.C = 192 * parts;
+              run_quantize_case(q, seed++, st, false);
+            }
           }
   std::printf("%s quantize/dequantize: %d cases, %d failures\n", g_failures ? "FAIL" : "PASS",
               g_cases, g_failures);

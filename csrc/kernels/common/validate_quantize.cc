@@ -83,8 +83,9 @@ Status validate(const QuantizeParams& p) {
     return Status::Invalid("delayed scaling needs a scale");
   if (!p.amax) return Status::Invalid("amax output missing");
   if (p.n_parts) {
-    if (p.mode != ScalingMode::kDelayedTensor && p.mode != ScalingMode::kCurrentTensor)
-      return Status::Invalid("quantize: inputs in parts need tensor scaling");
+    if (p.mode != ScalingMode::kDelayedTensor && p.mode != ScalingMode::kCurrentTensor &&
+        p.mode != ScalingMode::kBlock1d && p.mode != ScalingMode::kBlock2d)
+      return Status::Invalid("quantize: inputs in parts need tensor or FP8 block scaling");
     if (p.n_parts < 2 || p.n_parts > kMaxQuantizeParts || p.part_cols * p.n_parts != p.cols)
       return Status::Invalid("quantize: parts must be 2 or 3 inputs of equal shape");
     for (int i = 0; i < p.n_parts; ++i)

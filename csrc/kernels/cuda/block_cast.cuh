@@ -98,6 +98,35 @@ struct PlainBlockLoad {
   struct Shared {};
 };
 
+// x given as n_parts column parts, each (R, pc) row-major (quantize_parts: dq, dk, dv of a fused
+// QKV projection), read where they lie. pc is a multiple of 64, so no 16-byte chunk straddles two
+// parts; the bytes are those of PlainBlockLoad on the concatenation.
+template <int IN>
+struct PartsBlockLoad {
+  static constexpr int kLoads = 1;
+  static constexpr int kMinBlocks = blk_min_blocks<IN>();
+  struct Shared {};
+  const void* p0;
+  const void* p1;
+  const void* p2;  // null with two parts
+  int64_t pc;
+
+  template <int IN_>
+  __device__ __forceinline__ void fetch(int64_t gr, int64_t gc, uint4 (&src)[1]) const {
+    using T = typename In<IN_>::T;
+    const int64_t i = gc / pc;
+    const void* part = i == 0 ? p0 : i == 1 ? p1 : p2;  // no indexed parameter array: no local copy
+    src[0] = __ldg(
+        reinterpret_cast<const uint4*>(static_cast<const T*>(part) + gr * pc + (gc - i * pc)));
+  }
+  __device__ __forceinline__ void stage(Shared&, int64_t, int64_t, int64_t, int64_t, int) const {}
+  template <int IN_>
+  __device__ __forceinline__ uint4 apply(const Shared&, const uint4 (&src)[1], int64_t, int,
+                                         int) const {
+    return src[0];
+  }
+};
+
 template <int IN, typename Load>
 constexpr int blk_min_blocks_of() {
   if constexpr (std::is_same<Load, PlainBlockLoad>::value)

@@ -458,6 +458,12 @@ Status fill_scales(float* s, ScalingMode m, int64_t rows, int64_t cols, cudaStre
   return launch_status("fill_f32_kernel");
 }
 
+template <int IN>
+PartsBlockLoad<IN> parts_load(const QuantizeParams& p) {
+  return PartsBlockLoad<IN>{p.x_parts[0], p.x_parts[1], p.n_parts > 2 ? p.x_parts[2] : nullptr,
+                            p.part_cols};
+}
+
 template <int IN, int FMT>
 Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
   const int64_t R = p.rows, C = p.cols, n = R * C;
@@ -465,6 +471,10 @@ Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
   // and cols are multiples of 16). Otherwise: amax pass, padding fill, generic kernel.
   const bool fast = n > 0 && fast_path(p);
   const bool dbias_fused = fast && p.dbias != nullptr && C > 0;
+  if (p.n_parts && n > 0 && !fast)
+    return Status::Invalid(
+        "quantize: inputs in parts need rows a multiple of 16, each part's columns a multiple of "
+        "64 and 16-byte aligned buffers");
   if (dbias_fused && p.workspace == nullptr) return Status::Invalid("quantize: workspace missing");
   if (auto s = api_status(cudaMemsetAsync(p.amax, 0, sizeof(float), st), "memset amax"); !s.ok())
     return s;
@@ -496,11 +506,15 @@ Status run_fp8_block(const QuantizeParams& p, cudaStream_t st) {
       // separate column-sum kernel re-read x with one block per 64 columns (0.55 ms of the
       // block layer's step on the H200 for its three dense biases).
       a.dbias_part = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + kScalarBytes);
-      if (auto s = launch_fp8_block_cast<IN, FMT, true>(a, two_d, PlainBlockLoad{}, st); !s.ok())
-        return s;
+      Status s = p.n_parts ? launch_fp8_block_cast<IN, FMT, true>(a, two_d, parts_load<IN>(p), st)
+                           : launch_fp8_block_cast<IN, FMT, true>(a, two_d, PlainBlockLoad{}, st);
+      if (!s.ok()) return s;
       return launch_dbias_reduce<IN>(a.dbias_part, R, C, p.dbias, st);
     }
-    if (fast) {
+    if (fast && p.n_parts) {
+      if (auto s = launch_fp8_block_cast<IN, FMT>(a, two_d, parts_load<IN>(p), st); !s.ok())
+        return s;
+    } else if (fast) {
       if (auto s = launch_fp8_block_cast<IN, FMT>(a, two_d, PlainBlockLoad{}, st); !s.ok())
         return s;
     } else {

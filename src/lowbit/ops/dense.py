@@ -183,11 +183,9 @@ def backward_residuals(qx, qk, name: Optional[str] = None):
 
 def quantize_grad(cfg: _Config, dy, state, rng):
     """dy's FP8 copies under the "grad" role, and the bias gradient (None without bias). ``dy``
-    may be a tuple of the parts of its last axis (tensor scaling): they are quantized where they
-    lie (``quantize_parts``), not concatenated first."""
+    may be a tuple of the parts of its last axis: they are quantized where they lie
+    (``quantize_parts``, tensor and FP8 block scaling), not concatenated first."""
     with_bias = cfg.bias_dtype is not None
-    if isinstance(dy, tuple) and cfg.fp8_block:  # parts are read in place under tensor scaling only
-        dy = jnp.concatenate(dy, axis=-1)
     if isinstance(dy, tuple):
         qdy, dbias = quantize_parts(dy, **quantize_kwargs(cfg, "grad", state), dbias=with_bias)
         return poison_nonfinite(qdy), None if dbias is None else dbias.astype(cfg.bias_dtype)

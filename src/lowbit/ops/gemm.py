@@ -231,7 +231,7 @@ def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8, parts=1):
     return tuple(outs) if parts > 1 else outs[0]
 
 
-def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
+def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype, parts: int = 1):
     """FP8 block scaling: the block-scale arrays go to the GEMM as they are (cuBLASLt's layout).
 
     K is zero-padded to whole 128-blocks and M and N to cuBLASLt's FP8 alignment (16); zeros
@@ -240,7 +240,8 @@ def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
     multiples of 16 the 1x128 scale arrays' leading dimension round_up(rows, 4) equals rows,
     which is what cuBLASLt reads (its docs give the 1x128 scales of an (M, K) operand strides
     (1, M)). The bias goes to the GEMM's epilogue where it has one (ffi.block_bias_fused), else
-    it is added in float32 after an F32 GEMM: both round acc + bias once."""
+    it is added in float32 after an F32 GEMM: both round acc + bias once. ``parts`` > 1 returns
+    the tuple of the product's column blocks, written in place where ``_block_splits_in_place``."""
     a2, b2, sa, sb = a.data, b.data, a.scale_inv, b.scale_inv
     M, N = a2.shape[0], b2.shape[0]
     a2 = pad_to(pad_to(a2, 1, _BLOCK_K_ALIGN), 0, _FP8_ALIGN)
@@ -257,12 +258,25 @@ def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype):
     fused = bias is not None and ffi.block_bias_fused(a2.dtype, b2.dtype, blocks, out_dtype)
     ffi_bias = pad_to(bias, 0, _FP8_ALIGN) if fused else None
     ffi_out = out_dtype if bias is None or fused else _F32
-    out = ffi.gemm(a2, b2, sa, sb, ffi_bias, ffi_out, fast_accum=False, blocks=blocks)
-    if out.shape != (M, N):
-        out = out[:M, :N]
+    in_place = parts > 1 and _block_splits_in_place(N, parts, b.mode, bias is None or fused)
+    out = ffi.gemm(
+        a2, b2, sa, sb, ffi_bias, ffi_out, fast_accum=False, blocks=blocks, parts=parts if in_place else 1
+    )
+    w = N // parts
+    outs = list(out) if in_place else [out[:, i * w : (i + 1) * w] for i in range(parts)]
+    outs = [o[:M] if o.shape[0] != M else o for o in outs]
     if bias is not None and not fused:
-        out = (out + bias.astype(jnp.float32)).astype(out_dtype)
-    return out
+        outs = [
+            (o + bias[i * w : (i + 1) * w].astype(jnp.float32)).astype(out_dtype) for i, o in enumerate(outs)
+        ]
+    return tuple(outs) if parts > 1 else outs[0]
+
+
+def _block_splits_in_place(N, parts, b_mode, bias_in_gemm):
+    """Whether a block-scaled GEMM writes its ``parts`` column blocks in place: B 128x128-scaled
+    with each block whole 128-row bands of B and its scales (no padding of B's rows), and the bias
+    (if any) in the GEMM's epilogue."""
+    return b_mode == ScalingMode.BLOCK_2D_SCALING and (N // parts) % 128 == 0 and bias_in_gemm
 
 
 def _ldexp_exact(x, n):
@@ -417,6 +431,8 @@ def gemm(
             outs = _gemm_2d(
                 pa.data, pb.data, pa.scale_inv, pb.scale_inv, bias, out_dtype, fast_accum and fp8, fp8, parts
             )
+        elif pa.kind == "fp8block" and M and N and K:
+            outs = _fp8_block_gemm(pa, pb, bias, out_dtype, parts)
         else:  # the whole product, then its blocks
             whole = gemm(
                 a, b, bias, a_layout=a_layout, b_layout=b_layout, out_dtype=out_dtype, fast_accum=fast_accum

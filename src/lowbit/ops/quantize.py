@@ -110,9 +110,11 @@ def quantize_dbias(
 
 def parts_fusable(parts: Sequence, scaling_mode) -> bool:
     """Whether :func:`quantize_parts` reads ``parts`` in place (else it concatenates them first):
-    tensor scaling, 2 or 3 arrays of one shape (..., C) and dtype, rows a multiple of 16 and C of
-    64 (the CUDA cast kernel's tiles)."""
-    if not 2 <= len(parts) <= ffi.MAX_PARTS or not ScalingMode(int(scaling_mode)).is_tensor_scaling:
+    tensor or FP8 block scaling, 2 or 3 arrays of one shape (..., C) and dtype, rows a multiple of
+    16 and C of 64 (the CUDA cast kernels' tiles)."""
+    mode = ScalingMode(int(scaling_mode))
+    in_place_modes = (ScalingMode.BLOCK_1D_SCALING, ScalingMode.BLOCK_2D_SCALING)
+    if not 2 <= len(parts) <= ffi.MAX_PARTS or not (mode.is_tensor_scaling or mode in in_place_modes):
         return False
     shapes = {tuple(p.shape) for p in parts}
     dtypes = {np.dtype(p.dtype) for p in parts}
@@ -130,6 +132,8 @@ def quantize_parts(
     scale: Optional[ArrayLike] = None,
     layout: str = "both",
     dbias: bool = False,
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
 ) -> tuple[ScaledTensor, Optional[jax.Array]]:
     """:func:`quantize_dbias` (``dbias``) or :func:`quantize` of ``jnp.concatenate(parts, -1)``
     without writing the concatenation (when :func:`parts_fusable`): the kernel reads each part
@@ -148,7 +152,19 @@ def quantize_parts(
     if extra and not parts_fusable(parts, mode):
         x, extra = jnp.concatenate(parts, axis=-1), ()
     return _quantize_impl(
-        x, mode, q_dtype, scale, layout, -1, None, False, DEFAULT_RHT_SIGN_MASK, dbias, extra_parts=extra
+        x,
+        mode,
+        q_dtype,
+        scale,
+        layout,
+        -1,
+        None,
+        False,
+        DEFAULT_RHT_SIGN_MASK,
+        dbias,
+        power_2_scale=power_2_scale,
+        amax_epsilon=amax_epsilon,
+        extra_parts=extra,
     )
 
 
