@@ -10,6 +10,8 @@
 //   check_grouped_gemm            every case (small and medium)
 //   check_grouped_gemm --quick    small cases only (for compute-sanitizer memcheck)
 //   check_grouped_gemm --bench    TFLOP/s on the MoE shapes, next to one cuBLASLt dense GEMM
+//   check_grouped_gemm --bench-block   the block-scaled fwd / dgrad only, per backend
+//                                      (LOWBIT_GROUPED_BLOCK_GEMM=cutlass, sm90own, auto)
 // Exit status: 0 when every comparison passed.
 //
 // The CPU kernel is the reference (float32 sums); the GPU result must match it within a relative
@@ -22,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -37,6 +40,18 @@ using namespace lowbit;
 namespace {
 
 int g_failures = 0, g_cases = 0;
+
+// LOWBIT_GROUPED_BLOCK_GEMM for the calls of one scope (the router reads it at every call);
+// null: unset.
+struct Backend {
+  explicit Backend(const char* value) {
+    if (value)
+      setenv("LOWBIT_GROUPED_BLOCK_GEMM", value, 1);
+    else
+      unsetenv("LOWBIT_GROUPED_BLOCK_GEMM");
+  }
+  ~Backend() { unsetenv("LOWBIT_GROUPED_BLOCK_GEMM"); }
+};
 
 // ---- operands in the layouts lowbit.grouped_gemm passes -------------------------------------
 
@@ -184,8 +199,9 @@ void ranges(const std::vector<int32_t>& sizes, int64_t extent, std::vector<int64
 // and launch the graph instead (what XLA's command buffers do).
 void check(const std::string& label, Op op, int64_t rows, int64_t K, int64_t N,
            const std::vector<int32_t>& sizes, DType e_fwd, DType e_bwd, bool fast, bool graph,
-           uint64_t seed, int block_n = 0) {
+           uint64_t seed, int block_n = 0, const char* backend = nullptr) {
   ++g_cases;
+  const Backend scope(backend);
   const int64_t G = int64_t(sizes.size());
   GroupedGemmParams p = view(op, rows, K, N, G, e_fwd, e_bwd, fast);
   set_block(&p, block_n);
@@ -298,11 +314,11 @@ void check(const std::string& label, Op op, int64_t rows, int64_t K, int64_t N,
   if (!ok) ++g_failures;
   const std::string name =
       std::string(op_name(op)) + (block_n ? (block_n == 128 ? " blk128" : " blk1") : "");
-  std::printf("%s %-34s %-16s rows=%-6lld K=%-5lld N=%-5lld G=%-4lld rel=%.2e%s%s%s\n",
+  std::printf("%s %-34s %-16s rows=%-6lld K=%-5lld N=%-5lld G=%-4lld rel=%.2e%s%s%s%s%s\n",
               ok ? "PASS" : "FAIL", label.c_str(), name.c_str(), (long long)rows, (long long)K,
               (long long)N, (long long)G, rel, bad ? " (non-finite/unwritten)" : "",
-              nonzero ? " (rows in no group / empty groups not zero)" : "",
-              graph ? " [graph]" : "");
+              nonzero ? " (rows in no group / empty groups not zero)" : "", graph ? " [graph]" : "",
+              backend ? " " : "", backend ? backend : "");
 }
 
 // ---- group-size patterns ---------------------------------------------------------------------
@@ -368,6 +384,89 @@ std::vector<Shape> shapes(bool quick) {
   return v;
 }
 
+// ---- lowbit's own sm90 kernel on the block-scaled ragged-M calls
+// ---------------------------------
+
+// Ragged shapes for LOWBIT_GROUPED_BLOCK_GEMM=sm90own: groups of 0, 1, 127, 128, 129 rows, groups
+// ending mid-tile, rows in no group, sums above the rows, N (fwd's n, dgrad's k) and K not
+// multiples of 128 (both multiples of 16: the kernel's TMA rows), G = 1, 8, 64, 128.
+std::vector<Shape> sm90_shapes(bool quick) {
+  std::mt19937_64 rng(90);
+  std::vector<Shape> v;
+  auto add = [&](std::string l, int64_t rows, int64_t K, int64_t N, std::vector<int32_t> s) {
+    v.push_back({std::move(l), rows, K, N, std::move(s)});
+  };
+  add("sm90 G=8 edges, rows in no group", 800, 272, 208, {0, 1, 127, 128, 129, 0, 200, 50});
+  add("sm90 G=1", 300, 256, 144, {300});
+  add("sm90 G=1 sum < rows", 300, 128, 128, {250});
+  add("sm90 G=4 sum > rows (clamped)", 250, 144, 160, {100, 120, 90, 40});
+  add("sm90 negative size", 160, 128, 128, {50, -7, 110});
+  add("sm90 all groups empty", 64, 128, 128, {0, 0, 0});
+  add("sm90 G=128 sparse", 1000, 128, 128, random_sizes(128, 1000, rng, 1, 0.3));
+  add("sm90 G=64", 2048, 384, 400, random_sizes(64, 2000, rng, 1, 0.1));
+  if (!quick) {
+    add("sm90 G=64 medium", 8192, 1024, 1408, random_sizes(64, 8100, rng, 1, 0.1));
+    add("sm90 G=8 medium", 4096, 2048, 1024, random_sizes(8, 4096, rng, 1, 0.0));
+  }
+  return v;
+}
+
+void check_sm90(bool quick, uint64_t& seed) {
+  for (const Shape& s : sm90_shapes(quick)) {
+    for (const char* be : {"sm90own", "sm90own:n128_mc/group8"}) {
+      // fwd (A E4M3), dgrad with E5M2 (HYBRID) and E4M3 gradients.
+      check(s.label, Op::kFwdFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE5M2, false,
+            false, seed++, 128, be);
+      check(s.label, Op::kDgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE5M2, false,
+            false, seed++, 128, be);
+      check(s.label + " e4m3", Op::kDgradFp8, s.rows, s.K, s.N, s.sizes, DType::kE4M3, DType::kE4M3,
+            false, false, seed++, 128, be);
+    }
+  }
+  // auto (measured at the first call), and captured in a CUDA graph (the cached winner, or the
+  // first candidate) with each setting.
+  const Shape s0 = sm90_shapes(true)[0];
+  for (const char* be : {"auto", "sm90own", "cutlass"}) {
+    check(s0.label, Op::kFwdFp8, s0.rows, s0.K, s0.N, s0.sizes, DType::kE4M3, DType::kE5M2, false,
+          false, seed++, 128, be);
+    check(s0.label, Op::kDgradFp8, s0.rows, s0.K, s0.N, s0.sizes, DType::kE4M3, DType::kE5M2, false,
+          true, seed++, 128, be);
+  }
+}
+
+// A bad LOWBIT_GROUPED_BLOCK_GEMM, and sm90own forced where it cannot run (K % 16 != 0): clear
+// errors, nothing launched.
+void check_sm90_errors() {
+  auto expect = [](const char* value, int64_t K, const char* needle) {
+    ++g_cases;
+    const Backend scope(value);
+    GroupedGemmParams p = view(Op::kFwdFp8, 64, K, 128, 2, DType::kE4M3, DType::kE5M2, false);
+    set_block(&p, 128);
+    std::vector<int32_t> sizes = {32, 32};
+    int32_t* dg = to_device(sizes);
+    std::vector<uint8_t> zeros(size_t(std::max(a_count(p), b_count(p))), 0);
+    uint8_t* da = to_device(zeros);
+    uint8_t* db = to_device(zeros);
+    std::vector<float> ones(size_t(std::max(scale_count(p, true), scale_count(p, false))), 1.f);
+    float* ds = to_device(ones);
+    void* out = nullptr;
+    CK(cudaMalloc(&out, size_t(out_count(p)) * 2));
+    p.group_sizes = dg, p.a = da, p.b = db, p.out = out, p.a_scale_inv = ds, p.b_scale_inv = ds;
+    p.workspace_bytes = grouped_gemm_workspace_bytes(p);
+    CK(cudaMalloc(&p.workspace, std::max<size_t>(p.workspace_bytes, 1)));
+    const Status st = grouped_gemm_cuda(p, nullptr);
+    CK(cudaDeviceSynchronize());
+    for (void* ptr : {(void*)dg, (void*)da, (void*)db, (void*)ds, out, p.workspace})
+      CK(cudaFree(ptr));
+    const bool ok = !st.ok() && st.message.find(needle) != std::string::npos;
+    if (!ok) ++g_failures;
+    std::printf("%s error for LOWBIT_GROUPED_BLOCK_GEMM=%s K=%lld: %s\n", ok ? "PASS" : "FAIL",
+                value, (long long)K, st.ok() ? "(none)" : st.message.c_str());
+  };
+  expect("fastest", 128, "LOWBIT_GROUPED_BLOCK_GEMM must be");
+  expect("sm90own", 120, "K > 0 a multiple of 16");
+}
+
 // ---- benchmark -------------------------------------------------------------------------------
 
 __global__ void fill_random(uint8_t* p, int64_t n, uint32_t seed, int bf16) {
@@ -411,7 +510,8 @@ double time_ms(F fn, int iters) {
 }
 
 double bench_grouped(Op op, int64_t rows, int64_t K, int64_t N, const std::vector<int32_t>& sizes,
-                     bool fast, int block_n = 0) {
+                     bool fast, int block_n = 0, const char* backend = nullptr) {
+  const Backend scope(backend);
   const int64_t G = int64_t(sizes.size());
   GroupedGemmParams p = view(op, rows, K, N, G, DType::kE4M3, DType::kE5M2, fast);
   set_block(&p, block_n);
@@ -464,6 +564,36 @@ double bench_dense(bool fp8, int64_t M, int64_t K, int64_t N) {
   return ms;
 }
 
+// The block-scaled ragged-M GEMMs (fwd, dgrad; 128x128 weight blocks) on CUTLASS, each variant of
+// lowbit's own sm90 kernel and the measured choice, at the MoE shapes of bench() (those of
+// `python -m lowbit.bench grouped` and scripts/grouped_goal_probe.py: G = 8, 64, 128).
+void bench_block() {
+  struct B {
+    int64_t G, rows, K, N;
+  };
+  const B cases[] = {{8, 32768, 4096, 14336}, {64, 65536, 2048, 1536}, {128, 16384, 4096, 1024}};
+  std::mt19937_64 rng(11);
+  std::printf(
+      "\n| G | rows x K x N | sizes | op | backend | ms | TFLOP/s |\n"
+      "|---|---|---|---|---|---|---|\n");
+  for (const B& c : cases) {
+    const double flops = 2.0 * double(c.rows) * double(c.K) * double(c.N);
+    for (int d = 0; d < 2; ++d) {
+      const auto sizes = d == 0 ? std::vector<int32_t>(c.G, int32_t(c.rows / c.G))
+                                : random_sizes(c.G, c.rows, rng, 1, 0.0);
+      for (Op op : {Op::kFwdFp8, Op::kDgradFp8})
+        for (const char* be : {"cutlass", "sm90own:n128/group8", "sm90own:n128_mc/group8",
+                               "sm90own:n128/group16", "sm90own:n128_mc/group16", "auto"}) {
+          const double ms = bench_grouped(op, c.rows, c.K, c.N, sizes, false, 128, be);
+          std::printf("| %lld | %lldx%lldx%lld | %s | %s block | %s | %.3f | %.0f |\n",
+                      (long long)c.G, (long long)c.rows, (long long)c.K, (long long)c.N,
+                      d == 0 ? "balanced" : "dirichlet", op_name(op), be, ms,
+                      ms > 0 ? flops / ms / 1e9 : 0.0);
+        }
+    }
+  }
+}
+
 void bench() {
   struct B {
     int64_t G, rows, K, N;
@@ -507,15 +637,17 @@ void bench() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, do_bench = false;
+  bool quick = false, do_bench = false, do_bench_block = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick")
       quick = true;
     else if (a == "--bench" || a == "bench")
       do_bench = true;
+    else if (a == "--bench-block")
+      do_bench_block = true;
     else {
-      std::printf("usage: %s [--quick | --bench]\n", argv[0]);
+      std::printf("usage: %s [--quick | --bench | --bench-block]\n", argv[0]);
       return 2;
     }
   }
@@ -525,6 +657,11 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, dev));
   std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount);
+  if (do_bench_block) {
+    bench_block();
+    std::printf("%s\n", g_failures ? "FAIL" : "PASS");
+    return g_failures ? 1 : 0;
+  }
   if (do_bench) {
     bench();
     std::printf("%s\n", g_failures ? "FAIL" : "PASS");
@@ -566,6 +703,11 @@ int main(int argc, char** argv) {
         true, seed++, 128);
   check(s0.label, Op::kWgradFp8, s0.rows, s0.K, s0.N, s0.sizes, DType::kE4M3, DType::kE5M2, false,
         true, seed++, 1);
+  // lowbit's own sm90 kernel (sm_90 only; elsewhere the router keeps CUTLASS).
+  if (prop.major == 9) {
+    check_sm90(quick, seed);
+    check_sm90_errors();
+  }
   std::printf("%d/%d cases passed\n%s\n", g_cases - g_failures, g_cases,
               g_failures ? "FAIL" : "PASS");
   return g_failures ? 1 : 0;

@@ -14,47 +14,14 @@
 #include "block_gemm_sm90_kernel.cuh"
 #include "lowbit/block_gemm.h"
 #include "lowbit/block_scaling.h"
+#include "sm90_tensor_map.h"
 
 namespace lowbit {
 namespace {
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver's cuTensorMapEncodeTiled through the runtime (the library links no libcuda).
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<EncodeTiled>(f);
-  }();
-  return fn;
-}
-
-// A 2D map: dim0 contiguous, dim1 `stride1` bytes apart; out-of-bounds boxes read as zeros.
-bool make_map(CUtensorMap* map, CUtensorMapDataType type, const void* base, uint64_t dim0,
-              uint64_t dim1, uint64_t stride1, uint32_t box0, uint32_t box1,
-              CUtensorMapSwizzle swizzle) {
-  const EncodeTiled fn = encode_tiled();
-  if (!fn) return false;
-  const cuuint64_t dims[2] = {dim0, dim1};
-  const cuuint64_t strides[1] = {stride1};
-  const cuuint32_t box[2] = {box0, box1};
-  const cuuint32_t elem[2] = {1, 1};
-  return fn(map, type, 2, const_cast<void*>(base), dims, strides, box, elem,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+using sm90map::aligned16;
+using sm90map::encode_tiled;
+using sm90map::make_map_2d;
 
 // The kernel's TMA maps: A, B, A's scales, B's 1x128 scales (1Dx1D only; else a copy of sa).
 struct Maps {
@@ -190,18 +157,18 @@ Status block_gemm_sm90(const GemmParams& p, const BlockGemmSm90Config& c, void* 
   Maps maps;
   // Multicast: each CTA of a pair loads half of A's tile rows for both.
   const uint32_t a_rows = c.multicast ? kBM / 2 : kBM;
-  bool ok = make_map(&maps.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, p.k, p.m, p.k, kBK, a_rows,
-                     CU_TENSOR_MAP_SWIZZLE_128B) &&
-            make_map(&maps.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.b, p.k, p.n, p.k, kBK,
-                     uint32_t(c.block_n), CU_TENSOR_MAP_SWIZZLE_128B) &&
-            make_map(&maps.sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.a_scale_inv, ld_sa, nkb,
-                     ld_sa * 4, kBM, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+  bool ok = make_map_2d(&maps.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, p.k, p.m, p.k, kBK, a_rows,
+                        CU_TENSOR_MAP_SWIZZLE_128B) &&
+            make_map_2d(&maps.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.b, p.k, p.n, p.k, kBK,
+                        uint32_t(c.block_n), CU_TENSOR_MAP_SWIZZLE_128B) &&
+            make_map_2d(&maps.sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.a_scale_inv, ld_sa, nkb,
+                        ld_sa * 4, kBM, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
   maps.sb = maps.sa;
   // B's 1x128 scales (nkb, round_up4(N)): the tile's block_n columns of one K block per box.
   const int64_t ld_sbn = round_up4(p.n);
   if (ok && b1d)
-    ok = make_map(&maps.sb, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.b_scale_inv, ld_sbn, nkb, ld_sbn * 4,
-                  uint32_t(c.block_n), 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+    ok = make_map_2d(&maps.sb, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.b_scale_inv, ld_sbn, nkb,
+                     ld_sbn * 4, uint32_t(c.block_n), 1, CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!ok) return Status::Invalid("block_gemm sm90own: cuTensorMapEncodeTiled failed");
   Args args{};
   args.m = int(p.m), args.n = int(p.n);

@@ -32,6 +32,19 @@
 // FFMA per element (the 128x128 case's row x block product is one FMUL per row). The consumer reads
 // the column scales from the stage during the promotion and frees the stage after it.
 //
+// Grouped (kGrouped: the ragged-M grouped GEMM of lowbit/grouped_gemm.h, 1x128 x 128x128, BF16
+// out; host side in grouped_gemm_sm90.cu): group g owns rows [start_g, start_g + size_g) of A and
+// out and B_g = B[g]. Each CTA first derives the clamped row ranges from the device's group sizes
+// and the prefix of their 128-row tile counts in shared memory (build_groups); the walk then runs
+// over the concatenated M tiles x N tiles and finds a tile's group by a binary search. A's tile is
+// read at the group's row (the rows past the group's end are other groups' or TMA's zeros:
+// computed, never stored); B through a 3D map (K, N, group), so a tile past N reads zeros, never
+// the next group. A's scales (per group an M-major (nkb, size_g) block at any float offset, which
+// TMA cannot address) come from warp 1 of the producer warpgroup with cp.async, tracked by the
+// stage's full barrier; B's 128x128 scales are (G, nkb, ceil(N/128)). Warps 2 and 3 of the producer
+// warpgroup write the zero rows no group covers. The promotion is the dense one: each group's rows
+// get what the dense kernel gives for that group alone.
+//
 // Shapes: TMA clips M and N and zero-fills a partial last K block (K % 16 == 0 for TMA's row
 // stride), so no operand needs padding. Scale padding entries are never read for stored outputs.
 #pragma once
@@ -84,6 +97,15 @@ struct Args {
   const void* bias;
   int bias_f32;
   void* out;
+  // Grouped only: sb is (groups, nkb, sb_rows); A's scales the grouped rowwise layout.
+  const int32_t* group_sizes;
+  const float* sa;
+  int groups;
+};
+
+// A tile of the walk: output rows [row0, row0 + 128) clipped at row_end, N tile nb, group g.
+struct Tile {
+  int row0, row_end, nb, g;
 };
 
 // The tiles a CTA walks. Unicast: tile t of num_m x num_n from blockIdx.x in steps of gridDim.x.
@@ -94,7 +116,8 @@ struct Args {
 template <bool kMc>
 struct Walk {
   int first, step, count, cols, rank;
-  __device__ __forceinline__ explicit Walk(const Args& a) {
+  // (The grouped walk's tables: unused.)
+  __device__ __forceinline__ Walk(const Args& a, const int*, const int*) {
     cols = kMc ? (a.num_n + 1) / 2 : a.num_n;
     count = a.num_m * cols;
     first = kMc ? blockIdx.x / 2 : blockIdx.x;
@@ -110,10 +133,147 @@ struct Walk {
     nb = local / size;
     if (kMc) nb = 2 * nb + rank;
   }
+  __device__ __forceinline__ Tile tile(int t, const Args& a) const {
+    int mb, nb;
+    coords(t, a, mb, nb);
+    return Tile{mb * kBM, a.m, nb, 0};
+  }
 };
 
-// kE5m2A / kE5m2B: the operands' FP8 formats; kB1d: B's scales 1x128 (else 128x128).
-template <bool kE5m2A, bool kE5m2B, bool kB1d, bool kF32Out, bool kMc, int kBN>
+// Grouped: shared memory after the staging area holds tp[0..G] (the exclusive prefix of the
+// groups' M tile counts; tp[G] the total) and st[0..G] (their first rows; st[G] = the rows covered,
+// st[g + 1] = start_g + size_g). Ranges as the grouped GEMM's setup kernel clamps them: sizes to
+// [0, M], starts = the int64 exclusive sum clamped to M. All threads; ends with a barrier.
+__device__ __forceinline__ void build_groups(const Args& a, int* tp, int* st) {
+  const int G = a.groups;
+  for (int g = threadIdx.x; g < G; g += blockDim.x) tp[g] = min(max(a.group_sizes[g], 0), a.m);
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    // Warp 0: each lane a contiguous run of groups, two warp scans (rows, then tiles).
+    const int lane = threadIdx.x, per = (G + 31) / 32;
+    const int lo = min(lane * per, G), hi = min(lo + per, G);
+    int64_t rows = 0;
+    for (int g = lo; g < hi; ++g) rows += tp[g];
+    int64_t rows_incl = rows;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int64_t u = __shfl_up_sync(0xffffffffu, rows_incl, d);
+      if (lane >= d) rows_incl += u;
+    }
+    int64_t off = rows_incl - rows;
+    int tiles = 0;
+    for (int g = lo; g < hi; ++g) {
+      const int start = int(off < a.m ? off : int64_t(a.m));
+      const int size = min(tp[g], a.m - start);
+      off += tp[g];
+      st[g] = start;
+      tp[g] = (size + kBM - 1) / kBM;
+      tiles += tp[g];
+    }
+    int tiles_incl = tiles;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, tiles_incl, d);
+      if (lane >= d) tiles_incl += u;
+    }
+    int toff = tiles_incl - tiles;
+    for (int g = lo; g < hi; ++g) {
+      const int c = tp[g];
+      tp[g] = toff;
+      toff += c;
+    }
+    if (lane == 31) {
+      tp[G] = tiles_incl;
+      st[G] = int(rows_incl < a.m ? rows_incl : int64_t(a.m));
+    }
+  }
+  __syncthreads();
+}
+
+// The grouped walk: Walk's order over (all groups' M tiles) x N tiles; a tile's group is the last
+// g with tp[g] <= its M tile (empty groups share their successor's prefix and are skipped).
+template <bool kMc>
+struct GroupedWalk {
+  int first, step, count, cols, rank, num_m;
+  const int* tp;
+  const int* st;
+  __device__ __forceinline__ GroupedWalk(const Args& a, const int* tp_, const int* st_)
+      : tp(tp_), st(st_) {
+    num_m = tp[a.groups];
+    cols = kMc ? (a.num_n + 1) / 2 : a.num_n;
+    count = num_m * cols;
+    first = kMc ? blockIdx.x / 2 : blockIdx.x;
+    step = kMc ? gridDim.x / 2 : gridDim.x;
+    rank = kMc ? blockIdx.x % 2 : 0;
+  }
+  __device__ __forceinline__ Tile tile(int t, const Args& a) const {
+    const int per = a.group * cols;
+    const int run = t / per, first_m = run * a.group;
+    const int size = min(num_m - first_m, a.group);
+    const int local = t - run * per;
+    const int mt = first_m + local % size;
+    int nb = local / size;
+    if (kMc) nb = 2 * nb + rank;
+    int lo = 0, hi = a.groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tp[mid] <= mt)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    return Tile{st[lo] + (mt - tp[lo]) * kBM, st[lo + 1], nb, lo};
+  }
+};
+
+// Grouped, warp 1 of the producer warpgroup: A's 128 scales of each stage, lane l rows l + 32 j
+// of the tile (coalesced), by cp.async into the stage's scale slot once the stage is free, each
+// lane's arrival on the full barrier when its copies have landed. Group g's scale of row r (within
+// the group) and K block kb is sa[start_g * nkb + kb * size_g + r]; rows past the group read its
+// last row's (finite, never stored).
+template <int kStages, class W>
+__device__ __forceinline__ void load_grouped_sa(const W& walk, const Args& a, const int* st,
+                                                uint32_t sa0, uint32_t bar0) {
+  using namespace sm90;
+  const int lane = threadIdx.x % 32;
+  int s = 0;
+  uint32_t ph = 0;
+  for (int t = walk.first; t < walk.count; t += walk.step) {
+    const Tile tl = walk.tile(t, a);
+    const int start = st[tl.g], size = tl.row_end - start;
+    const float* src[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      src[j] = a.sa + int64_t(start) * a.nkb + min(tl.row0 - start + lane + 32 * j, size - 1);
+    for (int kb = 0; kb < a.nkb; ++kb) {
+      mbar_wait(bar0 + 8u * (kStages + s), ph ^ 1);  // empty(s)
+      const uint32_t dst = sa0 + s * kScaleBytes + 4u * lane;
+      const int64_t k_off = int64_t(kb) * size;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) cp_async_4(dst + 128u * j, src[j] + k_off);
+      cp_async_mbar_arrive(bar0 + 8u * s);  // full(s)
+      if (++s == kStages) s = 0, ph ^= 1;
+    }
+  }
+  cp_async_wait_all();
+}
+
+// Grouped, warps 2 and 3 of the producer warpgroup (`nthreads` threads, this one `tid`): zeros in
+// the output rows [covered, M) no group covers, 16-byte stores spread over the grid (N * 2 bytes
+// a row is a multiple of 16).
+__device__ __forceinline__ void zero_uncovered_rows(const Args& a, int covered, int tid,
+                                                    int nthreads) {
+  uint4* const out =
+      reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.out) + int64_t(covered) * a.n * 2);
+  const int64_t chunks = (int64_t(a.m) - covered) * a.n / 8;
+  const uint4 z = make_uint4(0, 0, 0, 0);
+  for (int64_t i = int64_t(blockIdx.x) * nthreads + tid; i < chunks;
+       i += int64_t(gridDim.x) * nthreads)
+    out[i] = z;
+}
+
+// kE5m2A / kE5m2B: the operands' FP8 formats; kB1d: B's scales 1x128 (else 128x128); kGrouped:
+// the ragged-M grouped GEMM (tma_b a 3D map, tma_sa unused).
+template <bool kE5m2A, bool kE5m2B, bool kB1d, bool kF32Out, bool kMc, int kBN,
+          bool kGrouped = false>
 __global__ void __launch_bounds__(kThreads, 1)
     block_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tma_a,
                            const __grid_constant__ CUtensorMap tma_b,
@@ -123,6 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using namespace sm90;
   using T = Tiles<kBN, kB1d, kF32Out>;
   static_assert(!kB1d || kBN == 128, "1Dx1D: BLOCK_N 128");
+  static_assert(!kGrouped || (!kB1d && !kF32Out && kBN == 128), "grouped: 1Dx2D, BF16, 128");
   constexpr int kStages = T::kStages, kAcc = T::kAcc;
   extern __shared__ uint8_t smem_raw[];
   // The 128B swizzle's pattern repeats every 1024 bytes: tiles start 1024-aligned.
@@ -136,17 +297,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int s) { return bar0 + 8u * s; };
   auto empty = [&](int s) { return bar0 + 8u * (kStages + s); };
 
-  const Walk<kMc> walk(args);
+  // Grouped: the groups' tables after the staging area (build_groups).
+  [[maybe_unused]] int* const gtp = reinterpret_cast<int*>(staging + T::kStaging);
+  [[maybe_unused]] int* const gst = gtp + args.groups + 1;
+  if constexpr (kGrouped) build_groups(args, gtp, gst);
+  using W = std::conditional_t<kGrouped, GroupedWalk<kMc>, Walk<kMc>>;
+  const W walk(args, gtp, gst);
+  // Grouped: a stage is full after the TMA bytes and the 32 cp.async arrivals of A's scales.
+  constexpr uint32_t kFullCount = kGrouped ? 33 : 1;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), 1);
+      mbar_init(full(s), kFullCount);
       // Multicast: a stage is refilled (in both CTAs at once) when both CTAs' consumers freed it.
       mbar_init(empty(s), kMc ? 2 * kConsumerWarps : kConsumerWarps);
     }
     mbar_init_fence();
     tma_prefetch_desc(&tma_a);
     tma_prefetch_desc(&tma_b);
-    tma_prefetch_desc(&tma_sa);
+    if constexpr (!kGrouped) tma_prefetch_desc(&tma_sa);
     if constexpr (kB1d) tma_prefetch_desc(&tma_sb);
   }
   if constexpr (kMc)
@@ -160,26 +328,48 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (role == 0) {
     // Producer warpgroup: gives registers to the consumers; one thread issues every load.
     regs_dealloc<40>();
+    if constexpr (kGrouped) {
+      if (threadIdx.x / 32 == 1) {
+        load_grouped_sa<kStages>(walk, args, gst, sa0, bar0);
+        return;
+      }
+      if (threadIdx.x / 32 >= 2) {
+        zero_uncovered_rows(args, gst[args.groups], threadIdx.x - 64, 64);
+        return;
+      }
+    }
     if (threadIdx.x != 0) return;
     int s = 0;
     uint32_t ph = 0;
     for (int t = walk.first; t < walk.count; t += walk.step) {
-      int mb, nb;
-      walk.coords(t, args, mb, nb);
+      // Dense: the coordinates as before the grouped form existed, row computed in the K loop
+      // (the same SASS as then).
+      [[maybe_unused]] int mb = 0, nb = 0;
+      [[maybe_unused]] Tile tl{};
+      if constexpr (kGrouped)
+        tl = walk.tile(t, args), nb = tl.nb;
+      else
+        walk.coords(t, args, mb, nb);
       for (int kb = 0; kb < args.nkb; ++kb) {
+        const int row0 = kGrouped ? tl.row0 : mb * kBM;
         mbar_wait(empty(s), ph ^ 1);
         // A's and B's tiles and scales: the same bytes either way (multicast: half of A's tile
-        // comes from the peer CTA's load).
-        mbar_arrive_expect_tx(full(s), kATile + T::kBTile + kScaleBytes + T::kSbBytes);
+        // comes from the peer CTA's load). Grouped: A's scales arrive by cp.async instead.
+        mbar_arrive_expect_tx(full(s),
+                              kATile + T::kBTile + (kGrouped ? 0 : kScaleBytes) + T::kSbBytes);
         if constexpr (kMc) {
           const int half = walk.rank * (kBM / 2);
           tma_load_2d_multicast(a0 + s * kATile + half * kBK, &tma_a, full(s), kb * kBK,
-                                mb * kBM + half, 0x3);
+                                row0 + half, 0x3);
         } else {
-          tma_load_2d(a0 + s * kATile, &tma_a, full(s), kb * kBK, mb * kBM);
+          tma_load_2d(a0 + s * kATile, &tma_a, full(s), kb * kBK, row0);
         }
-        tma_load_2d(b0 + s * T::kBTile, &tma_b, full(s), kb * kBK, nb * kBN);
-        tma_load_2d(sa0 + s * kScaleBytes, &tma_sa, full(s), mb * kBM, kb);
+        if constexpr (kGrouped) {
+          tma_load_3d(b0 + s * T::kBTile, &tma_b, full(s), kb * kBK, nb * kBN, tl.g);
+        } else {
+          tma_load_2d(b0 + s * T::kBTile, &tma_b, full(s), kb * kBK, nb * kBN);
+          tma_load_2d(sa0 + s * kScaleBytes, &tma_sa, full(s), row0, kb);
+        }
         if constexpr (kB1d) tma_load_2d(sb0 + s * T::kSbBytes, &tma_sb, full(s), nb * kBN, kb);
         if (++s == kStages) s = 0, ph ^= 1;
       }
@@ -243,20 +433,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     int s = 0;
     uint32_t ph = 0;
     for (int t = walk.first; t < walk.count; t += walk.step) {
-      int mb, nb;
-      walk.coords(t, args, mb, nb);
+      const Tile tl = walk.tile(t, args);
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
       // 128x128: B's scale rows, the tile's first column's 128-block and the next one for the
       // columns from `split` on (192-wide tiles; clamped at the last row: a multicast CTA past N,
       // or a tile that ends before the next block, reads a real row and stores nothing from it).
       // (maybe_unused: 1Dx1D instances of the generic lambda.)
-      [[maybe_unused]] const int n0 = nb * kBN, split = 128 - n0 % 128;
+      // Grouped: B's scales of the tile's group, K blocks sb_rows apart (the dense ones: 1).
+      [[maybe_unused]] const int n0 = tl.nb * kBN, split = 128 - n0 % 128;
       [[maybe_unused]] const float *sb_row0 = nullptr, *sb_row1 = nullptr;
+      [[maybe_unused]] const int sb_kstep = kGrouped ? args.sb_rows : 1;
       float sb0_next = 0.f, sb1_next = 0.f;
-      if constexpr (!kB1d) {
+      if constexpr (kGrouped) {
+        sb_row0 =
+            args.sb + int64_t(tl.g) * args.nkb * args.sb_rows + min(n0 / 128, args.sb_rows - 1);
+      } else if constexpr (!kB1d) {
         sb_row0 = args.sb + int64_t(min(n0 / 128, args.sb_rows - 1)) * args.ld_sb;
         sb_row1 = args.sb + int64_t(min(n0 / 128 + 1, args.sb_rows - 1)) * args.ld_sb;
+      }
+      if constexpr (!kB1d) {
         // One K block ahead: the loads' latency hides behind the wgmmas.
         sb0_next = __ldg(sb_row0);
         if (kBN % 128) sb1_next = __ldg(sb_row1);
@@ -268,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // here made ptxas build the descriptors in vector registers (R2UR per wgmma).
         if constexpr (!kB1d) {
           const int next = min(kb + 1, args.nkb - 1);
-          sb0_next = __ldg(sb_row0 + next);
+          sb0_next = __ldg(sb_row0 + next * sb_kstep);
           if (kBN % 128) sb1_next = __ldg(sb_row1 + next);
         }
         mbar_wait(full(s), ph);
@@ -370,8 +566,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Epilogue: acc + bias in float32, one rounding, out through the warp's staging slice in
       // passes of 128 bytes of each of its 16 rows: the lanes write their accumulator pairs, then
       // read back 16-byte chunks, 8 lanes per row (conflict-free), and store them whole.
-      const int row_w = mb * kBM + wg * 64 + warp * 16;  // the warp's first row
-      if (row_w < args.m) {
+      const int row_w = tl.row0 + wg * 64 + warp * 16;  // the warp's first row
+      const int row_end = kGrouped ? tl.row_end : args.m;
+      if (row_w < row_end) {
 #pragma unroll
         for (int pass = 0; pass < T::kPasses; ++pass) {
           const int pass_col = n0 + pass * T::kPassCols;
@@ -414,7 +611,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const uint4 v =
                 *reinterpret_cast<const uint4*>(slice + r * T::kPitch + (lane % 8) * 16);
             const int64_t row = int64_t(row_w) + r;
-            if (row >= args.m || col >= args.n) continue;
+            if (row >= row_end || col >= args.n) continue;
             uint8_t* const out =
                 static_cast<uint8_t*>(args.out) + (row * args.n + col) * int64_t(T::kOutBytes);
             if (col + kChunk <= args.n) {

@@ -1,7 +1,8 @@
-// The sm_90a instructions lowbit's own block-scaled GEMM (block_gemm_sm90.cu) is built from, as
-// small inline-PTX wrappers: mbarriers, TMA 2D loads, wgmma (m64n128k32 / m64n192k32, FP8 x FP8 ->
-// F32, both operands from shared memory through descriptors) and setmaxnreg. Only the sm_90a pass
-// emits them; other targets get empty bodies (the host never launches the kernel there).
+// The sm_90a instructions lowbit's own block-scaled GEMM (block_gemm_sm90.cu, and its grouped
+// form, grouped_gemm_sm90.cu) is built from, as small inline-PTX wrappers: mbarriers, TMA 2D / 3D
+// loads, cp.async, wgmma (m64n128k32 / m64n192k32, FP8 x FP8 -> F32, both operands from shared
+// memory through descriptors) and setmaxnreg. Only the sm_90a pass emits them; other targets get
+// empty bodies (the host never launches the kernel there).
 #pragma once
 
 #include <cstdint>
@@ -119,6 +120,42 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const void* 
       ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
       : "memory");
+#endif
+}
+
+// The 3D form: coordinates (c0 innermost, c1, c2); the grouped GEMM's B, (K, N, group).
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tmap, uint32_t bar, int c0,
+                                            int c1, int c2) {
+#if LOWBIT_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+#endif
+}
+
+// ---- cp.async (4-byte copies whose completion an mbarrier tracks) ------------------------------
+
+// Global -> shared copy of one float: for scales whose rows TMA cannot address (a grouped A's
+// scale rows start anywhere, not on 16-byte boundaries).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+#if LOWBIT_SM90A
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+#endif
+}
+
+// One arrival on `bar` once this thread's earlier cp.asyncs have landed (.noinc: the arrival is
+// one of the barrier's expected count).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+#if LOWBIT_SM90A
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if LOWBIT_SM90A
+  asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }
 

@@ -1,5 +1,7 @@
 // CUDA grouped GEMM: picks the CUTLASS configuration, lays out the workspace, runs the setup
 // kernel, the CUTLASS kernel and the fallback kernel (see grouped_gemm_cutlass.cuh for the plan).
+// Block-scaled ragged-M calls go through the router of grouped_gemm_select.cc first (CUTLASS or
+// lowbit's own sm90 kernel, grouped_gemm_sm90.cu).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -7,6 +9,7 @@
 #include <atomic>
 
 #include "grouped_gemm_cutlass.cuh"
+#include "grouped_gemm_sm90.h"
 
 namespace lowbit {
 namespace gg {
@@ -296,12 +299,22 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmParams& p) {
 Status grouped_gemm_cuda(const GroupedGemmParams& p, void* stream_ptr) {
   Status s = validate(p);
   if (!s.ok()) return s;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  // Block-scaled ragged M (1x128 x 128x128): CUTLASS or lowbit's own kernel, by measurement.
+  if (gg::block_route_applies(p)) return gg::route_block(p, stream);
+  return gg::cutlass_grouped(p, stream);
+}
+
+namespace gg {
+
+Status cutlass_grouped(const GroupedGemmParams& p, cudaStream_t stream) {
+  Status s;
 #if !LOWBIT_HAVE_CUTLASS
+  (void)stream;
   return Status::Invalid(
       "grouped_gemm: this liblowbit_cuda was built without CUTLASS; rebuild with the CUTLASS "
       "headers (pip install nvidia-cutlass, or -DLOWBIT_CUTLASS_INCLUDE=<cutlass>/include)");
 #else
-  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const gg::Config* cfg = gg::pick_config(p);
   const int sm_count = gg::current_sm_count();
   if (sm_count <= 0) return Status::Invalid("grouped_gemm: cannot read the device's SM count");
@@ -338,4 +351,5 @@ Status grouped_gemm_cuda(const GroupedGemmParams& p, void* stream_ptr) {
 #endif
 }
 
+}  // namespace gg
 }  // namespace lowbit
