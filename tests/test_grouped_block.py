@@ -12,7 +12,7 @@ import numpy as np
 import oracle as O
 import pytest
 from conftest import run_on, to_cpu
-from test_grouped_gemm import bf16_values, ranges, ref_forward, ref_grads, rel, vjp_outputs
+from test_grouped_gemm import bf16_values, ranges, recipe_fwd_bwd, ref_forward, ref_grads, rel, vjp_outputs
 from test_quantize import assert_bits, make_x
 
 import lowbit
@@ -118,13 +118,7 @@ def test_block_forward_and_grads_vs_float64(device, rng, recipe_name, name):
     M, K, N, sizes = GEMM_CASES[name]
     sizes = np.asarray(sizes, np.int32)
     G = len(sizes)
-    lhs, rhs = bf16_values(rng, (M, K)), bf16_values(rng, (G, K, N), 0.1)
-    dout = bf16_values(rng, (M, N))
-    f = lambda a, b, s, d: vjp_outputs(
-        lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d
-    )
-    args = [jnp.asarray(a, BF16) for a in (lhs, rhs)] + [jnp.asarray(sizes), jnp.asarray(dout, BF16)]
-    y, dl, dr = to_cpu(run_on(device, f, *args))
+    lhs, rhs, dout, y, dl, dr = recipe_fwd_bwd(device, rng, recipe, M, K, N, sizes)
     assert y.shape == (M, N) and y.dtype == np.dtype(BF16) and dr.shape == (G, K, N)
     ref = ref_forward(lhs, rhs, sizes)
     rdl, rdr = ref_grads(lhs, rhs, sizes, dout)

@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import oracle as O
 import pytest
-from conftest import run_on, to_cpu
-from test_grouped_gemm import bf16_values, ranges, ref_forward, ref_grads, rel, vjp_outputs
+from test_grouped_gemm import ranges, recipe_fwd_bwd, ref_forward, ref_grads, rel
 
 import lowbit
 
@@ -45,13 +44,7 @@ def _run(device, rng, recipe_name, case):
     M, K, N, sizes = CASES[case]
     sizes = np.asarray(sizes, np.int32)
     G = len(sizes)
-    lhs, rhs = bf16_values(rng, (M, K)), bf16_values(rng, (G, K, N), 0.1)
-    dout = bf16_values(rng, (M, N))
-    f = lambda a, b, s, d: vjp_outputs(
-        lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d
-    )
-    args = [jnp.asarray(a, BF16) for a in (lhs, rhs)] + [jnp.asarray(sizes), jnp.asarray(dout, BF16)]
-    y, dl, dr = to_cpu(run_on(device, f, *args))
+    lhs, rhs, dout, y, dl, dr = recipe_fwd_bwd(device, rng, recipe, M, K, N, sizes)
     # The operands as the recipe quantizes them (gradients E5M2 under HYBRID).
     gq, gfmt = (jnp.float8_e5m2, O.E5M2) if recipe.fp8_format == lowbit.Format.HYBRID else (
         jnp.float8_e4m3fn, O.E4M3)  # fmt: skip

@@ -78,6 +78,19 @@ def vjp_outputs(f, lhs, rhs, sizes, dout):
     return (y,) + vjp(dout)
 
 
+def recipe_fwd_bwd(device, rng, recipe, M, K, N, sizes):
+    """lowbit.grouped_gemm under ``recipe`` on bfloat16-exact operands (lhs (M, K), rhs (G, K, N),
+    dout (M, N)) on ``device``: ``(lhs, rhs, dout, y, dlhs, drhs)``, the operands as float32."""
+    G = len(sizes)
+    lhs, rhs = bf16_values(rng, (M, K)), bf16_values(rng, (G, K, N), 0.1)
+    dout = bf16_values(rng, (M, N))
+    f = lambda a, b, s, d: vjp_outputs(
+        lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d
+    )
+    args = [jnp.asarray(a, BF16) for a in (lhs, rhs)] + [jnp.asarray(sizes), jnp.asarray(dout, BF16)]
+    return (lhs, rhs, dout) + tuple(to_cpu(run_on(device, f, *args)))
+
+
 # ---- BF16 ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_forward_and_grads(device, rng, name):

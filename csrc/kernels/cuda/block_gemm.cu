@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "block_gemm_cutlass.cuh"
+#include "candidate_timing.h"
 #include "lowbit/block_gemm.h"
 
 namespace lowbit {
@@ -207,26 +208,6 @@ Status run_choice(const GemmParams& p, const Choice& c, cudaStream_t s) {
   return st.ok() ? add_bias(p, s) : st;
 }
 
-// Mean time of `reps` runs after one warm-up; infinity when the candidate fails.
-double time_choice(const GemmParams& p, const Choice& c, cudaStream_t s, int reps) {
-  if (!run_choice(p, c, s).ok()) return INFINITY;
-  cudaEvent_t e0, e1;
-  if (cudaEventCreate(&e0) != cudaSuccess) return INFINITY;
-  if (cudaEventCreate(&e1) != cudaSuccess) {
-    cudaEventDestroy(e0);
-    return INFINITY;
-  }
-  bool ok = cudaEventRecord(e0, s) == cudaSuccess;
-  for (int i = 0; ok && i < reps; ++i) ok = run_choice(p, c, s).ok();
-  ok = ok && cudaEventRecord(e1, s) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess;
-  float ms = 0;
-  ok = ok && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess;
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  if (!ok) cudaGetLastError();
-  return ok ? double(ms) / reps : INFINITY;
-}
-
 // Everything a winner depends on.
 using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, bool,
                        std::string>;
@@ -241,13 +222,11 @@ Table& table() {
 }
 
 Status measure(const GemmParams& p, const std::vector<Choice>& cands, cudaStream_t s, Choice* out) {
-  // Each candidate runs for ~0.2 ms of work at ~1 PFLOP/s, at least 2 and at most 20 times.
-  const double est_s = 2.0 * double(p.m) * double(p.n) * double(p.k) / 1e15;
-  const int reps = int(std::min(20.0, std::max(2.0, 2e-4 / std::max(est_s, 1e-9))));
+  const int reps = candidate_reps(p.m, p.n, p.k);
   const bool log = std::getenv("LOWBIT_BLOCK_GEMM_LOG") != nullptr;
   double best = INFINITY;
   for (const Choice& c : cands) {
-    const double t = time_choice(p, c, s, reps);
+    const double t = time_candidate([&] { return run_choice(p, c, s); }, s, reps);
     if (log)
       std::fprintf(stderr, "lowbit block_gemm M=%lld N=%lld K=%lld %s: %.4f ms (%.0f TFLOP/s)\n",
                    (long long)p.m, (long long)p.n, (long long)p.k, label(p, c).c_str(), t,

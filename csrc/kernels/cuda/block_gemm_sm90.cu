@@ -5,15 +5,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "block_gemm_sm90_kernel.cuh"
 #include "lowbit/block_gemm.h"
 #include "lowbit/block_scaling.h"
+#include "sm90_launch.h"
 #include "sm90_tensor_map.h"
 
 namespace lowbit {
@@ -28,49 +26,16 @@ struct Maps {
   CUtensorMap a, b, sa, sb;
 };
 
-// Persistent grid: one CTA per SM, or (multicast) as many 2-CTA clusters as fit at once (an SM
-// pair of one GPC each; cudaOccupancyMaxActiveClusters, cached per device), never more than the
-// work.
+// The persistent launch (sm90_launch.h) of one configuration.
 template <bool kE5m2A, bool kE5m2B, bool kB1d, bool kF32Out, bool kMc, int kBN>
 Status launch(const Maps& maps, const Args& args, int dev, int sms, cudaStream_t stream) {
-  auto kernel = block_gemm_sm90_kernel<kE5m2A, kE5m2B, kB1d, kF32Out, kMc, kBN>;
+  constexpr auto kKernel = block_gemm_sm90_kernel<kE5m2A, kE5m2B, kB1d, kF32Out, kMc, kBN>;
   constexpr size_t kSmemBytes = Tiles<kBN, kB1d, kF32Out>::kSmem;
-  // The shared-memory opt-in once per device (a driver call per launch costs small GEMMs).
-  static std::atomic<bool> smem_set[64];
-  cudaError_t e = cudaSuccess;
-  if (dev < 0 || dev >= 64 || !smem_set[dev].load()) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
-    if (e == cudaSuccess && dev >= 0 && dev < 64) smem_set[dev].store(true);
-  }
   const int64_t work = int64_t(args.num_m) * (kMc ? (args.num_n + 1) / 2 : args.num_n);
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1] = {};
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  if constexpr (kMc) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr, cfg.numAttrs = 1;
-    static std::atomic<int> fit[64];
-    int clusters = dev >= 0 && dev < 64 ? fit[dev].load() : 0;
-    if (e == cudaSuccess && clusters == 0) {
-      cfg.gridDim = dim3(2 * std::max(1, sms / 2));
-      e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-      if (e == cudaSuccess && clusters < 1) e = cudaErrorInvalidConfiguration;
-      if (e == cudaSuccess && dev >= 0 && dev < 64) fit[dev].store(clusters);
-      // Fewer than sms / 2 clusters would leave SMs idle: the log says how many fit.
-      if (e == cudaSuccess && std::getenv("LOWBIT_BLOCK_GEMM_LOG"))
-        std::fprintf(stderr,
-                     "lowbit block_gemm sm90own multicast BLOCK_N %d: %d clusters of 2 on %d SMs\n",
-                     kBN, clusters, sms);
-    }
-    cfg.gridDim = dim3(unsigned(2 * std::min<int64_t>(work, clusters)));
-  } else {
-    cfg.gridDim = dim3(unsigned(std::min<int64_t>(work, sms)));
-  }
-  if (e == cudaSuccess)
-    e = cudaLaunchKernelEx(&cfg, kernel, maps.a, maps.b, maps.sa, maps.sb, args);
+  const std::string what = "block_gemm sm90own BLOCK_N " + std::to_string(kBN);
+  const cudaError_t e = sm90launch::persistent<kKernel, kMc>(maps.a, maps.b, maps.sa, maps.sb, args,
+                                                             kSmemBytes, kSmemBytes, work, kThreads,
+                                                             dev, sms, stream, what.c_str());
   if (e != cudaSuccess) {
     cudaGetLastError();
     return Status::Invalid(std::string("block_gemm sm90own: launch: ") + cudaGetErrorString(e));

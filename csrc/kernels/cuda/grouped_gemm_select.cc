@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "candidate_timing.h"
 #include "grouped_gemm_sm90.h"
 
 namespace lowbit {
@@ -83,26 +84,6 @@ Status run(const GroupedGemmParams& p, const Choice& c, cudaStream_t s) {
   return c.backend == 0 ? cutlass_grouped(p, s) : sm90_grouped(p, c.config, s);
 }
 
-// Mean time of `reps` runs after one warm-up; infinity when the candidate fails.
-double time_choice(const GroupedGemmParams& p, const Choice& c, cudaStream_t s, int reps) {
-  if (!run(p, c, s).ok()) return INFINITY;
-  cudaEvent_t e0, e1;
-  if (cudaEventCreate(&e0) != cudaSuccess) return INFINITY;
-  if (cudaEventCreate(&e1) != cudaSuccess) {
-    cudaEventDestroy(e0);
-    return INFINITY;
-  }
-  bool ok = cudaEventRecord(e0, s) == cudaSuccess;
-  for (int i = 0; ok && i < reps; ++i) ok = run(p, c, s).ok();
-  ok = ok && cudaEventRecord(e1, s) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess;
-  float ms = 0;
-  ok = ok && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess;
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  if (!ok) cudaGetLastError();
-  return ok ? double(ms) / reps : INFINITY;
-}
-
 // Everything a winner depends on (the sizes excepted: device-only).
 using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int, int64_t, int64_t, int64_t,
                        bool, std::string>;
@@ -118,13 +99,11 @@ Table& table() {
 
 Status measure(const GroupedGemmParams& p, const std::vector<Choice>& cands, cudaStream_t s,
                Choice* out) {
-  // Each candidate runs ~0.2 ms of work at ~1 PFLOP/s, at least 2 and at most 20 times.
-  const double est_s = 2.0 * double(p.m) * double(p.n) * double(p.k) / 1e15;
-  const int reps = int(std::min(20.0, std::max(2.0, 2e-4 / std::max(est_s, 1e-9))));
+  const int reps = candidate_reps(p.m, p.n, p.k);
   const bool log = std::getenv("LOWBIT_GROUPED_BLOCK_GEMM_LOG") != nullptr;
   double best = INFINITY;
   for (const Choice& c : cands) {
-    const double t = time_choice(p, c, s, reps);
+    const double t = time_candidate([&] { return run(p, c, s); }, s, reps);
     if (log)
       std::fprintf(stderr,
                    "lowbit grouped block GEMM M=%lld N=%lld K=%lld G=%lld %s: %.4f ms (%.0f "

@@ -5,13 +5,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "block_gemm_sm90_kernel.cuh"
 #include "grouped_gemm_sm90.h"
 #include "lowbit/block_scaling.h"
+#include "sm90_launch.h"
 #include "sm90_tensor_map.h"
 
 namespace lowbit {
@@ -29,41 +29,12 @@ static_assert(T::kSmem + 8 * (kSm90MaxGroups + 1) + 15 <= 227 * 1024, "shared me
 template <bool kE5m2A, bool kMc>
 Status launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const Args& args, int dev,
               int sms, cudaStream_t stream) {
-  auto kernel = block_gemm_sm90_kernel<kE5m2A, false, false, false, kMc, 128, true>;
-  const size_t smem = smem_bytes(args.groups);
-  static std::atomic<bool> smem_set[64];
-  cudaError_t e = cudaSuccess;
-  if (dev < 0 || dev >= 64 || !smem_set[dev].load()) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(smem_bytes(kSm90MaxGroups)));
-    if (e == cudaSuccess && dev >= 0 && dev < 64) smem_set[dev].store(true);
-  }
+  constexpr auto kKernel = block_gemm_sm90_kernel<kE5m2A, false, false, false, kMc, 128, true>;
   const int64_t tiles_m = ceil_div(args.m, 128) + std::min<int64_t>(args.groups, args.m);
   const int64_t work = std::max<int64_t>(1, tiles_m * (kMc ? (args.num_n + 1) / 2 : args.num_n));
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1] = {};
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  if constexpr (kMc) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr, cfg.numAttrs = 1;
-    static std::atomic<int> fit[64];
-    int clusters = dev >= 0 && dev < 64 ? fit[dev].load() : 0;
-    if (e == cudaSuccess && clusters == 0) {
-      cfg.gridDim = dim3(2 * std::max(1, sms / 2));
-      cfg.dynamicSmemBytes = smem_bytes(kSm90MaxGroups);  // what any call may ask for
-      e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-      cfg.dynamicSmemBytes = smem;
-      if (e == cudaSuccess && clusters < 1) e = cudaErrorInvalidConfiguration;
-      if (e == cudaSuccess && dev >= 0 && dev < 64) fit[dev].store(clusters);
-    }
-    cfg.gridDim = dim3(unsigned(2 * std::min<int64_t>(work, clusters)));
-  } else {
-    cfg.gridDim = dim3(unsigned(std::min<int64_t>(work, sms)));
-  }
-  if (e == cudaSuccess) e = cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, map_a, map_a, args);
+  const cudaError_t e = sm90launch::persistent<kKernel, kMc>(
+      map_a, map_b, map_a, map_a, args, smem_bytes(args.groups), smem_bytes(kSm90MaxGroups), work,
+      kThreads, dev, sms, stream, "grouped_gemm sm90own");
   return cuda_status(e, "grouped_gemm sm90own: launch");
 }
 
