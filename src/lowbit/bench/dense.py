@@ -125,12 +125,12 @@ def _cases():
         ("delayed", lowbit.DelayedScaling(), ""),
         ("current", lowbit.Float8CurrentScaling(), ""),
         ("mxfp8", lowbit.MXFP8BlockScaling(), hopper_note),
-        ("fp8 block", lowbit.Float8BlockScaling(), "cuBLASLt block-scaled FP8 (1x128 / 128x128)"),
+        ("fp8 block", lowbit.Float8BlockScaling(), "block-scaled FP8 (1x128 / 128x128), GEMM routed per shape"),
         ("nvfp4", lowbit.NVFP4BlockScaling(), hopper_note),
     ):
         cls = lowbit_flax.make_dot_general_cls(recipe)
         out.append((f"lowbit {label}", cls, jnp.float32, recipe, note or "dot_general_cls swapped only"))
-        if label in ("delayed", "current"):
+        if label in ("delayed", "current", "fp8 block"):
             out.append((f"lowbit {label} bf16 params", cls, jnp.bfloat16, recipe, note))
     return out
 
