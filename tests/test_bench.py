@@ -207,6 +207,33 @@ def test_timing_fills_clocks_only_where_sampled(monkeypatch, tmp_path):
     assert clocks == {"sm_mhz": 1600, "power_w": 675.0}
 
 
+def test_clock_sampler_reads_the_visible_gpu(monkeypatch, tmp_path):
+    """The sampler asks nvidia-smi for the first GPU of CUDA_VISIBLE_DEVICES only: a stand-in that
+    reports GPU 2 and GPU 0 differently gives GPU 2's medians (before, every GPU's lines were
+    mixed: a stream on GPU 1 of a 4-GPU host read 120 W at full load)."""
+    import os
+    import stat
+    import time
+
+    from lowbit.bench import clocks
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --query-gpu=power.draw.instant) echo 42.0; exit 0;; esac\n'
+        'for a in "$@"; do last="$a"; done\n'
+        'if [ "$last" = 2 ]; then echo "1700, 650.0"; else echo "1980, 120.0"; fi\n'
+        "exec sleep 30\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    for visible, want in (("2,3", 1700), ("", 1980)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        with clocks.Sampler() as s:
+            time.sleep(0.5)
+        assert s.result.get("sm_mhz") == want, (visible, s.result)
+
+
 def test_cpu_tables_and_charts_say_lowbit_ran_its_reference_kernels(tmp_path, monkeypatch, capsys):
     """On the CPU the printed header, each table's title and each chart (title and footnote) say
     that lowbit ran its reference kernels; on a GPU none of them does."""

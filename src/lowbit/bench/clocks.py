@@ -10,6 +10,7 @@ against each other. Without ``nvidia-smi`` (or without a GPU) nothing is sampled
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import statistics
 import subprocess
@@ -24,7 +25,10 @@ def _power_field(exe: str) -> str:
     second, too long for a half-second timing loop), else ``power.draw``."""
     try:
         probe = subprocess.run(
-            [exe, "--query-gpu=power.draw.instant", *_FORMAT], capture_output=True, text=True, timeout=10
+            [exe, "--query-gpu=power.draw.instant", *_FORMAT, "-i", gpu_index()],
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):
         return "power.draw"
@@ -33,6 +37,14 @@ def _power_field(exe: str) -> str:
         if probe.returncode == 0 and parse(f"0, {probe.stdout.strip()}")
         else "power.draw"
     )
+
+
+def gpu_index() -> str:
+    """The GPU this process times: the first of ``CUDA_VISIBLE_DEVICES`` (an index or a UUID, as
+    ``nvidia-smi -i`` takes them), else 0. Without it nvidia-smi reports every GPU of the host, and
+    the medians mixed the other streams' GPUs into a row (several benchmarks, one per GPU)."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return first or "0"
 
 
 def parse(text: str) -> dict:
@@ -67,7 +79,7 @@ class Sampler:
             try:
                 query = f"--query-gpu=clocks.sm,{_power_field(self._exe)}"
                 self._proc = subprocess.Popen(
-                    [self._exe, query, *_FORMAT, "-lms", "100"],
+                    [self._exe, query, *_FORMAT, "-lms", "100", "-i", gpu_index()],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
                     text=True,
