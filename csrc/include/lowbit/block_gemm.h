@@ -5,7 +5,8 @@
 //  * lowbit's sm_90a kernels on CUTLASS's blockwise-scaling collective (block_gemm_cutlass.cuh):
 //    A 1x128 with B 128x128 (fprop, dgrad) or B 1x128 (wgrad), BF16 or F32 output, the bias
 //    added in the epilogue, several tile shapes and schedules ("variants"), and
-//  * lowbit's own sm_90a kernel for 1x128 x 128x128 (block_gemm_sm90.cu, "sm90own").
+//  * lowbit's own sm_90a kernel for 1x128 x 128x128 and 1x128 x 1x128 (block_gemm_sm90.cu,
+//    "sm90own").
 //
 // gemm_cuda sends block-scaled calls to block_gemm_cuda. At the first call for a (device, shape,
 // dtypes, block modes, bias, alignment) key that is not inside a CUDA-graph capture, every

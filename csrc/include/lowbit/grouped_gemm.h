@@ -18,6 +18,12 @@
 // scales the float32 partial sum of each 128-deep block instead; the same up to rounding).
 // Products accumulate in float32; out is BF16. Group sizes and scales stay on the device for
 // CUDA: the kernels derive everything from them there (no host copy, no synchronisation).
+//
+// CUDA kernels: CUTLASS's sm90 ptr-array grouped GEMMs (grouped_gemm_cutlass.cuh); for ragged-M
+// calls with 1x128 x 128x128 block scales also lowbit's own sm_90a kernel in its grouped form
+// (grouped_gemm_sm90.cu), the two timed at the first call per shape and the faster kept
+// (grouped_gemm_select.cc). LOWBIT_GROUPED_BLOCK_GEMM: auto (default), cutlass, sm90own or
+// sm90own:n128[_mc]/group<8|16>; LOWBIT_GROUPED_BLOCK_GEMM_LOG=1 prints the measurements.
 #pragma once
 
 #include <cstddef>

@@ -22,7 +22,7 @@ struct QuantizeParams {
   const void* x = nullptr;
   DType x_dtype = DType::kBF16;
   int64_t rows = 0, cols = 0;
-  // x given in parts (tensor scaling only): x is the concatenation along the columns of
+  // x given in parts (tensor or FP8 block scaling): x is the concatenation along the columns of
   // x_parts[0..n_parts), each (rows, part_cols) row-major; cols = n_parts * part_cols. Saves the
   // concatenation of gradients that arrive split (dq, dk, dv of a fused QKV projection).
   const void* x_parts[kMaxQuantizeParts] = {};

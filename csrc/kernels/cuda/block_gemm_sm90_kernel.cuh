@@ -119,7 +119,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // consumer's loop in vector registers).
   const int role = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (role == 0) {
-    // Producer warpgroup: gives registers to the consumers; one thread issues every load.
+    // Producer warpgroup: gives registers to the consumers; one thread issues every TMA load
+    // (grouped: warp 1 also loads A's scales, warps 2-3 write the rows in no group).
     regs_dealloc<40>();
     if constexpr (kGrouped) {
       if (threadIdx.x / 32 == 1) {

@@ -391,8 +391,10 @@ def gemm(
       out_dtype: bfloat16 or float32.
       fast_accum: FP8 on the GPU only: cuBLASLt's fast accumulation (for forward GEMMs).
       parts: return the output's b dims (flattened, N) as this many equal contiguous blocks,
-        each written in place where the operands allow it (per-tensor FP8 or BF16; else sliced
-        from the whole): the fused QKV projection's q, k and v without copies.
+        each written in place where the operands allow it (per-tensor FP8 or BF16; FP8 block
+        scaling with a 128x128-scaled b whose blocks are whole 128-row bands and the bias, if
+        any, in the GEMM; else sliced from the whole): the fused QKV projection's q, k and v
+        without copies.
 
     Returns:
       an array of shape ``a_lead + b_lead`` (the non-contracted dims of a, then of b); with
