@@ -282,6 +282,26 @@ def test_bad_arguments_name_the_argument():
         moe.moe_mlp(x.astype(np.int32), r, w1, w2, top_k=K)
 
 
+def test_ragged_dispatch_across_processes_names_the_xla_flag(monkeypatch):
+    """One process per GPU (jax.distributed): XLA refuses the ragged all-to-all's NCCL fallback
+    at run time unless XLA_FLAGS allows it (2 x H200, jax 0.11.2, `scripts/gpu_multi.sh mp-moe`).
+    dispatch='ragged' then says so at trace time; with the flag set, or in one process, it is kept;
+    the default dispatch never needs it."""
+    monkeypatch.setattr(moe, "_platform", lambda mesh: "cuda")
+    monkeypatch.setattr(moe.jax, "process_count", lambda: 2)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    with pytest.raises(
+        ValueError, match=r"across 2 processes needs XLA_FLAGS=--xla_gpu_allow_ragged_all_to_all"
+    ):
+        moe._pick_dispatch("ragged", None)
+    assert moe._pick_dispatch("auto", None) == "capacity"
+    monkeypatch.setenv("XLA_FLAGS", f"--{moe.RAGGED_NCCL_FLAG}=true")
+    assert moe._pick_dispatch("ragged", None) == "ragged"
+    monkeypatch.setattr(moe.jax, "process_count", lambda: 1)
+    monkeypatch.delenv("XLA_FLAGS")
+    assert moe._pick_dispatch("ragged", None) == "ragged"
+
+
 # ---------------------------------------------------------------------------------------------
 # Expert parallelism on 4 host devices (subprocess)
 # ---------------------------------------------------------------------------------------------

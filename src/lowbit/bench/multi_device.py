@@ -1109,7 +1109,7 @@ def moe_rows(small: bool, quick: bool = False, shape: str = "") -> list[dict]:
 
     import lowbit
     from lowbit.bench.common import on_gpu
-    from lowbit.ops.fused.moe import buffer_rows
+    from lowbit.ops.fused.moe import RAGGED_NCCL_FLAG, buffer_rows
 
     n = len(jax.devices())
     T, d, ff, E, k = (64 * n, 64, 128, 2 * n, 2) if small else (8192, 1024, 2048, n * max(1, 8 // n), 2)
@@ -1143,7 +1143,10 @@ def moe_rows(small: bool, quick: bool = False, shape: str = "") -> list[dict]:
         cases.append((f"lowbit bf16 capacity cf{cfc:g} chunks{c}", "bf16", "capacity", cfc, c))
     cases.append((f"lowbit fp8 current capacity cf{cfc:g} chunks2", "fp8 current", "capacity", cfc, 2))
     cases.append(("lowbit bf16 capacity exact", "bf16", "capacity", None, 1))
-    if on_gpu():  # XLA:CPU has no ragged-all-to-all
+    # XLA:CPU has no ragged-all-to-all; between processes XLA runs it only where XLA_FLAGS allows
+    # its NCCL fallback (lowbit.ops.fused.moe says so with an error).
+    ragged_ok = jax.process_count() == 1 or RAGGED_NCCL_FLAG in os.environ.get("XLA_FLAGS", "")
+    if on_gpu() and ragged_ok:
         cases.append(("lowbit bf16 ragged cf1.25", "bf16", "ragged", 1.25, 1))
     cases.append(("lowbit bf16 allgather", "bf16", "allgather", None, 1))
     if quick:

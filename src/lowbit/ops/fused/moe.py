@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, Optional, Sequence, Union
 
 import jax
@@ -82,6 +83,7 @@ from lowbit.sharding import shard_map
 
 _BF16 = jnp.bfloat16
 DISPATCHES = ("auto", "ragged", "capacity")
+RAGGED_NCCL_FLAG = "xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback"
 _RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # XLA:CPU has no ragged-all-to-all
 
 
@@ -396,6 +398,19 @@ def _pick_dispatch(dispatch, mesh):
         raise ValueError(
             f"moe_mlp: dispatch='ragged' needs a GPU mesh (XLA on {platform!r} has no "
             "ragged-all-to-all); use dispatch='capacity' or 'auto'"
+        )
+    if (
+        dispatch == "ragged"
+        and jax.process_count() > 1
+        and RAGGED_NCCL_FLAG not in os.environ.get("XLA_FLAGS", "")
+    ):
+        # Measured (2 x H200, one process per GPU, jax 0.11.2): XLA refuses the exchange at run
+        # time ("RaggedAllToAll fallback to NCCL is not allowed") unless the flag allows it.
+        raise ValueError(
+            f"moe_mlp: dispatch='ragged' across {jax.process_count()} processes needs "
+            f"XLA_FLAGS=--{RAGGED_NCCL_FLAG}=true (XLA's ragged all-to-all falls back to NCCL "
+            "send/recv between processes and refuses to unless allowed); or use "
+            "dispatch='capacity' or 'auto'"
         )
     return dispatch
 
