@@ -125,7 +125,11 @@ def _cases():
         ("delayed", lowbit.DelayedScaling(), ""),
         ("current", lowbit.Float8CurrentScaling(), ""),
         ("mxfp8", lowbit.MXFP8BlockScaling(), hopper_note),
-        ("fp8 block", lowbit.Float8BlockScaling(), "block-scaled FP8 (1x128 / 128x128), GEMM routed per shape"),
+        (
+            "fp8 block",
+            lowbit.Float8BlockScaling(),
+            "block-scaled FP8 (1x128 / 128x128), GEMM routed per shape",
+        ),
         ("nvfp4", lowbit.NVFP4BlockScaling(), hopper_note),
     ):
         cls = lowbit_flax.make_dot_general_cls(recipe)
