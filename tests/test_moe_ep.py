@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import lowbit
-from lowbit.ops.fused import ep_dispatch, moe
+from lowbit.ops.fused import ep_choice, ep_dispatch, moe
 from lowbit.ops.fused.permutation import buffer_rows
 
 N_DEV = 4
@@ -287,19 +287,19 @@ def test_ragged_dispatch_across_processes_names_the_xla_flag(monkeypatch):
     at run time unless XLA_FLAGS allows it (2 x H200, jax 0.11.2, `scripts/gpu_multi.sh mp-moe`).
     dispatch='ragged' then says so at trace time; with the flag set, or in one process, it is kept;
     the default dispatch never needs it."""
-    monkeypatch.setattr(moe, "_platform", lambda mesh: "cuda")
-    monkeypatch.setattr(moe.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(ep_choice, "platform_of", lambda mesh: "cuda")
+    monkeypatch.setattr(ep_choice.jax, "process_count", lambda: 2)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
     with pytest.raises(
         ValueError, match=r"across 2 processes needs XLA_FLAGS=--xla_gpu_allow_ragged_all_to_all"
     ):
-        moe._pick_dispatch("ragged", None)
-    assert moe._pick_dispatch("auto", None) == "capacity"
-    monkeypatch.setenv("XLA_FLAGS", f"--{moe.RAGGED_NCCL_FLAG}=true")
-    assert moe._pick_dispatch("ragged", None) == "ragged"
-    monkeypatch.setattr(moe.jax, "process_count", lambda: 1)
+        ep_choice.pick_dispatch("ragged", None)
+    assert ep_choice.pick_dispatch("auto", None) == "capacity"
+    monkeypatch.setenv("XLA_FLAGS", f"--{ep_choice.RAGGED_NCCL_FLAG}=true")
+    assert ep_choice.pick_dispatch("ragged", None) == "ragged"
+    monkeypatch.setattr(ep_choice.jax, "process_count", lambda: 1)
     monkeypatch.delenv("XLA_FLAGS")
-    assert moe._pick_dispatch("ragged", None) == "ragged"
+    assert ep_choice.pick_dispatch("ragged", None) == "ragged"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -691,7 +691,7 @@ def _worker(case: str) -> None:
         _check_audit(mesh)
     elif case == "ragged_emulated":
         jax.lax.ragged_all_to_all = _emulated_ragged_all_to_all
-        moe._RAGGED_PLATFORMS += ("cpu",)
+        ep_choice.RAGGED_PLATFORMS += ("cpu",)
         _compare_ep(mesh, "ragged", ("bf16", "current"))
         _compare_ep(mesh, "ragged", ("bf16",), capacity_factor=2.0)  # half the worst case, no drop
         _check_drops(mesh, "ragged", 0.75)

@@ -1109,7 +1109,8 @@ def moe_rows(small: bool, quick: bool = False, shape: str = "") -> list[dict]:
 
     import lowbit
     from lowbit.bench.common import on_gpu
-    from lowbit.ops.fused.moe import RAGGED_NCCL_FLAG, buffer_rows
+    from lowbit.ops.fused.ep_choice import RAGGED_NCCL_FLAG
+    from lowbit.ops.fused.moe import buffer_rows
 
     n = len(jax.devices())
     T, d, ff, E, k = (64 * n, 64, 128, 2 * n, 2) if small else (8192, 1024, 2048, n * max(1, 8 // n), 2)

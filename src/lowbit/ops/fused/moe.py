@@ -52,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Any, Optional, Sequence, Union
 
 import jax
@@ -65,6 +64,7 @@ from lowbit import delayed_scaling as ds
 from lowbit.ops.activation import activation as _activation
 from lowbit.ops.activation import parse_activations
 from lowbit.ops.fused import ep_dispatch as ep
+from lowbit.ops.fused.ep_choice import DISPATCHES, pick_dispatch
 from lowbit.ops.fused.grouped_prequantized import grouped_gemm_prequantized, quantize_experts
 from lowbit.ops.fused.permutation import (
     combine_pairs,
@@ -82,9 +82,6 @@ from lowbit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from lowbit.sharding import shard_map
 
 _BF16 = jnp.bfloat16
-DISPATCHES = ("auto", "ragged", "capacity")
-RAGGED_NCCL_FLAG = "xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback"
-_RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # XLA:CPU has no ragged-all-to-all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,40 +378,6 @@ def _check_capacity(name, capacity_factor):
         raise ValueError(f"{name}: capacity_factor must be None or a number > 0, got {capacity_factor!r}")
 
 
-def _platform(mesh):
-    try:
-        return mesh.devices.flat[0].platform
-    except ValueError:  # an abstract mesh (jax.set_mesh inside jit) has no devices
-        return jax.default_backend()
-
-
-def _pick_dispatch(dispatch, mesh):
-    platform = _platform(mesh)
-    if dispatch == "auto":
-        # Measured (2 x H200, jax 0.11.2, T 8192 d 1024 E 8 top-2): the dense all-to-all with a
-        # capacity factor of 1.25 took 1.48 ms, ragged_all_to_all of the same rows 3.93 ms.
-        return "capacity"
-    if dispatch == "ragged" and platform not in _RAGGED_PLATFORMS:
-        raise ValueError(
-            f"moe_mlp: dispatch='ragged' needs a GPU mesh (XLA on {platform!r} has no "
-            "ragged-all-to-all); use dispatch='capacity' or 'auto'"
-        )
-    if (
-        dispatch == "ragged"
-        and jax.process_count() > 1
-        and RAGGED_NCCL_FLAG not in os.environ.get("XLA_FLAGS", "")
-    ):
-        # Measured (2 x H200, one process per GPU, jax 0.11.2): XLA refuses the exchange at run
-        # time ("RaggedAllToAll fallback to NCCL is not allowed") unless the flag allows it.
-        raise ValueError(
-            f"moe_mlp: dispatch='ragged' across {jax.process_count()} processes needs "
-            f"XLA_FLAGS=--{RAGGED_NCCL_FLAG}=true (XLA's ragged all-to-all falls back to NCCL "
-            "send/recv between processes and refuses to unless allowed); or use "
-            "dispatch='capacity' or 'auto'"
-        )
-    return dispatch
-
-
 def buffer_rows(
     dispatch: str,
     tokens_local: int,
@@ -595,7 +558,7 @@ def moe_experts(
         raise NotImplementedError(f"{name}: weights_early is only supported on one device (mesh=None)")
 
     n = _check_mesh(mesh, expert_axis, T, E)
-    kind = _pick_dispatch(dispatch, mesh)
+    kind = pick_dispatch(dispatch, mesh)
     chunks = _check_chunks(name, ep_chunks, kind, state, T // n)
     rows = buffer_rows(kind, T // n, k, E, n, capacity_factor, chunks)
     cfg = dataclasses.replace(cfg, axis=expert_axis, devices=n, dispatch=kind, rows=rows, chunks=chunks)
