@@ -18,7 +18,6 @@ namespace lowbit {
 namespace {
 
 using sm90map::aligned16;
-using sm90map::encode_tiled;
 using sm90map::make_map_2d;
 
 // The kernel's TMA maps: A, B, A's scales, B's 1x128 scales (1Dx1D only; else a copy of sa).
@@ -92,13 +91,7 @@ bool block_gemm_sm90_eligible(const GemmParams& p) {
   if (p.k % 16 != 0 || p.n % out_align != 0 || p.m >= lim || p.n >= lim || p.k >= lim) return false;
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out) || !aligned16(p.a_scale_inv))
     return false;
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return major == 9 && encode_tiled() != nullptr;
+  return sm90map::device_ready();
 }
 
 Status block_gemm_sm90(const GemmParams& p, const BlockGemmSm90Config& c, void* stream) {

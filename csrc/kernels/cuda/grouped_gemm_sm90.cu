@@ -58,13 +58,7 @@ bool sm90_grouped_eligible(const GroupedGemmParams& p) {
   if (!sm90map::aligned16(p.a) || !sm90map::aligned16(p.b) || !sm90map::aligned16(p.out) ||
       !aligned4(p.a_scale_inv) || !aligned4(p.b_scale_inv))
     return false;
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return major == 9 && sm90map::encode_tiled() != nullptr;
+  return sm90map::device_ready();
 }
 
 Status sm90_grouped(const GroupedGemmParams& p, const Sm90GroupedConfig& c, cudaStream_t stream) {

@@ -58,5 +58,17 @@ inline bool make_map_2d(CUtensorMap* map, CUtensorMapDataType type, const void* 
 
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
+// Whether the current device can run lowbit's own sm_90a kernels: compute capability 9.x and a
+// driver that encodes TMA maps.
+inline bool device_ready() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9 && encode_tiled() != nullptr;
+}
+
 }  // namespace sm90map
 }  // namespace lowbit
