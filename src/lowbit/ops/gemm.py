@@ -199,7 +199,7 @@ def _splits_in_place(N, parts, fp8):
 def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8, parts=1):
     """Pads FP8 operands to cuBLASLt's alignment (zeros add nothing) and routes the bias. With
     ``parts`` > 1 returns the tuple of the product's column blocks."""
-    _M, N = a2.shape[0], b2.shape[0]
+    M, N = a2.shape[0], b2.shape[0]
     if fp8:
         a2 = pad_to(a2, 1, _FP8_ALIGN)
         b2 = pad_to(pad_to(b2, 1, _FP8_ALIGN), 0, _FP8_ALIGN)
@@ -221,8 +221,17 @@ def _gemm_2d(a2, b2, a_s, b_s, bias, out_dtype, fast_accum, fp8, parts=1):
     out = ffi.gemm(
         a2, b2, a_s, b_s, fused_bias, ffi_out, fast_accum=fast_accum, parts=parts if in_place else 1
     )
+    return _column_blocks(out, M, N, parts, in_place, outer_bias, out_dtype)
+
+
+def _column_blocks(out, M, N, parts, in_place, outer_bias, out_dtype):
+    """The GEMM's result as its ``parts`` column blocks (M, N / parts): the FFI's outputs where
+    it wrote them in place, else slices of the whole (cut back to M rows and N columns where
+    the operands were padded), each with the bias added in float32 when the GEMM did not add it;
+    one array when ``parts`` is 1."""
     w = N // parts
     outs = list(out) if in_place else [out[:, i * w : (i + 1) * w] for i in range(parts)]
+    outs = [o[:M] if o.shape[0] != M else o for o in outs]
     if outer_bias is not None:
         outs = [
             (o + outer_bias[i * w : (i + 1) * w].astype(jnp.float32)).astype(out_dtype)
@@ -262,14 +271,7 @@ def _fp8_block_gemm(a: _Operand, b: _Operand, bias, out_dtype, parts: int = 1):
     out = ffi.gemm(
         a2, b2, sa, sb, ffi_bias, ffi_out, fast_accum=False, blocks=blocks, parts=parts if in_place else 1
     )
-    w = N // parts
-    outs = list(out) if in_place else [out[:, i * w : (i + 1) * w] for i in range(parts)]
-    outs = [o[:M] if o.shape[0] != M else o for o in outs]
-    if bias is not None and not fused:
-        outs = [
-            (o + bias[i * w : (i + 1) * w].astype(jnp.float32)).astype(out_dtype) for i, o in enumerate(outs)
-        ]
-    return tuple(outs) if parts > 1 else outs[0]
+    return _column_blocks(out, M, N, parts, in_place, None if fused else bias, out_dtype)
 
 
 def _block_splits_in_place(N, parts, b_mode, bias_in_gemm):
