@@ -135,36 +135,36 @@ def test_block_forward_and_grads_vs_float64(device, rng, recipe_name, name):
             assert not np.any(np.asarray(dr[g], np.float32))
 
 
+def check_vs_decoded_operands(lhs, rhs, dout, sizes, y, dl, dr, grad_dtype=E4M3):
+    """y, dlhs and drhs against the float64 products of the operands as the recipe quantizes
+    them (1x128 x, gradient in ``grad_dtype``; 128x128 weights), decoded with their block scales
+    by the oracle: one bfloat16 rounding and float32 sums in another order apart."""
+    K, N, G = lhs.shape[1], dout.shape[1], len(sizes)
+    gfmt = O.E5M2 if np.dtype(grad_dtype) == np.dtype(E5M2) else O.E4M3
+    qx = O.grouped_quantize_block1d(lhs, sizes, E4M3)
+    qg = O.grouped_quantize_block1d(dout, sizes, grad_dtype)
+    xq = O.grouped_block1d_decode(qx, K, O.E4M3, "rowwise")
+    rq = O.quantize(rhs.reshape(G * K, N), O.BLOCK_2D, E4M3, layout="both")
+    wq = O.dequantize_copy(rq.data, rq.scale_inv, O.BLOCK_2D, O.E4M3).astype(np.float64).reshape(G, K, N)
+    tol = 1e-2
+    assert rel(y, ref_forward(xq, wq, sizes)) < tol
+    g_r = O.grouped_block1d_decode(qg, N, gfmt, "rowwise")
+    assert rel(dl, ref_grads(xq, wq, sizes, g_r)[0]) < tol
+    x_c = O.grouped_block1d_decode(qx, K, O.E4M3, "colwise")
+    g_c = O.grouped_block1d_decode(qg, N, gfmt, "colwise")
+    assert rel(dr, ref_grads(x_c, wq, sizes, g_c)[1]) < tol
+
+
 @pytest.mark.parametrize("name", ["uneven_with_empty", "long_groups"])
 def test_block_gemm_vs_decoded_operands(device, rng, name):
-    """The GEMMs themselves, tightly: float64 products of the operands as quantized (decoded
-    with their block scales by the oracle), forward and weight gradient."""
+    """The GEMMs themselves, tightly: forward and both gradients against the float64 products
+    of the operands as quantized."""
     recipe = lowbit.Float8BlockScaling(use_f32_scales=True)
     M, _, _, sizes = GEMM_CASES[name]
     K, N = 256, 144  # K a multiple of 128, N of 16: no padding
     sizes = np.asarray(sizes, np.int32)
-    G = len(sizes)
-    lhs, rhs = bf16_values(rng, (M, K)), bf16_values(rng, (G, K, N), 0.1)
-    dout = bf16_values(rng, (M, N))
-    f = lambda a, b, s, d: vjp_outputs(
-        lambda a, b, s: lowbit.grouped_gemm(a, b, s, recipe=recipe), a, b, s, d
-    )
-    args = [jnp.asarray(a, BF16) for a in (lhs, rhs)] + [jnp.asarray(sizes), jnp.asarray(dout, BF16)]
-    y, dl, dr = to_cpu(run_on(device, f, *args))
-    fmt = O.E4M3
-    qx = O.grouped_quantize_block1d(lhs, sizes, E4M3)
-    qg = O.grouped_quantize_block1d(dout, sizes, E4M3)
-    xq = O.grouped_block1d_decode(qx, K, fmt, "rowwise")
-    w2 = rhs.reshape(G * K, N)
-    rq = O.quantize(w2, O.BLOCK_2D, E4M3, layout="both")
-    wq = O.dequantize_copy(rq.data, rq.scale_inv, O.BLOCK_2D, fmt).astype(np.float64).reshape(G, K, N)
-    tol = 1e-2  # one bfloat16 rounding, float32 sums in another order
-    assert rel(y, ref_forward(xq, wq, sizes)) < tol
-    x_c = O.grouped_block1d_decode(qx, K, fmt, "colwise")
-    g_c = O.grouped_block1d_decode(qg, N, fmt, "colwise")
-    assert rel(dr, ref_grads(x_c, wq, sizes, g_c)[1]) < tol
-    g_r = O.grouped_block1d_decode(qg, N, fmt, "rowwise")
-    assert rel(dl, ref_grads(xq, wq, sizes, g_r)[0]) < tol
+    lhs, rhs, dout, y, dl, dr = recipe_fwd_bwd(device, rng, recipe, M, K, N, sizes)
+    check_vs_decoded_operands(lhs, rhs, dout, sizes, y, dl, dr)
 
 
 def test_block_inside_jit_and_ragged_dot_module(device, rng):
